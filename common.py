@@ -1,0 +1,238 @@
+"""What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and nothing method-specific:
+finding the data, reading training text, tokenisation with dynamic padding, and the STS evaluation
+(STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100).
+
+The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
+numbers printed during training and by eval_sts.py come from the same function.
+"""
+import contextlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+
+TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R"]
+STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as in SentEval)
+    "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
+    "STS13": ["FNWN", "headlines", "OnWN"],
+    "STS14": ["deft-forum", "deft-news", "headlines", "images", "OnWN", "tweet-news"],
+    "STS15": ["answers-forums", "answers-students", "belief", "headlines", "images"],
+    "STS16": ["answer-answer", "headlines", "plagiarism", "postediting", "question-question"],
+}
+HUB_DATASET = "princeton-nlp/datasets-for-simcse"  # holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sentemb")
+META = "sentemb.json"  # written beside every checkpoint: how eval_sts.py must encode with it
+
+
+def die(msg):
+    """Bad input: one line that names the fix, exit code 2, no traceback."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device):
+    """bf16 autocast on CUDA, plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed):
+    import random
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# ---------------------------------------------------------------- data location -----------------
+def _from_hub(filename):
+    """Download one file of SimCSE's hub dataset; None when offline or unreachable."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
+        return hf_hub_download(HUB_DATASET, filename, repo_type="dataset", cache_dir=CACHE)
+    except Exception:  # offline, blocked, or hub down: the caller explains what to do instead
+        return None
+
+
+def senteval_dir(flag=None):
+    """The folder holding `downstream/STS` and `downstream/SICK` (SimCSE's senteval.tar, unpacked).
+    Order: --data-dir, then $SENTEMB_DATA, then ~/.cache/sentemb/senteval (downloaded when missing)."""
+    root = flag or os.environ.get("SENTEMB_DATA") or os.path.join(CACHE, "senteval")
+    for d in (os.path.join(root, "downstream"), root):  # accept the folder itself or its parent
+        if os.path.isdir(os.path.join(d, "STS")) and os.path.isdir(os.path.join(d, "SICK")):
+            return d
+    if not flag and not os.environ.get("SENTEMB_DATA") and (tar := _from_hub("senteval.tar")):
+        import tarfile
+        with tarfile.open(tar) as t:
+            t.extractall(root, filter="data")
+        return senteval_dir(root)
+    die(f"no STS data in '{root}': pass --data-dir DIR or set SENTEMB_DATA=DIR, where DIR/downstream/"
+        "STS/STS12-en-test/... and DIR/downstream/SICK/... are SimCSE's senteval.tar, unpacked")
+
+
+def train_file(path, hub_name):
+    """A training file given on the command line, or SimCSE's default downloaded from the hub."""
+    if path and os.path.isfile(path):
+        return path
+    if not path and (got := _from_hub(hub_name)):
+        return got
+    die(f"training file '{path or hub_name}' not found: pass --train FILE "
+        f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
+
+
+def read_sentences(path):
+    """One sentence per line; blank lines are skipped; a file with no sentence is an error."""
+    with open(path, encoding="utf8") as f:
+        sents = [line.strip() for line in f if line.strip()]
+    if not sents:
+        die(f"'{path}' has no sentences: pass a --train file with one sentence per line")
+    return sents
+
+
+def check_writable(out_dir):
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
+
+
+def load_pretrained(cls, name, **kw):
+    """cls.from_pretrained(name), or one line saying what to do when it cannot be had."""
+    try:
+        return cls.from_pretrained(name, **kw)
+    except (OSError, ValueError) as e:
+        die(f"cannot load '{name}' ({type(e).__name__}): pass a local model folder, or a hub name "
+            f"with the hub reachable")
+
+
+# ---------------------------------------------------------------- tokenisation ------------------
+def tokenize(tokenizer, sentences, max_len, device):
+    """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=128):
+    """(N, H) embeddings in the order given. Every sentence is tokenised once, then batched by token
+    length, so a batch pads to little more than its own length; embed(batch dict) -> (b, H)."""
+    ids = tokenizer(sentences, truncation=True, max_length=max_len)["input_ids"]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = [None] * len(ids)
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        batch = tokenizer.pad({"input_ids": [ids[j] for j in idx]}, return_tensors="pt")
+        for j, e in zip(idx, embed({k: v.to(device) for k, v in batch.items()}).float()):
+            out[j] = e
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------- STS data ----------------------
+def _bad_line(path, i, want):
+    die(f"{path}, line {i}: malformed line (expected {want}); fix the line or re-download senteval.tar")
+
+
+def _score(x, path, i, want):
+    try:
+        return float(x)
+    except ValueError:
+        _bad_line(path, i, want)
+
+
+def load_sts(data, task, split="test"):
+    """[(sent1, sent2, gold)] per subset, as SentEval reads them: sentences split on whitespace and
+    re-joined with single spaces; STS pairs with an empty gold line are dropped."""
+    norm = lambda s: " ".join(s.split())  # noqa: E731
+    subsets = {}
+    if task in STS_SUBSETS:
+        for name in STS_SUBSETS[task]:
+            base = os.path.join(data, "STS", f"{task}-en-test", f"STS.%s.{name}.txt")
+            with open(base % "input", encoding="utf8") as f:
+                pairs = [line.rstrip("\n").split("\t") for line in f]
+            with open(base % "gs", encoding="utf8") as f:
+                gold = [line.strip() for line in f]
+            if len(gold) != len(pairs):
+                die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; re-download senteval.tar")
+            rows = []
+            for i, (p, g) in enumerate(zip(pairs, gold), 1):
+                if len(p) != 2:
+                    _bad_line(base % "input", i, "two tab-separated sentences")
+                if g:
+                    rows.append((norm(p[0]), norm(p[1]), _score(g, base % "gs", i, "a score or nothing")))
+            subsets[name] = rows
+    elif task in ("STS-B", "SICK-R"):
+        if task == "STS-B":
+            path, skip, cols = os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0, (5, 6, 4)
+        else:
+            name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
+            path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
+        want = f"at least {max(cols) + 1} tab-separated fields"
+        rows = []
+        with open(path, encoding="utf8") as f:
+            for i, line in enumerate(f, 1):
+                t = line.rstrip("\n").split("\t")
+                if i <= skip:
+                    continue
+                if len(t) <= max(cols):
+                    _bad_line(path, i, want)
+                rows.append((norm(t[cols[0]]), norm(t[cols[1]]), _score(t[cols[2]], path, i, want)))
+        subsets[split] = rows
+    else:
+        die(f"unknown task '{task}': choose from {', '.join(TASKS)}")
+    return subsets
+
+
+# ---------------------------------------------------------------- STS evaluation ----------------
+@torch.no_grad()
+def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=False):
+    """{task: Spearman x 100} of cosine similarity against gold, subsets pooled ("all" setting).
+
+    Default: encode() gets every distinct sentence once, in one call (our encoders batch by token
+    length). exact=True: SentEval's own batches (each subset's pairs sorted by length, `batch_size`
+    pairs a batch, each side encoded separately): slower, for bit-level comparisons."""
+    loaded = {t: load_sts(data, t, split if t in ("STS-B", "SICK-R") else "test") for t in tasks}
+    embed = encode
+    if not exact:
+        distinct = sorted({s for subsets in loaded.values() for rs in subsets.values() for r in rs
+                           for s in r[:2]})
+        cache = dict(zip(distinct, encode(distinct).float().cpu()))
+        embed = lambda sents: torch.stack([cache[s] for s in sents])  # noqa: E731
+    results = {}
+    for t in tasks:
+        sims, gold = [], []
+        for rs in loaded[t].values():
+            if exact:
+                rs = sorted(rs, key=lambda z: (len(z[0].split()), len(z[1].split()), z[2]))
+            step = batch_size if exact else max(len(rs), 1)
+            for i in range(0, len(rs), step):
+                chunk = rs[i:i + step]
+                a = embed([r[0] for r in chunk]).float().cpu()  # (P, H)
+                b = embed([r[1] for r in chunk]).float().cpu()  # (P, H)
+                sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
+                gold += [r[2] for r in chunk]
+        results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
+    return results
+
+
+def format_table(results):
+    """The papers' table: STS12 ... SICK-R Avg., two decimals."""
+    names = [t for t in TASKS if t in results]
+    avg = sum(results[t] for t in names) / len(names)
+    head = " ".join(f"{t:>7}" for t in names + ["Avg."])
+    return head + "\n" + " ".join(f"{results[t]:7.2f}" for t in names) + f" {avg:7.2f}"
+
+
+def save_meta(out_dir, **meta):
+    with open(os.path.join(out_dir, META), "w") as f:
+        json.dump(meta, f, indent=2)
