@@ -1,0 +1,265 @@
+"""SSCL: "Alleviating Over-smoothing for Unsupervised Sentence Representation"
+Chen, Shou, Gong, Pei, Cao, Chang, Jiang, Li. Findings of ACL 2023. arXiv:2305.06154.
+
+Unsupervised SimCSE encodes every sentence twice with dropout and contrasts the two views against the
+other sentences of the batch. SSCL observes that the last layers of a PLM over-smooth (adjacent layers
+and the tokens of a sentence become near-identical) and adds one negative per sentence taken from the
+model itself: the same sentence's representation at an intermediate layer M. The last layer is pushed
+away from what layer M already says. Several layers at once = Progressive SSCL (Fig. 3b).
+
+  python sscl.py --layer 11                      # paper: bert-base-uncased, wiki1m, 1 epoch (GPU, ~1 h)
+  python sscl.py --layer 10,11                   # Progressive SSCL, the paper's best (77.90)
+  python sscl.py --model ~/.cache/sentemb-models/minilm --train ../shared/data/train/wiki1m_head.txt \\
+      --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm     # CPU quick run, ~15 min
+  python sscl.py --analyze --model runs/sscl_minilm                              # over-smoothing, eqs. 1-2
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+import common
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- general ---
+p.add_argument("--model", default="bert-base-uncased", help="hub name or local folder (paper: bert-base-uncased)")
+p.add_argument("--train", default=None, help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
+p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--output-dir", default="runs/sscl", help="the best checkpoint (STS-B dev) is saved here")
+p.add_argument("--epochs", type=int, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=int, default=64, help="paper: 64")
+p.add_argument("--lr", type=float, default=3e-5, help="paper: 3e-5 (1e-5 for large models)")
+p.add_argument("--max-len", type=int, default=32, help="paper: 32 tokens")
+p.add_argument("--eval-steps", type=int, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
+p.add_argument("--seed", type=int, default=42)
+p.add_argument("--log-steps", type=int, default=10, help="print the loss every N steps")
+p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+               help="print the 7-task table of the best checkpoint at the end")
+# --- SSCL ---
+p.add_argument("--layer", default="11", help="intermediate layer(s) M whose representation is a negative: "
+               "hidden_states[M], 1..num_layers-1; 0 = plain SimCSE; '10,11' = Progressive SSCL (paper: 11)")
+p.add_argument("--pooler", default="cls", choices=["cls", "avg"],
+               help="cls: CLS + MLP head in training, raw CLS at evaluation (SimCSE); avg: masked mean")
+p.add_argument("--no-aug", action="store_true", help="SSCL-BERT (Table 2): the positive is the sentence's own "
+               "representation, no dropout view; only the negatives shape the space")
+p.add_argument("--proj-dim", type=int, default=0, help="linear projection of the sentence vector to this size, "
+               "kept at evaluation (Table 5: 128/256); 0 = none")
+p.add_argument("--temp", type=float, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
+p.add_argument("--loss-mix", action="store_true", help="authors' code: mean of the SSCL loss and the plain "
+               "SimCSE loss (the paper describes the SSCL loss alone)")
+p.add_argument("--analyze", action="store_true", help="print the over-smoothing diagnostics of --model on "
+               "STS-B test (eq. 1 token-wise and eq. 2 inter-layer similarity) and exit")
+
+
+def parse_layers(spec, num_layers):
+    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE). Bad values stop with one line."""
+    try:
+        layers = sorted({int(x) for x in spec.split(",")})
+    except ValueError:
+        common.die(f"--layer '{spec}' is not a comma-separated list of integers: e.g. --layer 11 or --layer 10,11")
+    if layers == [0]:
+        return []
+    if any(not 1 <= m <= num_layers - 1 for m in layers):
+        common.die(f"--layer {spec}: this model has {num_layers} layers, so M must be in 1..{num_layers - 1} "
+                   f"(or --layer 0 for plain SimCSE)")
+    return layers
+
+
+# ---------------------------------------------------------------- model -------------------------
+class SentenceEncoder(torch.nn.Module):
+    """BERT + pooling. The MLP head (SimCSE's `MLPLayer`, cls pooling) is used in training only;
+    the projection (--proj-dim) is part of the embedding and kept at evaluation."""
+
+    def __init__(self, bert, pooler, proj_dim=0):
+        super().__init__()
+        hidden = bert.config.hidden_size
+        self.bert, self.pooler = bert, pooler
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh()) if pooler == "cls" else None
+        self.proj = torch.nn.Linear(hidden, proj_dim) if proj_dim else None
+
+    def pool(self, hidden, mask):
+        """hidden: (N, L, H), mask: (N, L) -> (N, H or proj_dim). Same pooling for every layer."""
+        if self.pooler == "cls":
+            z = hidden[:, 0]
+            if self.training:
+                z = self.mlp(z)
+        else:
+            m = mask.unsqueeze(-1).to(hidden.dtype)
+            z = (hidden * m).sum(1) / m.sum(1)
+        return self.proj(z) if self.proj is not None else z
+
+    def forward(self, batch, layers=()):
+        """-> (last-layer pooled (N, D), [pooled hidden_states[M] (N, D) for M in layers])"""
+        out = self.bert(**batch, output_hidden_states=bool(layers))
+        mask = batch["attention_mask"]
+        return self.pool(out.last_hidden_state, mask), [self.pool(out.hidden_states[m], mask) for m in layers]
+
+
+def make_encode(encoder, tokenizer, max_len, device):
+    """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
+    def embed(batch):
+        with common.autocast(device):
+            return encoder(batch)[0]
+    return lambda sentences: common.encode_in_batches(embed, tokenizer, sentences, max_len, device)
+
+
+def load_encoder(run_dir, meta, device):
+    """eval_sts.py's entry point for a run folder of this script."""
+    encoder = SentenceEncoder(AutoModel.from_pretrained(run_dir), meta["pooler"], meta["proj_dim"])
+    if meta["proj_dim"]:
+        encoder.proj.load_state_dict(torch.load(os.path.join(run_dir, "proj.pt"), map_location="cpu"))
+    return make_encode(encoder.to(device).eval(), AutoTokenizer.from_pretrained(run_dir), meta["max_len"], device)
+
+
+# ---------------------------------------------------------------- loss --------------------------
+def sscl_loss(h, h_pos, h_negs, temp):
+    """h, h_pos: (B, D) last layer, two views; h_negs: list of (B, D), layer-M representations.
+    SimCSE eq. 4 with SSCL's extra negatives (§3.2): row i's logits are
+    [cos(h_i, h_j⁺)/τ]_j ⊕ [cos(h_i, h_j^M)/τ]_j for every M, and the target is column i."""
+    h = F.normalize(h, dim=-1)
+    logits = torch.cat([h @ F.normalize(z, dim=-1).T for z in [h_pos, *h_negs]], dim=1) / temp  # (B, B·(1+|M|))
+    return F.cross_entropy(logits, torch.arange(len(h), device=h.device))
+
+
+# ---------------------------------------------------------------- analysis ----------------------
+@torch.no_grad()
+def analyze(a, device):
+    """Over-smoothing diagnostics on STS-B test sentences, per layer l = 0 (embeddings) .. n:
+    eq. 1 token-wise similarity: mean over sentences of the mean cos(h_i^l, h_j^l) over real tokens i ≠ j;
+    eq. 2 inter-layer similarity: mean over sentences of cos(s^l, s^(l+1)), s^l the pooled sentence vector."""
+    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
+    bert = common.load_pretrained(AutoModel, a.model).to(device).eval()
+    rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
+    sents = sorted({s for r in rows for s in r[:2]})
+    n = bert.config.num_hidden_layers
+    tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
+    for i in range(0, len(sents), 128):
+        batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
+        with common.autocast(device):
+            hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
+        mask = batch["attention_mask"].float()  # (b, L)
+        pair = mask.unsqueeze(1) * mask.unsqueeze(2) * (1 - torch.eye(mask.shape[1], device=device))  # (b, L, L), i ≠ j
+        pooled = []
+        for l, h in enumerate(hs):
+            h = F.normalize(h.float(), dim=-1)
+            cos = h @ h.transpose(1, 2)  # (b, L, L)
+            tok_sim[l] += ((cos * pair).sum((1, 2)) / pair.sum((1, 2)).clamp(min=1)).sum().cpu()
+            pooled.append(h[:, 0] if a.pooler == "cls" else (h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True))
+        for l in range(n):
+            layer_sim[l] += F.cosine_similarity(pooled[l], pooled[l + 1], dim=-1).sum().cpu()
+    print(f"over-smoothing of {a.model} on {len(sents)} STS-B test sentences ({a.pooler} pooling)")
+    print(f"{'layer':>5} {'token-wise sim (eq. 1)':>23} {'sim to next layer (eq. 2)':>26}")
+    for l in range(n + 1):
+        nxt = f"{layer_sim[l] / len(sents):26.4f}" if l < n else f"{'':>26}"
+        print(f"{l:5d} {tok_sim[l] / len(sents):23.4f} {nxt}")
+
+
+# ---------------------------------------------------------------- training ----------------------
+def main():
+    a = p.parse_args()
+    device = common.pick_device()
+    if a.analyze:
+        return analyze(a, device)
+    if a.batch_size < 2:
+        common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
+    layers = parse_layers(a.layer, common.load_pretrained(AutoConfig, a.model).num_hidden_layers)
+    data = common.senteval_dir(a.data_dir)
+    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    if len(sentences) < a.batch_size:
+        common.die(f"{len(sentences)} training sentences < --batch-size {a.batch_size}: lower --batch-size")
+    common.check_writable(a.output_dir)
+    ckpt_path = os.path.join(a.output_dir, "checkpoint.pt")
+    if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
+        common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+    if a.resume and not os.path.isfile(ckpt_path):
+        common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
+
+    # seeding: one generator for the data order; torch's global RNG drives dropout
+    common.seed_everything(a.seed)
+    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
+    encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim).to(device)
+    steps_per_epoch = len(sentences) // a.batch_size  # the last incomplete batch is dropped
+    total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
+    if total < 1:
+        common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
+    opt = torch.optim.AdamW(encoder.parameters(), lr=a.lr, fused=True)  # fused: one kernel for all params
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)  # linear decay, as SimCSE's Trainer
+    eval_len = encoder.bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
+    encode = make_encode(encoder, tokenizer, eval_len, device)
+    step, best = 0, -float("inf")
+    if a.resume:
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
+        step, best = state["step"], state["best"]
+        torch.set_rng_state(state["rng"])
+    print(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
+          f"{total} steps, device {device}")
+
+    def evaluate_and_save():
+        nonlocal best
+        encoder.eval()
+        dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
+        encoder.train()
+        if dev > best:
+            best = dev
+            encoder.bert.save_pretrained(a.output_dir)
+            tokenizer.save_pretrained(a.output_dir)
+            if encoder.proj is not None:
+                torch.save(encoder.proj.state_dict(), os.path.join(a.output_dir, "proj.pt"))
+            common.save_meta(a.output_dir, method="sscl", pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
+                             layers=layers, stsb_dev=dev, step=step)
+        torch.save({"encoder": encoder.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "step": step, "best": best, "rng": torch.get_rng_state()}, ckpt_path)
+        print(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+
+    encoder.train()
+    if step == 0:
+        evaluate_and_save()
+    t0, seen = time.perf_counter(), 0
+    while step < total:
+        epoch = step // steps_per_epoch
+        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch))
+        for b in range(step % steps_per_epoch, steps_per_epoch):
+            sents = [sentences[i] for i in order[b * a.batch_size:(b + 1) * a.batch_size].tolist()]
+            batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
+            if not a.no_aug:  # two dropout views of every sentence in one forward pass: (2B, L)
+                batch = {k: torch.cat([v, v]) for k, v in batch.items()}
+            with common.autocast(device):
+                z, z_layers = encoder(batch, layers)  # (2B, D) or (B, D); per M: same shape
+                B = len(sents)
+                h, h_pos = z[:B], (z if a.no_aug else z[B:])  # SSCL-BERT: the positive is h itself
+                h_negs = [zm[:B] for zm in z_layers]  # layer-M representations of view 1, the anchor's pass
+                loss = sscl_loss(h, h_pos, h_negs, a.temp)
+                if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
+                    loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
+            if not torch.isfinite(loss):
+                common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
+                           f"the best checkpoint in {a.output_dir} is kept")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step, seen = step + 1, seen + B
+            if step % a.log_steps == 0 or step == total:
+                print(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                      f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
+            if step == total or (a.eval_steps > 0 and step % a.eval_steps == 0):
+                evaluate_and_save()
+                t0, seen = time.perf_counter(), 0
+            if step == total:
+                break
+
+    # ---------------------------------------------------------------- final table ---------------
+    if a.final_eval:
+        from eval_sts import load_encoder as load_any
+        print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
+        print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))
+
+
+if __name__ == "__main__":
+    main()
