@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoConfig, AutoTokenizer, BertModel
 
 import common
@@ -45,6 +46,7 @@ p.add_argument("--lr", type=float, default=None, help="default 1.3e-6 (authors' 
 p.add_argument("--max-len", type=int, default=64, help="paper: 64 tokens")
 p.add_argument("--eval-steps", type=int, default=100, help="STS-B dev every N steps, also at step 0 and at the end")
 p.add_argument("--seed", type=int, default=42)
+p.add_argument("--log-steps", type=int, default=10, help="print the loss every N steps")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
@@ -252,6 +254,7 @@ def analyze(a, device):
 # ---------------------------------------------------------------- training ----------------------
 def main():
     a = p.parse_args()
+    transformers.logging.disable_progress_bar()
     device = common.pick_device()
     if a.analyze is not None:
         return analyze(a, device)
@@ -303,9 +306,10 @@ def main():
     if total < 1:
         common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
     # NOTE(authors' code): plain AdamW at a constant learning rate, no schedule and no warm-up
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # fused: one kernel for all params
     save_towers = [model[0]] if distill else list(model.towers)
-    encode = make_encode(save_towers, tokenizer, a.max_len, device)
+    eval_len = save_towers[0].config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
+    encode = make_encode(save_towers, tokenizer, eval_len, device)
     step, best = 0, -float("inf")
     if a.resume:
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
@@ -326,7 +330,7 @@ def main():
             for name, tower in zip(names, save_towers):  # plain BertModel folders, loadable without us
                 tower.save_pretrained(os.path.join(a.output_dir, name))
                 tokenizer.save_pretrained(os.path.join(a.output_dir, name))
-            common.save_meta(a.output_dir, method="jtcse", towers=names, max_len=a.max_len, stsb_dev=dev, step=step,
+            common.save_meta(a.output_dir, method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev, step=step,
                              teacher=a.distill, num_cael=None if distill else model.n // model.k if model.k else 0)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
                     "rng": torch.get_rng_state(), "r_gen": r_gen.get_state()}, ckpt_path)
@@ -360,7 +364,7 @@ def main():
             loss.backward()
             opt.step()
             step, seen = step + 1, seen + B
-            if step % 10 == 0 or step == total:
+            if step % a.log_steps == 0 or step == total:
                 parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
                 print(f"step {step:>5}  loss {loss.item():.4f}{parts}{'' if distill else f'  R {R}'}  "
                       f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
