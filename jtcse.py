@@ -181,7 +181,7 @@ def load_encoder(run_dir, meta, device):
 def nce(z, z_pos, temp):
     """eq. 11: z, z_pos: (B, H). -log e^{cos(z_i, z_i⁺)/τ} / Σ_j e^{cos(z_i, z_j⁺)/τ}, mean over i.
     Cross-tower (eq. 12): z from one tower's view 1, z_pos from the OTHER tower's view 2."""
-    sim = F.cosine_similarity(z[:, None], z_pos[None], dim=-1) / temp  # (B, B)
+    sim = F.normalize(z, dim=-1) @ F.normalize(z_pos, dim=-1).T / temp  # (B, B) cosines / τ
     return F.cross_entropy(sim, torch.arange(len(z), device=z.device))
 
 
