@@ -1,0 +1,394 @@
+"""BeLLM: Backward Dependency Enhanced Large Language Model for Sentence Embeddings
+(Xianming Li & Jing Li, NAACL 2024, arXiv 2311.05296).
+
+A decoder LLM reads a prompt, `The representative word for {sentence} is:"`, and the final-norm hidden
+state of the last token is the sentence embedding. BeLLM makes the last K decoder layers bidirectional
+(eq. 4: the causal mask is removed; padding stays masked) and, in the wiring of eq. 5 that the authors
+trained, runs them beside the causal stack on the token embeddings x and sums the two outputs:
+h = LLM->(x) + BiLLM<->(x). Training is LoRA on NLI triplets with the contrastive loss of eq. 6.
+`--bi-mode sequential` is the later BiLLM wiring (the last K layers bidirectional in place).
+Note: with last-token pooling, K = 1 in sequential mode cannot change the embedding (README, item 1).
+
+  python bellm.py --model /root/.cache/sentemb-models/smollm2-135m --train ../shared/data/train/snli_devtest_for_simcse.csv \
+      --max-steps 150 --batch-size 32 --max-len 32 --eval-steps 50 --output-dir runs/bellm   # CPU quick run
+  python bellm.py --model meta-llama/Llama-2-7b-hf --batch-size 64 --output-dir runs/bellm-7b      # paper (1 GPU, bf16)
+  python bellm.py --model /root/.cache/sentemb-models/smollm2-135m --degradation --tasks STS-B     # Fig. 4
+"""
+import argparse
+import copy
+import csv
+import json
+import os
+import random
+import resource
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+
+import common
+
+PROMPT = 'The representative word for {sentence} is:"'  # §3.3
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- general ---
+p.add_argument("--model", default="meta-llama/Llama-2-7b-hf", help="hub name or local folder of a decoder LLM "
+               "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B)")
+p.add_argument("--train", default=None, help="csv with sent0,sent1,hard_neg (SimCSE's nli_for_simcse.csv, the "
+               "default) or a C-STS csv with sentence1,sentence2,condition,label")
+p.add_argument("--data-dir", default=None, help="STS data (else $SENTEMB_DATA)")
+p.add_argument("--output-dir", default="runs/bellm", help="where the best adapter and sentemb.json go")
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=int, default=64, help="triplets per step (paper: one of 16, 32, 64, 128)")
+p.add_argument("--lr", type=float, default=2e-4, help="paper: 2e-4")
+p.add_argument("--max-len", type=int, default=64, help="tokens per sentence; longer ones are cut before they "
+               "are put into the prompt, so the prompt's end is never cut")
+p.add_argument("--eval-steps", type=int, default=100, help="STS-B dev every N steps (and at step 0 and the end)")
+p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
+               help="evaluate at step 0 (the zero-shot score); --no-eval-first saves one evaluation on a CPU")
+p.add_argument("--seed", type=int, default=42)
+p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
+# --- bellm ---
+p.add_argument("--bi-layers", type=int, default=1, help="K: how many last layers are bidirectional (paper: 1; "
+               "0 = the plain causal LLM)")
+p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
+               help="parallel = eq. 5 (causal stack and bidirectional layers both read x, outputs summed; the "
+                    "authors' code); sequential = BiLLM (the last K layers bidirectional in place)")
+p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"],
+               help="convert: the last K layers become bidirectional; add: K new bidirectional layers, copies "
+                    "of the last K, on top of all n causal layers (Table 4 'addition')")
+p.add_argument("--prompt", default=PROMPT, help="must contain {sentence}; may contain {condition} (C-STS, §5.1: "
+               "'Given the context {condition}, summarize the sentence {sentence} in one word:\"')")
+p.add_argument("--temp", type=float, default=0.05, help="tau of eq. 6 (paper: 0.05)")
+p.add_argument("--lora-r", type=int, default=32, help="paper: 32")
+p.add_argument("--lora-alpha", type=int, default=32, help="paper: 32")
+p.add_argument("--lora-dropout", type=float, default=0.1, help="paper: 0.1")
+p.add_argument("--csts", default=None, help="C-STS csv (sentence1,sentence2,condition,label) scored at every "
+               "evaluation; when given it selects the checkpoint instead of STS-B dev")
+p.add_argument("--log-steps", type=int, default=10, help="print loss and speed every N steps")
+p.add_argument("--degradation", action="store_true", help="no training: STS score of the causal LLM cut after "
+               "each layer k = 1..n (Fig. 4), from one pass with all hidden states")
+p.add_argument("--tasks", default=",".join(common.TASKS), help="tasks of the final table and of --degradation")
+p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+               help="7-task table of the best checkpoint at the end")
+
+
+def fill(prompt, sentence, condition=None):
+    """The prompted text; str.replace, so braces inside a sentence are left alone."""
+    text = prompt.replace("{sentence}", sentence)
+    return text if condition is None else text.replace("{condition}", condition)
+
+
+def check_prompt(prompt, conditional):
+    if "{sentence}" not in prompt:
+        common.die(f"--prompt '{prompt}' has no {{sentence}}: write where the sentence goes, e.g. '{PROMPT}'")
+    if ("{condition}" in prompt) != conditional:
+        common.die("--prompt has {condition} but the data has no condition column" if not conditional else
+                   "C-STS data needs a --prompt with {condition}, e.g. 'Given the context {condition}, "
+                   "summarize the sentence {sentence} in one word:\"'")
+
+
+# ================================================================ model (patch) =================
+def load_decoder(name, bi_layers, bi_strategy, device):
+    """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in fp32 on CPU / bf16 on CUDA; for
+    bi_strategy 'add', K copies of the last K layers are attached as `dec.bellm_added`."""
+    from transformers import AutoModel, AutoTokenizer
+    tok = common.load_pretrained(AutoTokenizer, name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dec = common.load_pretrained(AutoModel, name, dtype=dtype)
+    if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "rotary_emb", "norm")):
+        common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, layers, rotary_emb "
+                   "and norm: pass a LLaMA / Mistral / Qwen2-style model")
+    n = len(dec.layers)
+    if not 0 <= bi_layers <= n:
+        common.die(f"--bi-layers {bi_layers} is outside 0..{n} ('{name}' has {n} layers)")
+    if bi_strategy == "add":  # Table 4 "addition": new layers, initialised as copies of the last K layers
+        dec.bellm_added = torch.nn.ModuleList(copy.deepcopy(layer) for layer in dec.layers[n - bi_layers:])
+    if tok.pad_token is None:  # padding is masked everywhere, so any id will do
+        tok.pad_token = tok.eos_token
+    return tok, dec.to(device)
+
+
+def attn_mask(attention_mask, causal, dtype):
+    """(b, L) 1 = real token -> (b, 1, L, L) additive mask, 0 where query i may read key j."""
+    L = attention_mask.shape[1]
+    keep = attention_mask[:, None, None, :].bool()  # keys: real tokens only, in every layer (eq. 4 too)
+    if causal:  # eq. 3: j <= i
+        keep = keep & torch.ones(L, L, dtype=torch.bool, device=keep.device).tril()
+    keep = keep | torch.eye(L, dtype=torch.bool, device=keep.device)  # no empty row (padding queries)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def forward(dec, input_ids, attention_mask, bi_layers, bi_mode, bi_strategy, all_hidden=False):
+    """Final-norm hidden states (b, L, H); all_hidden=True: also the causal stack's per-layer outputs."""
+    x = dec.embed_tokens(input_ids)  # (b, L, H)
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # positions count real tokens (left padding)
+    kw = dict(position_embeddings=dec.rotary_emb(x, pos), position_ids=pos)
+    n = len(dec.layers)
+    if bi_strategy == "add":
+        causal_layers, bi = dec.layers, (dec.bellm_added if bi_layers else [])
+    else:
+        causal_layers, bi = dec.layers[:n - bi_layers], dec.layers[n - bi_layers:]
+    h, hs = x, [x]
+    m = attn_mask(attention_mask, True, x.dtype)  # (b, 1, L, L)
+    for layer in causal_layers:  # LLM->: causal
+        h = layer(h, attention_mask=m, **kw)
+        hs.append(h)
+    if bi_layers:
+        m = attn_mask(attention_mask, False, x.dtype)  # eq. 4: no causal mask, padding still masked
+        g = x if bi_mode == "parallel" else h  # eq. 5 reads x; BiLLM continues from the causal stack
+        for layer in bi:  # BiLLM<->: bidirectional
+            g = layer(g, attention_mask=m, **kw)
+        # eq. 5: h = LLM->(x) + BiLLM<->(x); NOTE(authors' code): with no causal layer left (K = n) h = BiLLM(x)
+        h = g if bi_mode == "sequential" or len(causal_layers) == 0 else h + g
+    return (dec.norm(h), hs) if all_hidden else dec.norm(h)
+
+
+def last_token(h, attention_mask):
+    """h (b, L, H) -> (b, H) at the last real token, for left or right padding."""
+    idx = (attention_mask * torch.arange(attention_mask.shape[1], device=h.device)).argmax(1)  # (b,)
+    return h[torch.arange(h.shape[0], device=h.device), idx]
+
+
+def prompted(tok, cfg, sentences, conditions=None):
+    """Sentences -> prompted texts; --max-len applies to the sentence, cut before it enters the prompt, so
+    the prompt's end (`is:"`, read by the pooled last token) is never cut. Returns texts, their token limit."""
+    def cut(s):
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        return s if len(ids) <= cfg["max_len"] else tok.decode(ids[:cfg["max_len"]])
+    texts = [fill(cfg["prompt"], cut(s), c) for s, c in zip(sentences, conditions or [None] * len(sentences))]
+    return texts, cfg["max_len"] + len(tok(fill(cfg["prompt"], "", ""))["input_ids"]) + 8
+
+
+def make_encoder(dec, tok, cfg, device):
+    """encode(list[str], conditions=None) -> (N, H): the one encode function (training dev eval, eval_sts.py)."""
+    def embed(batch):  # input_ids, attention_mask (b, L) -> (b, H)
+        return last_token(forward(dec, batch["input_ids"], batch["attention_mask"], cfg["bi_layers"],
+                                  cfg["bi_mode"], cfg["bi_strategy"]), batch["attention_mask"])
+
+    @torch.no_grad()
+    def encode(sentences, conditions=None):
+        texts, max_len = prompted(tok, cfg, sentences, conditions)
+        with common.autocast(device):
+            return common.encode_in_batches(embed, tok, texts, max_len, device, 64)
+
+    return encode
+
+
+def load_encoder(run_dir, meta, device):
+    """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len]; run_dir None
+    (or a folder without adapter) = zero-shot, no LoRA."""
+    cfg = {"bi_strategy": "convert", "max_len": 512, **meta}
+    tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device)
+    if run_dir and os.path.isfile(os.path.join(run_dir, "adapter_config.json")):
+        from peft import PeftModel
+        PeftModel.from_pretrained(dec, run_dir)  # wraps the LoRA layers into dec in place
+    check_prompt(cfg["prompt"], False)
+    return make_encoder(dec.eval(), tok, cfg, device)
+
+
+# ================================================================ data ==========================
+def read_csv(path):
+    """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition, label)."""
+    with open(path, encoding="utf8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    cols = set(rows[0]) if rows else set()
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        return "nli", [(r["sent0"], r["sent1"], r["hard_neg"]) for r in rows]
+    if {"sentence1", "sentence2", "condition", "label"} <= cols:
+        try:
+            return "csts", [(r["sentence1"], r["sentence2"], r["condition"], float(r["label"])) for r in rows]
+        except ValueError:
+            common.die(f"'{path}': a label is not a number; C-STS labels are 1-5")
+    common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,sentence2,"
+               f"condition,label (C-STS); it has {','.join(sorted(cols)) or 'no rows'}")
+
+
+def csts_spearman(encode, rows):
+    """C-STS (§5.1): each sentence is embedded with its condition; Spearman x 100 of cosine vs label."""
+    a = encode([r[0] for r in rows], [r[2] for r in rows])
+    b = encode([r[1] for r in rows], [r[2] for r in rows])
+    return 100 * spearmanr(F.cosine_similarity(a, b).numpy(), [r[3] for r in rows]).statistic
+
+
+# ================================================================ loss ==========================
+def bellm_loss(h, h_pos, h_neg, temp):
+    """eq. 6: -log e^{cos(h_i,h_i+)/t} / sum_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t}); h*: (B, H)."""
+    h = F.normalize(h, dim=-1)
+    sim = h @ F.normalize(torch.cat([h_pos, h_neg]), dim=-1).T / temp  # (B, 2B)
+    return F.cross_entropy(sim, torch.arange(len(h), device=h.device))
+
+
+def cosent_loss(a, b, labels, scale=20.0):
+    """C-STS training (not in the paper's text; AnglE's cosine objective by the same authors):
+    log(1 + sum_{y_i > y_j} e^{scale (cos_j - cos_i)}); a, b: (B, H), labels: (B,)."""
+    cos = F.cosine_similarity(a, b) * scale  # (B,)
+    diff = cos[None, :] - cos[:, None]  # [i, j] = cos_j - cos_i
+    diff = diff[labels[:, None] > labels[None, :]]
+    return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
+
+
+# ================================================================ degradation (Fig. 4) ==========
+def degradation(a, tok, dec, device, data, tasks):
+    """STS score of the causal LLM cut after layer k, for every k: one pass keeps all hidden states and the
+    final norm is applied to each (h_k -> norm(h_k), last token)."""
+    memo = {}
+
+    @torch.no_grad()
+    def embed_all(batch):  # (b, n, H)
+        _, hs = forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel", "convert", True)
+        return torch.stack([last_token(dec.norm(hk), batch["attention_mask"]) for hk in hs[1:]], 1)
+
+    def encode_k(k):
+        def encode(sentences):
+            if missing := [s for s in dict.fromkeys(sentences) if s not in memo]:
+                texts, max_len = prompted(tok, {"prompt": a.prompt, "max_len": a.max_len}, missing)
+                with common.autocast(device):
+                    memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts, max_len, device, 64)))
+            return torch.stack([memo[s][k - 1] for s in sentences])
+        return encode
+
+    n = len(dec.layers)
+    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), prompt {a.prompt!r}")
+    curve = {}
+    for k in range(1, n + 1):
+        curve[k] = r = common.evaluate(encode_k(k), data, tasks)
+        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items()) + f"  avg {np.mean(list(r.values())):.2f}")
+    return curve
+
+
+# ================================================================ main ==========================
+def main():
+    a = p.parse_args()
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if unknown := [t for t in tasks if t not in common.TASKS]:
+        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
+    if a.batch_size < 2:
+        common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
+    if a.max_len < 1 or a.lr <= 0 or a.temp <= 0 or a.eval_steps < 1 or a.log_steps < 1:
+        common.die("--max-len, --lr, --temp, --eval-steps and --log-steps must be positive")
+    data = common.senteval_dir(a.data_dir)
+    device = common.pick_device()
+
+    # ---------------------------------------------------------------- seeding
+    common.seed_everything(a.seed)
+
+    if a.degradation:
+        check_prompt(a.prompt, False)
+        tok, dec = load_decoder(a.model, 0, "convert", device)
+        degradation(a, tok, dec.eval(), device, data, tasks)
+        return
+
+    # ---------------------------------------------------------------- data
+    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = None
+    if a.csts:
+        if not os.path.isfile(a.csts) or (kind_dev := read_csv(a.csts))[0] != "csts":
+            common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
+        csts_dev = kind_dev[1]
+    check_prompt(a.prompt, kind == "csts" or csts_dev is not None)
+    if len(rows) < a.batch_size:
+        common.die(f"'{a.train}' has {len(rows)} rows, fewer than --batch-size {a.batch_size}")
+    common.check_writable(a.output_dir)
+    g = torch.Generator().manual_seed(a.seed)  # the data order is fixed by the seed (--resume relies on it)
+    order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
+    batches = [order[i:i + a.batch_size] for i in range(0, len(order) - a.batch_size + 1, a.batch_size)]
+    total = len(batches) if a.max_steps < 0 else min(a.max_steps, len(batches))
+
+    # ---------------------------------------------------------------- model (patch) + LoRA
+    from peft import LoraConfig, get_peft_model
+    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device)
+    if device.type == "cuda":  # bf16 weights + gradient checkpointing: LLaMA-2-7B fits one 80 GB GPU
+        dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
+                                           target_modules="all-linear"))  # every Linear; AutoModel has no head
+    meta = dict(method="bellm", base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
+                bi_strategy=a.bi_strategy, prompt=a.prompt, max_len=a.max_len)
+    encode = make_encoder(dec, tok, meta, device)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr)
+    print(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
+          f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, {total} steps")
+
+    def embed(sentences, conditions=None):  # -> (b, H) at the last token, number of real tokens
+        b = common.tokenize(tok, *prompted(tok, meta, sentences, conditions), device)
+        with common.autocast(device):
+            return last_token(forward(dec, b["input_ids"], b["attention_mask"], a.bi_layers, a.bi_mode,
+                                      a.bi_strategy), b["attention_mask"]).float(), int(b["attention_mask"].sum())
+
+    def dev_score():
+        model.eval()
+        score = (csts_spearman(encode, csts_dev) if csts_dev else
+                 common.evaluate(encode, data, ["STS-B"], "dev")["STS-B"])
+        model.train()
+        return score
+
+    step, best = 0, -float("inf")
+    ckpt = os.path.join(a.output_dir, "checkpoint.pt")
+    if a.resume:
+        if not os.path.isfile(ckpt):
+            common.die(f"no {ckpt} to resume from: run without --resume first")
+        s = torch.load(ckpt, weights_only=False)
+        for q, v in zip(params, s["trainable"]):
+            q.data.copy_(v)
+        opt.load_state_dict(s["opt"])
+        step, best = s["step"], s["best"]
+        torch.set_rng_state(s["rng"][0]), random.setstate(s["rng"][1]), np.random.set_state(s["rng"][2])
+
+    def evaluate_and_save():
+        nonlocal best
+        d = dev_score()
+        if d > best:
+            best = d
+            model.save_pretrained(a.output_dir)  # the peft adapter (added layers' LoRA included)
+            common.save_meta(a.output_dir, **meta)
+        print(f"step {step:>5}  {'csts_dev' if csts_dev else 'stsb_dev'} {d:.2f}  (best {best:.2f})", flush=True)
+        torch.save({"trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(), "step": step,
+                    "best": best, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}, ckpt)
+
+    # ---------------------------------------------------------------- training loop
+    model.train()
+    if step == 0 and a.eval_first:
+        evaluate_and_save()
+    t0, sents, toks = time.perf_counter(), 0, 0
+    while step < total:
+        batch = [rows[i] for i in batches[step]]
+        if kind == "nli":  # (anchor, entailment, contradiction), one forward pass of 3B texts
+            h, n_tok = embed([s for t in batch for s in t])
+            h = h.view(len(batch), 3, -1)  # (B, 3, H)
+            loss = bellm_loss(h[:, 0], h[:, 1], h[:, 2], a.temp)  # eq. 6
+        else:  # C-STS pairs, each sentence under its condition
+            h, n_tok = embed([s for r in batch for s in r[:2]], [r[2] for r in batch for _ in range(2)])
+            h = h.view(len(batch), 2, -1)
+            loss = cosent_loss(h[:, 0], h[:, 1], torch.tensor([r[3] for r in batch], device=device))
+        if not torch.isfinite(loss):
+            common.die(f"loss became NaN at step {step}: lower --lr (now {a.lr}); the best checkpoint in "
+                       f"{a.output_dir} is kept")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        sents, toks = sents + h.shape[0] * h.shape[1], toks + n_tok
+        if step % a.log_steps == 0 or step == total:
+            dt = time.perf_counter() - t0
+            print(f"step {step:>5}  loss {loss.item():.4f}  sent/s {sents / dt:.1f}  tok/s {toks / dt:.0f}", flush=True)
+            t0, sents, toks = time.perf_counter(), 0, 0
+        if step % a.eval_steps == 0 or step == total:
+            evaluate_and_save()
+            t0, sents, toks = time.perf_counter(), 0, 0
+
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else  # Linux ru_maxrss is in KiB
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    print(f"peak memory {peak:.2f} GiB ({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'ru_maxrss'})")
+
+    # ---------------------------------------------------------------- evaluation of the best checkpoint
+    if a.final_eval:
+        best_encode = load_encoder(a.output_dir, meta, device)  # exactly what eval_sts.py runs
+        print(common.format_table(common.evaluate(best_encode, data, tasks)))
+
+
+if __name__ == "__main__":
+    main()
