@@ -51,6 +51,33 @@ def seed_everything(seed):
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+# ---------------------------------------------------------------- multi-GPU (torchrun) ----------
+def init_distributed():
+    """-> (rank, world_size, device). Under `torchrun`, one process per GPU (NCCL), or per CPU process
+    (gloo); without it, (0, 1, pick_device())."""
+    if "RANK" not in os.environ:
+        return 0, 1, pick_device()
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = pick_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def gather(z):
+    """(B, D) on each rank -> (world·B, D), ranks in order. all_gather returns tensors without a graph,
+    so the local slot is replaced by z itself: gradients flow into this rank's embeddings."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return z
+    parts = [torch.empty_like(z) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, z.detach().contiguous())
+    parts[dist.get_rank()] = z
+    return torch.cat(parts)
+
+
 # ---------------------------------------------------------------- data location -----------------
 def _from_hub(filename):
     """Download one file of SimCSE's hub dataset; None when offline or unreachable."""

@@ -15,6 +15,7 @@ import os
 import time
 
 import torch
+import transformers
 
 import common
 
@@ -77,6 +78,7 @@ def load_encoder(name, pooler="cls", max_len=512, device=None):
 
 def main():
     a = p.parse_args()
+    transformers.logging.disable_progress_bar()
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if unknown := [t for t in tasks if t not in common.TASKS]:
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")

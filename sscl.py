@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 import common
@@ -31,7 +32,10 @@ p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,S
 p.add_argument("--output-dir", default="runs/sscl", help="the best checkpoint (STS-B dev) is saved here")
 p.add_argument("--epochs", type=int, default=1, help="paper: 1")
 p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=int, default=64, help="paper: 64")
+p.add_argument("--batch-size", type=int, default=64, help="sentences per GPU and step (paper: 64 on one GPU); "
+               "under torchrun the in-batch negatives come from all GPUs: world_size x batch-size")
+p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per optimisation step; "
+               "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
 p.add_argument("--lr", type=float, default=3e-5, help="paper: 3e-5 (1e-5 for large models)")
 p.add_argument("--max-len", type=int, default=32, help="paper: 32 tokens")
 p.add_argument("--eval-steps", type=int, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
@@ -162,32 +166,39 @@ def analyze(a, device):
 # ---------------------------------------------------------------- training ----------------------
 def main():
     a = p.parse_args()
-    device = common.pick_device()
+    transformers.logging.disable_progress_bar()
+    rank, world, device = common.init_distributed()
     if a.analyze:
         return analyze(a, device)
-    if a.batch_size < 2:
+    if a.batch_size * world < 2:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
     layers = parse_layers(a.layer, common.load_pretrained(AutoConfig, a.model).num_hidden_layers)
     data = common.senteval_dir(a.data_dir)
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    if len(sentences) < a.batch_size:
-        common.die(f"{len(sentences)} training sentences < --batch-size {a.batch_size}: lower --batch-size")
-    common.check_writable(a.output_dir)
+    per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
+    if len(sentences) < per_step:
+        common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
     ckpt_path = os.path.join(a.output_dir, "checkpoint.pt")
-    if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
-        common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
-    if a.resume and not os.path.isfile(ckpt_path):
-        common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
+    if rank == 0:
+        common.check_writable(a.output_dir)
+        if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
+            common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+        if a.resume and not os.path.isfile(ckpt_path):
+            common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
 
-    # seeding: one generator for the data order; torch's global RNG drives dropout
+    # seeding: the data order comes from its own generator (the same on every rank), dropout from torch's RNG
     common.seed_everything(a.seed)
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
     encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim).to(device)
-    steps_per_epoch = len(sentences) // a.batch_size  # the last incomplete batch is dropped
+    if encoder.bert.pooler is not None:  # BERT's own pooler is not used by either pooling: keep it frozen as loaded
+        encoder.bert.pooler.requires_grad_(False)
+    model = encoder if world == 1 else torch.nn.parallel.DistributedDataParallel(encoder)
+    steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
     if total < 1:
         common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
-    opt = torch.optim.AdamW(encoder.parameters(), lr=a.lr, fused=True)  # fused: one kernel for all params
+    params = [q for q in encoder.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, fused=True)  # fused: one kernel for all parameters
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)  # linear decay, as SimCSE's Trainer
     eval_len = encoder.bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
     encode = make_encode(encoder, tokenizer, eval_len, device)
@@ -197,25 +208,47 @@ def main():
         encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"])
-    print(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
-          f"{total} steps, device {device}")
+    log = print if rank == 0 else (lambda *_, **__: None)
+    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
+        f"{total} steps of {per_step} sentences, {world} process(es), device {device}")
 
-    def evaluate_and_save():
+    def evaluate_and_save():  # rank 0 only; the others wait at the barrier
         nonlocal best
-        encoder.eval()
-        dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
-        encoder.train()
-        if dev > best:
-            best = dev
-            encoder.bert.save_pretrained(a.output_dir)
-            tokenizer.save_pretrained(a.output_dir)
-            if encoder.proj is not None:
-                torch.save(encoder.proj.state_dict(), os.path.join(a.output_dir, "proj.pt"))
-            common.save_meta(a.output_dir, method="sscl", pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
-                             layers=layers, stsb_dev=dev, step=step)
-        torch.save({"encoder": encoder.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "step": step, "best": best, "rng": torch.get_rng_state()}, ckpt_path)
-        print(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+        if rank == 0:
+            encoder.eval()
+            dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
+            encoder.train()
+            if dev > best:
+                best = dev
+                encoder.bert.save_pretrained(a.output_dir)
+                tokenizer.save_pretrained(a.output_dir)
+                if encoder.proj is not None:
+                    torch.save(encoder.proj.state_dict(), os.path.join(a.output_dir, "proj.pt"))
+                common.save_meta(a.output_dir, method="sscl", pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
+                                 layers=layers, stsb_dev=dev, step=step)
+            torch.save({"encoder": encoder.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step, "best": best, "rng": torch.get_rng_state()}, ckpt_path)
+            log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+        if world > 1:
+            torch.distributed.barrier()
+
+    def micro_step(sents):
+        """One micro-batch of B sentences on this rank -> loss over the global batch (world·B rows)."""
+        batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
+        if not a.no_aug:  # two dropout views of every sentence in one forward pass: (2B, L)
+            batch = {k: torch.cat([v, v]) for k, v in batch.items()}
+        with common.autocast(device):
+            z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with --no-aug; per M: the same
+            B = len(sents)
+            h, h_pos = z[:B], (z if a.no_aug else z[B:])  # SSCL-BERT: the positive is h itself
+            h_negs = [zm[:B] for zm in z_layers]  # layer-M representations of view 1, the anchor's own pass
+            h, h_pos, h_negs = common.gather(h), common.gather(h_pos), [common.gather(n) for n in h_negs]
+            loss = sscl_loss(h, h_pos, h_negs, a.temp)
+            if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
+                loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
+        # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
+        (loss * world / a.grad_accum).backward()
+        return loss
 
     encoder.train()
     if step == 0:
@@ -223,31 +256,22 @@ def main():
     t0, seen = time.perf_counter(), 0
     while step < total:
         epoch = step // steps_per_epoch
-        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch))
+        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
         for b in range(step % steps_per_epoch, steps_per_epoch):
-            sents = [sentences[i] for i in order[b * a.batch_size:(b + 1) * a.batch_size].tolist()]
-            batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
-            if not a.no_aug:  # two dropout views of every sentence in one forward pass: (2B, L)
-                batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-            with common.autocast(device):
-                z, z_layers = encoder(batch, layers)  # (2B, D) or (B, D); per M: same shape
-                B = len(sents)
-                h, h_pos = z[:B], (z if a.no_aug else z[B:])  # SSCL-BERT: the positive is h itself
-                h_negs = [zm[:B] for zm in z_layers]  # layer-M representations of view 1, the anchor's pass
-                loss = sscl_loss(h, h_pos, h_negs, a.temp)
-                if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
-                    loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
-            if not torch.isfinite(loss):
-                common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
-                           f"the best checkpoint in {a.output_dir} is kept")
+            step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
+                start = (k * world + rank) * a.batch_size
+                loss = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]])
+                if not torch.isfinite(loss):
+                    common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
+                               f"the best checkpoint in {a.output_dir} is kept")
             opt.step()
             sched.step()
-            step, seen = step + 1, seen + B
+            step, seen = step + 1, seen + per_step
             if step % a.log_steps == 0 or step == total:
-                print(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                      f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                    f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
             if step == total or (a.eval_steps > 0 and step % a.eval_steps == 0):
                 evaluate_and_save()
                 t0, seen = time.perf_counter(), 0
@@ -255,7 +279,7 @@ def main():
                 break
 
     # ---------------------------------------------------------------- final table ---------------
-    if a.final_eval:
+    if a.final_eval and rank == 0:
         from eval_sts import load_encoder as load_any
         print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
         print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))

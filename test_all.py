@@ -320,3 +320,37 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     assert ev.returncode == 0, ev.stderr
     # and a second run into the same folder refuses to overwrite it
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out)), "--resume")
+
+
+# ---------------------------------------------------------------- multi-GPU (torchrun, gloo on CPU)
+def torchrun(script, nproc, *args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_port", str(29500 + random.randint(0, 999)), str(ROOT / script), *map(str, args)],
+                          capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
+    """Dropout off, so that 2 ranks × B and 1 rank × 2B see the same computation."""
+    from transformers import AutoConfig
+    d = tiny_bert(tmp_path_factory.mktemp("bert_nodrop"), bert_tokenizer_dir, seed=3)
+    cfg = AutoConfig.from_pretrained(d)
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
+    cfg.save_pretrained(d)
+    return d
+
+
+def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir, tmp_path):
+    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B."""
+    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
+                                     "--batch-size", bs, steps=3, eval_steps=0, layer="1,3")
+    one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
+    two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
+    assert len(losses(one.stdout)) == 3
+    for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
+        assert float(x) == pytest.approx(float(y), abs=2e-4)
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["encoder"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["encoder"]
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
