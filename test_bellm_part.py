@@ -283,6 +283,19 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
     assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # eval_sts.py = the script's final table
 
 
+def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
+    model, data, train = make_model(tok_dir, tmp_path), sts_dir(tmp_path), nli_csv(tmp_path, rows=20)
+    args = ["--model", model, "--train", train, "--data-dir", data, "--batch-size", 4, "--eval-steps", 2,
+            "--log-steps", 1, "--lora-r", 4, "--no-final-eval", "--no-eval-first"]
+    losses = lambda out: [line.split("sent/s")[0] for line in out.splitlines() if " loss " in line]  # noqa: E731
+    code, whole, err = main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "a", "--max-steps", 4)
+    assert code == 0, err
+    code, first, err = main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--max-steps", 2)
+    code, rest, err = main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--max-steps", 4, "--resume")
+    assert code == 0, err
+    assert len(losses(whole)) == 4 and losses(first) + losses(rest) == losses(whole)
+
+
 def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
     path = tmp_path / "csts.csv"
     with open(path, "w", newline="") as f:
