@@ -21,10 +21,13 @@ import common
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", required=True, help="hub name or local folder: plain HF model, or one of our runs")
-p.add_argument("--pooler", default="cls", choices=["cls", "avg", "avg_first_last", "pooler"],
+p.add_argument("--pooler", default="cls", choices=["cls", "avg", "avg_first_last", "pooler", "last"],
                help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean of the "
                     "last layer, avg_first_last = mean of layer 1 and the last layer, pooler = BERT's "
-                    "pooler output (ignored for our runs, whose sentemb.json decides)")
+                    "pooler output, last = a decoder's last token after --prompt (BeLLM, zero-shot); "
+                    "ignored for our runs, whose sentemb.json decides")
+p.add_argument("--prompt", default='The representative word for {sentence} is:"',
+               help="with --pooler last: the prompt around each sentence (BeLLM §3.3)")
 p.add_argument("--data-dir", default=None, help="folder with downstream/STS and downstream/SICK "
                                                 "(else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
 p.add_argument("--tasks", default=",".join(common.TASKS), help="comma-separated subset of the 7 tasks")
@@ -65,13 +68,18 @@ def hf_encoder(name, pooler, max_len, device):
     return encode
 
 
-def load_encoder(name, pooler="cls", max_len=512, device=None):
+def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
     """Our run folder (sentemb.json) -> its method's encoder; anything else -> a plain HF encoder."""
     device = device or common.pick_device()
+    if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
+        meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
+        return importlib.import_module("bellm").load_encoder(None, meta, device)
     meta_path = os.path.join(name, common.META)
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
+        if meta.get("method") not in ("sscl", "jtcse", "bellm"):
+            common.die(f"{meta_path} names no known method (sscl, jtcse, bellm): re-save the run or remove the file")
         return importlib.import_module(meta["method"]).load_encoder(name, meta, device)
     return hf_encoder(name, pooler, max_len, device)
 
@@ -85,7 +93,7 @@ def main():
     data = common.senteval_dir(a.data_dir)
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
-    encode = load_encoder(a.model, a.pooler, a.max_len)
+    encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         results = common.evaluate(encode, data, tasks, a.split, a.batch_size, a.exact)
     seconds = time.perf_counter() - t0
