@@ -170,6 +170,12 @@ def _bad_line(path, i, want):
     die(f"{path}, line {i}: malformed line (expected {want}); fix the line or re-download senteval.tar")
 
 
+def _open(path):
+    if not os.path.isfile(path):
+        die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix --data-dir")
+    return open(path, encoding="utf8")
+
+
 def _score(x, path, i, want):
     try:
         return float(x)
@@ -185,9 +191,9 @@ def load_sts(data, task, split="test"):
     if task in STS_SUBSETS:
         for name in STS_SUBSETS[task]:
             base = os.path.join(data, "STS", f"{task}-en-test", f"STS.%s.{name}.txt")
-            with open(base % "input", encoding="utf8") as f:
+            with _open(base % "input") as f:
                 pairs = [line.rstrip("\n").split("\t") for line in f]
-            with open(base % "gs", encoding="utf8") as f:
+            with _open(base % "gs") as f:
                 gold = [line.strip() for line in f]
             if len(gold) != len(pairs):
                 die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; re-download senteval.tar")
@@ -206,7 +212,7 @@ def load_sts(data, task, split="test"):
             path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
         want = f"at least {max(cols) + 1} tab-separated fields"
         rows = []
-        with open(path, encoding="utf8") as f:
+        with _open(path) as f:
             for i, line in enumerate(f, 1):
                 t = line.rstrip("\n").split("\t")
                 if i <= skip:

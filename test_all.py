@@ -170,6 +170,9 @@ def test_missing_data_folder(bert_dir, tmp_path):
     write_sts(tmp_path / "partial")
     shutil.rmtree(tmp_path / "partial" / "downstream" / "SICK")  # incomplete
     assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "partial"), "--data-dir")
+    write_sts(tmp_path / "gap")
+    (tmp_path / "gap" / "downstream" / "STS" / "STS16-en-test" / "STS.gs.plagiarism.txt").unlink()
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "gap"), "STS.gs.plagiarism.txt")
 
 
 def test_unknown_model_offline(sts_dir):
