@@ -37,10 +37,10 @@ def pick_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device):
-    """bf16 autocast on CUDA, plain fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(device, cpu_bf16=False):
+    """bf16 autocast on CUDA; on CPU plain fp32, unless cpu_bf16 (--bf16: for CPUs with bf16 instructions)."""
+    if device.type == "cuda" or cpu_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 

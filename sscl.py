@@ -41,6 +41,8 @@ p.add_argument("--max-len", type=int, default=32, help="paper: 32 tokens")
 p.add_argument("--eval-steps", type=int, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
 p.add_argument("--seed", type=int, default=42)
 p.add_argument("--log-steps", type=int, default=10, help="print the loss every N steps")
+p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA): ~1.7x faster "
+               "training on CPUs with bf16 instructions; evaluation stays fp32")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
@@ -237,15 +239,15 @@ def main():
         batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
         if not a.no_aug:  # two dropout views of every sentence in one forward pass: (2B, L)
             batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-        with common.autocast(device):
+        with common.autocast(device, a.bf16):
             z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with --no-aug; per M: the same
-            B = len(sents)
-            h, h_pos = z[:B], (z if a.no_aug else z[B:])  # SSCL-BERT: the positive is h itself
-            h_negs = [zm[:B] for zm in z_layers]  # layer-M representations of view 1, the anchor's own pass
-            h, h_pos, h_negs = common.gather(h), common.gather(h_pos), [common.gather(n) for n in h_negs]
-            loss = sscl_loss(h, h_pos, h_negs, a.temp)
-            if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
-                loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
+        B = len(sents)  # the loss in fp32, outside autocast
+        h, h_pos = z[:B].float(), (z if a.no_aug else z[B:]).float()  # SSCL-BERT: the positive is h itself
+        h_negs = [zm[:B].float() for zm in z_layers]  # layer-M representations of view 1, the anchor's own pass
+        h, h_pos, h_negs = common.gather(h), common.gather(h_pos), [common.gather(n) for n in h_negs]
+        loss = sscl_loss(h, h_pos, h_negs, a.temp)
+        if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
+            loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
         # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
         (loss * world / a.grad_accum).backward()
         return loss

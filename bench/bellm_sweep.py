@@ -1,0 +1,59 @@
+"""Zero-shot STS-B dev of bellm.py's encoder for K = 0,1,2,4 (parallel and sequential, convert) plus the
+degradation curve (k = 1..n), sharing one causal pass per batch. Checks on the first batch that every
+config equals bellm.forward (the function load_encoder/eval_sts.py use)."""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import torch, common, bellm
+dev = torch.device("cpu")
+M, PROMPT = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else bellm.PROMPT
+tok, dec = bellm.load_decoder(M, 0, "convert", dev)
+dec.eval()
+n, KS = len(dec.layers), (1, 2, 4)
+names = ["K0"] + [f"{m}{k}" for m in ("par", "seq") for k in KS] + [f"deg{k}" for k in range(1, n + 1)]
+checked = []
+
+@torch.no_grad()
+def embed_all(b):
+    ids, am = b["input_ids"], b["attention_mask"]
+    x = dec.embed_tokens(ids)
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(position_embeddings=dec.rotary_emb(x, pos), position_ids=pos)
+    mc, mb = bellm.attn_mask(am, True, x.dtype), bellm.attn_mask(am, False, x.dtype)
+    hs = [x]
+    for layer in dec.layers:
+        hs.append(layer(hs[-1], attention_mask=mc, **kw))
+    out = {"K0": dec.norm(hs[n])}
+    for k in KS:
+        g_par, g_seq = x, hs[n - k]
+        for layer in dec.layers[n - k:]:
+            g_par = layer(g_par, attention_mask=mb, **kw)
+            g_seq = layer(g_seq, attention_mask=mb, **kw)
+        out[f"par{k}"], out[f"seq{k}"] = dec.norm(hs[n - k] + g_par), dec.norm(g_seq)
+    for k in range(1, n + 1):
+        out[f"deg{k}"] = dec.norm(hs[k])
+    if not checked:  # the shared pass must equal bellm.forward for every config
+        for k in (0,) + KS:
+            for m in ("parallel", "sequential"):
+                ref = bellm.forward(dec, ids, am, k, m, "convert")
+                got = out["K0" if k == 0 else f"{m[:3]}{k}"]
+                assert torch.allclose(ref, got, atol=1e-4), (k, m)
+        checked.append(1)
+    return torch.stack([bellm.last_token(out[nm], am) for nm in names], 1)
+
+memo = {}
+def encoder(i):
+    def encode(sents):
+        if miss := [s for s in dict.fromkeys(sents) if s not in memo]:
+            texts, ml = bellm.prompted(tok, {"prompt": PROMPT, "max_len": 64}, miss)
+            memo.update(zip(miss, common.encode_in_batches(embed_all, tok, texts, ml, dev, 64)))
+        return torch.stack([memo[s][i] for s in sents])
+    return encode
+
+t = time.time()
+data = common.senteval_dir(None)
+for i, nm in enumerate(names):
+    if len(sys.argv) > 3 and not nm == "K0":
+        break
+    r = common.evaluate(encoder(i), data, ["STS-B"], "dev")["STS-B"]
+    print(f"{nm:>6}  STS-B dev {r:.2f}   ({time.time() - t:.0f}s, prompt {PROMPT!r})", flush=True)

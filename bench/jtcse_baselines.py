@@ -1,0 +1,28 @@
+"""Tower I, tower II and the untrained twin (CLS(I) + CLS(II)) on STS-B dev and the 7 test tasks.
+Each tower encodes every distinct sentence once (jtcse.make_encode, no truncation); the twin's embedding
+is the sum of the two cached CLS vectors, which is what jtcse.make_encode([A, B]) computes batch by batch."""
+import sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import common, jtcse
+from transformers import AutoTokenizer, BertModel
+
+torch.set_grad_enabled(False)
+data = common.senteval_dir(None)
+names = sys.argv[1:3]
+tok = AutoTokenizer.from_pretrained(names[0])
+sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).values() for r in rs for s in r[:2]}
+               | {s for rs in common.load_sts(data, "STS-B", "dev").values() for r in rs for s in r[:2]})
+emb = []
+for n in names:
+    t0 = time.time()
+    m = BertModel.from_pretrained(n).eval()
+    emb.append(dict(zip(sents, jtcse.make_encode([m], tok, 512, torch.device("cpu"))(sents))))
+    print(f"encoded {len(sents)} sentences with {n} in {time.time() - t0:.0f} s", flush=True)
+for label, f in [("tower I", lambda s: emb[0][s]), ("tower II", lambda s: emb[1][s]),
+                 ("untrained twin", lambda s: emb[0][s] + emb[1][s])]:
+    enc = lambda ss: torch.stack([f(s) for s in ss])
+    dev = common.evaluate(enc, data, ["STS-B"], split="dev")["STS-B"]
+    print(f"{label}: STS-B dev {dev:.2f}")
+    print(common.format_table(common.evaluate(enc, data)), flush=True)

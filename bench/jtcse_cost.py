@@ -1,0 +1,46 @@
+"""Time and memory of training steps: SimCSE (sscl.py's encoder and loss with no layer-M negatives =
+`sscl.py --layer 0`) vs JTCSE (jtcse.py's Twin + eqs. 11-15), same MiniLM, batch 64, max_len 32, same text.
+Usage: bench_cost.py simcse|jtcse [num_cael]. 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
+Memory: peak RSS (ru_maxrss) of the process after the steps minus RSS after loading the model(s)."""
+import resource, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import common, jtcse, sscl
+from transformers import AutoModel, AutoTokenizer
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+mode = sys.argv[1]
+A, B = "/root/.cache/sentemb-models/minilm", "/work/runs/sscl_minilm"
+sents = common.read_sentences("/work/shared/data/train/wiki1m_head.txt")[:5 * 64]
+common.seed_everything(42)
+tok = AutoTokenizer.from_pretrained(A)
+if mode == "simcse":
+    model = sscl.SentenceEncoder(AutoModel.from_pretrained(A), "cls")
+    def step_loss(batch, n):
+        z, _ = model(batch, [])
+        return sscl.sscl_loss(z[:n], z[n:], [], 0.05)
+else:
+    model = jtcse.Twin([jtcse.BertModel.from_pretrained(A), jtcse.BertModel.from_pretrained(B)], int(sys.argv[2]))
+    args = jtcse.p.parse_args([])
+    def step_loss(batch, n):
+        h, hP, c = model(batch)
+        return jtcse.jtcse_loss(h, hP, c, 1, args)[0]
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+model.train()
+base = rss_mb()
+times = []
+for i in range(5):
+    batch = common.tokenize(tok, sents[i * 64:(i + 1) * 64], 32, "cpu")
+    batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (2B, L)
+    t0 = time.perf_counter()
+    loss = step_loss(batch, 64)
+    opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+    times.append(time.perf_counter() - t0)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(f"{mode} {sys.argv[2:] } threads {torch.get_num_threads()}: {64 * 4 / sum(times[1:]):.2f} sent/s "
+      f"({sum(times[1:]) / 4:.2f} s/step, steps {[round(t, 1) for t in times]}), "
+      f"RSS after load {base:.0f} MB, peak RSS {peak:.0f} MB, step peak over load {peak - base:.0f} MB", flush=True)
