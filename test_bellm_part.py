@@ -238,7 +238,7 @@ def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=200)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
 def main(capsys, monkeypatch, *args):
