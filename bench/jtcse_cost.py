@@ -14,8 +14,9 @@ def rss_mb():
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
 mode = sys.argv[1]
-A, B = "/root/.cache/sentemb-models/minilm", "/work/runs/sscl_minilm"
-sents = common.read_sentences("/work/shared/data/train/wiki1m_head.txt")[:5 * 64]
+A = str(Path.home() / ".cache/sentemb-models/minilm")
+B = sys.argv[3] if len(sys.argv) > 3 else "runs/sscl_minilm"  # tower II: a MiniLM trained by sscl.py
+sents = common.read_sentences(Path(__file__).resolve().parents[2] / "shared/data/train/wiki1m_head.txt")[:5 * 64]
 common.seed_everything(42)
 tok = AutoTokenizer.from_pretrained(A)
 if mode == "simcse":
