@@ -9,11 +9,11 @@ h = LLM->(x) + BiLLM<->(x). Training is LoRA on NLI triplets with the contrastiv
 `--bi-mode sequential` is the later BiLLM wiring (the last K layers bidirectional in place).
 Note: with last-token pooling, K = 1 in sequential mode cannot change the embedding (README, item 1).
 
-  python bellm.py --model /root/.cache/sentemb-models/smollm2-135m --output-dir runs/bellm \
+  python bellm.py --model ~/.cache/sentemb-models/smollm2-135m --output-dir runs/bellm \
       --train ../shared/data/train/snli_devtest_for_simcse.csv --batch-size 16 --max-len 32 --lr 5e-4 \
       --max-steps 12 --eval-steps 12 --no-eval-first                                       # CPU quick run
   python bellm.py --model meta-llama/Llama-2-7b-hf --batch-size 64 --output-dir runs/bellm-7b      # paper (1 GPU, bf16)
-  python bellm.py --model /root/.cache/sentemb-models/smollm2-135m --degradation --tasks STS-B     # Fig. 4
+  python bellm.py --model ~/.cache/sentemb-models/smollm2-135m --degradation --tasks STS-B     # Fig. 4
 """
 import argparse
 import copy

@@ -10,7 +10,7 @@ to have equal length, weighted by -log cos of their CLS vectors. The embedding i
 no cross-attention; `--distill` compresses the twin into one tower ("JTCSE D", §IV-C).
 
   python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2 --train wiki1m_for_simcse.txt  # paper (GPU)
-  python jtcse.py --model-a ~/.cache/sentemb-models/minilm --model-b /work/runs/sscl_minilm \\
+  python jtcse.py --model-a ~/.cache/sentemb-models/minilm --model-b runs/sscl_minilm \\
       --train ../shared/data/train/wiki1m_head.txt --no-add-sick --lr 1e-5 --max-len 32 \\
       --max-steps 60 --eval-steps 20 --output-dir runs/jtcse_minilm                # CPU quick run
   python jtcse.py --distill runs/jtcse_minilm --model-a ~/.cache/sentemb-models/minilm \\
