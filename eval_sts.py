@@ -91,10 +91,9 @@ def main():
     if unknown := [t for t in tasks if t not in common.TASKS]:
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
     data = common.senteval_dir(a.data_dir)
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         results = common.evaluate(encode, data, tasks, a.split, a.batch_size, a.exact)
     seconds = time.perf_counter() - t0
     print(common.format_table(results))
