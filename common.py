@@ -166,64 +166,50 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
 
 
 # ---------------------------------------------------------------- STS data ----------------------
-def _bad_line(path, i, want):
-    die(f"{path}, line {i}: malformed line (expected {want}); fix the line or re-download senteval.tar")
-
-
-def _open(path):
+def _lines(path):
     if not os.path.isfile(path):
         die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix --data-dir")
-    return open(path, encoding="utf8")
+    with open(path, encoding="utf8") as f:
+        return [line.rstrip("\n") for line in f]
 
 
-def _score(x, path, i, want):
+def _row(path, i, s1, s2, gold):
+    """(sent1, sent2, score) as SentEval reads them: whitespace-split and re-joined with single spaces."""
     try:
-        return float(x)
+        return " ".join(s1.split()), " ".join(s2.split()), float(gold)
     except ValueError:
-        _bad_line(path, i, want)
+        die(f"{path}, line {i}: malformed line (expected a score, got {gold!r}); fix it or re-download senteval.tar")
 
 
 def load_sts(data, task, split="test"):
-    """[(sent1, sent2, gold)] per subset, as SentEval reads them: sentences split on whitespace and
-    re-joined with single spaces; STS pairs with an empty gold line are dropped."""
-    norm = lambda s: " ".join(s.split())  # noqa: E731
-    subsets = {}
+    """{subset: [(sent1, sent2, gold)]}; STS pairs with an empty gold line are dropped (as SentEval)."""
     if task in STS_SUBSETS:
+        subsets = {}
         for name in STS_SUBSETS[task]:
             base = os.path.join(data, "STS", f"{task}-en-test", f"STS.%s.{name}.txt")
-            with _open(base % "input") as f:
-                pairs = [line.rstrip("\n").split("\t") for line in f]
-            with _open(base % "gs") as f:
-                gold = [line.strip() for line in f]
+            pairs, gold = [l.split("\t") for l in _lines(base % "input")], [g.strip() for g in _lines(base % "gs")]
             if len(gold) != len(pairs):
                 die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; re-download senteval.tar")
-            rows = []
-            for i, (p, g) in enumerate(zip(pairs, gold), 1):
-                if len(p) != 2:
-                    _bad_line(base % "input", i, "two tab-separated sentences")
-                if g:
-                    rows.append((norm(p[0]), norm(p[1]), _score(g, base % "gs", i, "a score or nothing")))
-            subsets[name] = rows
-    elif task in ("STS-B", "SICK-R"):
-        if task == "STS-B":
-            path, skip, cols = os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0, (5, 6, 4)
-        else:
-            name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
-            path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
-        want = f"at least {max(cols) + 1} tab-separated fields"
-        rows = []
-        with _open(path) as f:
-            for i, line in enumerate(f, 1):
-                t = line.rstrip("\n").split("\t")
-                if i <= skip:
-                    continue
-                if len(t) <= max(cols):
-                    _bad_line(path, i, want)
-                rows.append((norm(t[cols[0]]), norm(t[cols[1]]), _score(t[cols[2]], path, i, want)))
-        subsets[split] = rows
+            if bad := next((i for i, p in enumerate(pairs, 1) if len(p) != 2), None):
+                die(f"{base % 'input'}, line {bad}: malformed line (expected two tab-separated "
+                    "sentences); fix it or re-download senteval.tar")
+            subsets[name] = [_row(base % "gs", i, *p, g) for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
+        return subsets
+    if task == "STS-B":  # gold = 5th field, sentences = 6th and 7th
+        path, skip, cols = os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0, (5, 6, 4)
+    elif task == "SICK-R":  # header line; sentences = 2nd and 3rd field, gold = 4th
+        name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
+        path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
     else:
         die(f"unknown task '{task}': choose from {', '.join(TASKS)}")
-    return subsets
+    rows = []
+    for i, line in enumerate(_lines(path)[skip:], skip + 1):
+        t = line.split("\t")
+        if len(t) <= max(cols):
+            die(f"{path}, line {i}: malformed line (expected at least "
+                f"{max(cols) + 1} tab-separated fields); fix it or re-download senteval.tar")
+        rows.append(_row(path, i, *(t[c] for c in cols)))
+    return {split: rows}
 
 
 # ---------------------------------------------------------------- STS evaluation ----------------
