@@ -18,6 +18,7 @@ no cross-attention; `--distill` compresses the twin into one tower ("JTCSE D", �
   python jtcse.py --analyze runs/jtcse_minilm --model-a ~/.cache/sentemb-models/minilm   # E_CLS, eq. 6
 """
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -40,7 +41,10 @@ p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,S
 p.add_argument("--output-dir", default="runs/jtcse", help="the best checkpoint (STS-B dev) is saved here")
 p.add_argument("--epochs", type=int, default=1, help="paper: 1")
 p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=int, default=64, help="paper: 64")
+p.add_argument("--batch-size", type=int, default=64, help="sentences per step PER GPU (paper: 64); under torchrun "
+               "the in-batch negatives come from all GPUs: world_size x batch-size")
+p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per optimisation step; "
+               "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
 p.add_argument("--lr", type=float, default=None, help="default 1.3e-6 (authors' value: small, because the "
                "towers are ALREADY fine-tuned sentence encoders); with --distill 1e-5 (authors' supplementary)")
 p.add_argument("--max-len", type=int, default=64, help="paper: 64 tokens")
@@ -255,11 +259,11 @@ def analyze(a, device):
 def main():
     a = p.parse_args()
     transformers.logging.disable_progress_bar()
-    device = common.pick_device()
+    rank, world, device = common.init_distributed()  # under torchrun: one process per GPU
     if a.analyze is not None:
         return analyze(a, device)
     distill = a.distill is not None
-    if a.batch_size < 2 and not distill:
+    if a.batch_size * world < 2 and not distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop at least one of them")
@@ -276,16 +280,21 @@ def main():
     if a.add_sick:  # paper footnote 7: unlabeled SICK sentences join the training text (we take SICK train)
         sick = common.load_sts(data, "SICK-R", "train")["train"]
         sentences += sorted({s for r in sick for s in r[:2]} - set(sentences))
-    if len(sentences) < a.batch_size:
-        common.die(f"{len(sentences)} training sentences < --batch-size {a.batch_size}: lower --batch-size")
-    common.check_writable(a.output_dir)
+    if a.grad_accum < 1:
+        common.die(f"--grad-accum {a.grad_accum}: pass 1 (no accumulation) or more")
+    per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
+    if len(sentences) < per_step:
+        common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
     ckpt_path = os.path.join(a.output_dir, "checkpoint.pt")
-    if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
-        common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
-    if a.resume and not os.path.isfile(ckpt_path):
-        common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
+    if rank == 0:
+        common.check_writable(a.output_dir)
+        if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
+            common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+        if a.resume and not os.path.isfile(ckpt_path):
+            common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
 
-    # seeding: one generator for the data order, one for R (eq. 12); torch's global RNG drives dropout
+    # seeding: one generator for the data order, one for R (eq. 12), both the same on every rank (so R is
+    # the same on all ranks in a step); torch's global RNG drives dropout
     common.seed_everything(a.seed)
     r_gen = torch.Generator().manual_seed(a.seed)
     if distill:  # JTCSE D: the student is one fresh tower, the teacher the frozen twin (CLS(I) + CLS(II))
@@ -301,12 +310,17 @@ def main():
         towers, tokenizer = load_towers([a.model_a, a.model_b])
         model = Twin(towers, a.num_cael).to(device)
         names = ["tower_a", "tower_b"]
-    steps_per_epoch = len(sentences) // a.batch_size  # the last incomplete batch is dropped
+    for tower in (model if distill else model.towers):  # BERT's pooler feeds only eq. 13: frozen when unused
+        if (distill or a.no_ictm) and tower.pooler is not None:  # (DDP needs every trainable parameter used)
+            tower.pooler.requires_grad_(False)
+    net = model[0] if distill else model  # what one forward pass runs: the student, or the twin
+    ddp = net if world == 1 else torch.nn.parallel.DistributedDataParallel(net)
+    steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
     if total < 1:
         common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
     # NOTE(authors' code): plain AdamW at a constant learning rate, no schedule and no warm-up
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # fused: one kernel for all params
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, fused=True)  # one kernel
     save_towers = [model[0]] if distill else list(model.towers)
     eval_len = save_towers[0].config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
     encode = make_encode(save_towers, tokenizer, eval_len, device)
@@ -318,23 +332,48 @@ def main():
         torch.set_rng_state(state["rng"]), r_gen.set_state(state["r_gen"])
     what = f"distil {a.distill} into {a.model_a}" if distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {model.k or '-'} of {model.n} layers"
-    print(f"JTCSE: {what}, {len(sentences)} sentences, {total} steps, lr {lr:g}, device {device}")
+    log = print if rank == 0 else (lambda *_, **__: None)
+    log(f"JTCSE: {what}, {len(sentences)} sentences, {total} steps of {per_step} sentences ({world} process(es) "
+        f"x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}")
 
-    def evaluate_and_save():
+    def evaluate_and_save():  # rank 0 only; the others wait at the barrier
         nonlocal best
-        model.eval()
-        dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
-        model.train()
-        if dev > best:
-            best = dev
-            for name, tower in zip(names, save_towers):  # plain BertModel folders, loadable without us
-                tower.save_pretrained(os.path.join(a.output_dir, name))
-                tokenizer.save_pretrained(os.path.join(a.output_dir, name))
-            common.save_meta(a.output_dir, method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev, step=step,
-                             teacher=a.distill, num_cael=None if distill else model.n // model.k if model.k else 0)
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                    "rng": torch.get_rng_state(), "r_gen": r_gen.get_state()}, ckpt_path)
-        print(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+        if rank == 0:
+            model.eval()
+            dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
+            model.train()
+            if dev > best:
+                best = dev
+                for name, tower in zip(names, save_towers):  # plain BertModel folders, loadable without us
+                    tower.save_pretrained(os.path.join(a.output_dir, name))
+                    tokenizer.save_pretrained(os.path.join(a.output_dir, name))
+                common.save_meta(a.output_dir, method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev,
+                                 step=step, teacher=a.distill,
+                                 num_cael=None if distill else model.n // model.k if model.k else 0)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
+                        "rng": torch.get_rng_state(), "r_gen": r_gen.get_state()}, ckpt_path)
+            log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+        if world > 1:
+            torch.distributed.barrier()
+
+    def micro_step(sents, R):
+        """One micro-batch of B sentences on this rank -> (loss over the global batch of world·B, its terms)."""
+        batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
+        B = len(sents)
+        with common.autocast(device):
+            if distill:  # MSE between the student's CLS and the teacher twin's embedding, same text
+                with torch.no_grad():
+                    target = teacher(sents).to(device)  # (B, H)
+                loss = F.mse_loss(common.gather(ddp(**batch).last_hidden_state[:, 0].float()), common.gather(target))
+                terms = {}
+            else:  # two dropout views of every sentence in one forward pass: (2B, L)
+                h, hP, c = ddp({k: torch.cat([v, v]) for k, v in batch.items()})  # per tower (2B, H)
+                # global batch: per tower, [view 1 of all ranks; view 2 of all ranks], (2·world·B, H)
+                glob = lambda zs: [torch.cat([common.gather(z[:B]), common.gather(z[B:])]) for z in zs]  # noqa: E731
+                loss, terms = jtcse_loss(glob(h), glob(hP), None if c is None else glob(c), R, a)
+        # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
+        (loss * world / a.grad_accum).backward()
+        return loss, terms
 
     model.train()
     if step == 0:
@@ -342,32 +381,25 @@ def main():
     t0, seen = time.perf_counter(), 0
     while step < total:
         epoch = step // steps_per_epoch
-        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch))
+        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
         for b in range(step % steps_per_epoch, steps_per_epoch):
-            sents = [sentences[i] for i in order[b * a.batch_size:(b + 1) * a.batch_size].tolist()]
-            batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
-            B = len(sents)
+            step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: direction of ICNCE, drawn each step
-            with common.autocast(device):
-                if distill:  # MSE between the student's CLS and the teacher twin's embedding, same text
-                    with torch.no_grad():
-                        target = teacher(sents).to(device)  # (B, H)
-                    loss = F.mse_loss(model[0](**batch).last_hidden_state[:, 0].float(), target)
-                    terms = {}
-                else:  # two dropout views of every sentence in one forward pass: (2B, L)
-                    h, hP, c = model({k: torch.cat([v, v]) for k, v in batch.items()})
-                    loss, terms = jtcse_loss(h, hP, c, R, a)
-            if not torch.isfinite(loss):
-                common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
-                           f"the best checkpoint in {a.output_dir} is kept")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
+                start = (k * world + rank) * a.batch_size
+                sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else ddp.no_sync
+                with sync():  # gradients are all-reduced once, after the last micro-batch
+                    loss, terms = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]], R)
+                if not torch.isfinite(loss):
+                    common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
+                               f"the best checkpoint in {a.output_dir} is kept")
             opt.step()
-            step, seen = step + 1, seen + B
+            step, seen = step + 1, seen + per_step
             if step % a.log_steps == 0 or step == total:
                 parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                print(f"step {step:>5}  loss {loss.item():.4f}{parts}{'' if distill else f'  R {R}'}  "
-                      f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}{'' if distill else f'  R {R}'}  "
+                    f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
             if step == total or (a.eval_steps > 0 and step % a.eval_steps == 0):
                 evaluate_and_save()
                 t0, seen = time.perf_counter(), 0
@@ -375,7 +407,7 @@ def main():
                 break
 
     # ---------------------------------------------------------------- final table ---------------
-    if a.final_eval:
+    if a.final_eval and rank == 0:
         from eval_sts import load_encoder as load_any
         print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
         print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))

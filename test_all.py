@@ -646,6 +646,31 @@ def test_bad_input_in_a_real_process(jt_env):
     assert [line for line in r.stderr.splitlines() if line.strip()][-1].startswith("error: ")
 
 
+def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path):
+    """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all terms, the
+    same R) and the updated towers of 1 rank x 8 x 2. Dropout is off so that both see the same computation."""
+    d, _ = jt_env
+    for name in ("a", "b"):  # the towers without dropout
+        m = BertModel.from_pretrained(d / name, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        m.save_pretrained(tmp_path / name), PreTrainedTokenizerFast.from_pretrained(d / name).save_pretrained(tmp_path / name)
+    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt",  # noqa: E731
+                            "--data-dir", sts_dir, "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
+                            "--max-len", 16, "--max-steps", 2, "--eval-steps", 0, "--log-steps", 1, "--lr", 1e-3,
+                            "--no-add-sick", "--no-final-eval"]
+    one = run("jtcse.py", *args(tmp_path / "one", 8))
+    two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
+    terms = lambda out: [(float(x), float(y), float(z), float(w), r) for x, y, z, w, r in re.findall(  # noqa: E731
+        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
+    assert len(terms(one.stdout)) == 2
+    for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
+        assert x[:4] == pytest.approx(y[:4], abs=2e-5) and x[4] == y[4]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
 # ================================================================ BeLLM (bellm.py) ===============
 bl_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
@@ -904,7 +929,7 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
                               "--eval-steps", 2, "--log-steps", 1, "--bi-layers", 2, "--tasks", "STS-B",
                               "--lora-r", 4, *(["--no-final-eval"] if i == 0 else []))
         assert code == 0, err
-        logs.append([line.split("sent/s")[0] for line in out.splitlines() if " loss " in line])
+        logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
     assert out.splitlines()[-2].split() == ["STS-B", "Avg."]  # the final table
     meta = common.json.load(open(tmp_path / "run1" / "sentemb.json"))
@@ -915,16 +940,30 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
 
 
 def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
+    """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted run
+    (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of step 2)."""
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=20)
     args = ["--model", model, "--train", train, "--data-dir", data, "--batch-size", 4, "--eval-steps", 2,
-            "--log-steps", 1, "--lora-r", 4, "--no-final-eval", "--no-eval-first"]
-    losses = lambda out: [line.split("sent/s")[0] for line in out.splitlines() if " loss " in line]  # noqa: E731
-    code, whole, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "a", "--max-steps", 4)
+            "--log-steps", 1, "--lora-r", 4, "--no-final-eval", "--no-eval-first", "--max-steps", 4]
+    losses = lambda out: [line.split("rows/s")[0] for line in out.splitlines() if " loss " in line]  # noqa: E731
+    code, whole, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "a")
     assert code == 0, err
-    code, first, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--max-steps", 2)
-    code, rest, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--max-steps", 4, "--resume")
+    calls, eq6 = [], bellm.bellm_loss
+
+    def dies_in_step_3(*x):
+        calls.append(1)
+        if len(calls) == 3:
+            raise SystemExit(9)  # the process is killed
+        return eq6(*x)
+    monkeypatch.setattr(bellm, "bellm_loss", dies_in_step_3)
+    code, first, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b")
+    assert code == 9
+    monkeypatch.setattr(bellm, "bellm_loss", eq6)
+    code, rest, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--resume")
     assert code == 0, err
     assert len(losses(whole)) == 4 and losses(first) + losses(rest) == losses(whole)
+    code, _, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b")  # without --resume
+    assert code == 2 and "already holds a run" in err
 
 
 def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
@@ -972,3 +1011,23 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
         assert code == 2 and len(lines) == 1 and want in lines[0], (want, err)
     r = bl_run(*base, "--model", str(bert))  # and once as a user sees it: exit code 2, one line, no traceback
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+
+
+def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
+    """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the updated LoRA
+    weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks; no_sync accumulation)."""
+    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=24)
+    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,  # noqa: E731
+                            "--batch-size", bs, "--grad-accum", 2, "--max-steps", 2, "--eval-steps", 100,
+                            "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
+                            "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
+    one = run("bellm.py", *args(tmp_path / "one", 4))
+    two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
+    loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
+    assert len(loss(one.stdout)) == 2 and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-5)
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["trainable"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["trainable"]
+    assert len(w1) == len(w2) > 0
+    for x, y in zip(w1, w2):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)

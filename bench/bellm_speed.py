@@ -1,4 +1,5 @@
-"""Training-step tokens/s, K = 0 vs K = 1 parallel, alternating in one process on the same batch (fp32 CPU, LoRA)."""
+"""Training-step tokens/s, K = 0 vs K = 1 parallel, alternating in one process on the same batch (CPU, LoRA).
+fp32; `python bench/bellm_speed.py --bf16` for bf16 autocast (bellm.py --bf16)."""
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -13,7 +14,9 @@ ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}
 for rep in range(3):
     for K in (0, 1):
         t = time.perf_counter()
-        h = bellm.last_token(bellm.forward(dec, b["input_ids"], b["attention_mask"], K, "parallel", "convert"), b["attention_mask"])
+        with common.autocast(dev, "--bf16" in sys.argv):
+            h = bellm.last_token(bellm.forward(dec, b["input_ids"], b["attention_mask"], K, "parallel", "convert"), b["attention_mask"])
+        h = h.float()
         bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
         model.zero_grad()
         if rep:
