@@ -14,6 +14,7 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   python sscl.py --analyze --model runs/sscl_minilm                              # over-smoothing, eqs. 1-2
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -264,7 +265,9 @@ def main():
             opt.zero_grad(set_to_none=True)
             for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
                 start = (k * world + rank) * a.batch_size
-                loss = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]])
+                sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else model.no_sync
+                with sync():  # gradients are all-reduced once, after the last micro-batch
+                    loss = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]])
                 if not torch.isfinite(loss):
                     common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
                                f"the best checkpoint in {a.output_dir} is kept")

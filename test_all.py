@@ -353,9 +353,10 @@ def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
 
 
 def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir, tmp_path):
-    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B."""
+    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B
+    (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
     args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                     "--batch-size", bs, steps=3, eval_steps=0, layer="1,3")
+                                     "--batch-size", bs, "--grad-accum", 2, steps=3, eval_steps=0, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]

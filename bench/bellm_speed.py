@@ -1,26 +1,47 @@
-"""Training-step tokens/s, K = 0 vs K = 1 parallel, alternating in one process on the same batch (CPU, LoRA).
-fp32; `python bench/bellm_speed.py --bf16` for bf16 autocast (bellm.py --bf16)."""
+"""Training-step tokens/s of bellm.py on SmolLM2-135M, K = 0 vs K = 1 (parallel, eq. 5), alternating in one
+process on the same batch of 16 SNLI triplets (48 prompted texts, --max-len 32), LoRA r 32 on all linear layers,
+forward + eq. 6 + backward + AdamW step, like one step of the quick run. Median of 5 timed steps per K after
+one warm-up step each.
+
+  python bench/bellm_speed.py            # fp32
+  python bench/bellm_speed.py --bf16     # bf16 autocast, as bellm.py --bf16
+"""
+import csv
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import csv, time, torch, bellm, common
+
+import torch
 from peft import LoraConfig, get_peft_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import bellm  # noqa: E402
+import common  # noqa: E402
+
+bf16 = "--bf16" in sys.argv
 dev = torch.device("cpu")
-tok, dec = bellm.load_decoder("/root/.cache/sentemb-models/smollm2-135m", 1, "convert", dev)
+models = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
+tok, dec = bellm.load_decoder(str(models / "smollm2-135m"), 1, "convert", dev)
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear")).train()
-rows = list(csv.reader(open(Path(__file__).resolve().parents[2] / "shared/data/train/snli_devtest_for_simcse.csv")))[1:9]
+opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-9)  # the step's cost, ~no change
+with open(Path(__file__).resolve().parents[2] / "shared/data/train/snli_devtest_for_simcse.csv", newline="") as f:
+    rows = list(csv.reader(f))[1:17]
 b = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, [s for r in rows for s in r]), dev)
 ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}
-for rep in range(3):
+for rep in range(6):
     for K in (0, 1):
         t = time.perf_counter()
-        with common.autocast(dev, "--bf16" in sys.argv):
-            h = bellm.last_token(bellm.forward(dec, b["input_ids"], b["attention_mask"], K, "parallel", "convert"), b["attention_mask"])
-        h = h.float()
+        with common.autocast(dev, bf16):
+            h = bellm.BeLLM(dec, K, "parallel", "convert")(b["input_ids"], b["attention_mask"]).float()
         bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
-        model.zero_grad()
+        opt.step()
+        opt.zero_grad()
         if rep:
             times[K].append(time.perf_counter() - t)
+print(f"SmolLM2-135M, {'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads, 48 texts, "
+      f"{ntok} real tokens ({b['input_ids'].numel()} with padding), median of {len(times[0])} steps")
 for K in (0, 1):
-    print(f"K={K} parallel: {ntok / (sum(times[K]) / len(times[K])):.0f} tok/s (fwd+bwd, {ntok} real tokens, 24 texts, mean of 2 after warm-up)")
-print(f"K1/K0 time ratio {sum(times[1]) / sum(times[0]):.3f}")
+    print(f"K={K} parallel: {ntok / statistics.median(times[K]):.0f} tok/s  ({statistics.median(times[K]):.2f} s/step)")
+print(f"K1/K0 time ratio {statistics.median(times[1]) / statistics.median(times[0]):.3f}")

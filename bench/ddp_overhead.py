@@ -1,0 +1,73 @@
+"""DDP overhead on CPU (gloo): training throughput of one process with the global batch vs `torchrun` with 2
+processes x half the batch, same sentences, for sscl.py, jtcse.py and bellm.py on small random-weight models
+(BERT-like and LLaMA-like, 4 layers, hidden 256) with the real MiniLM / SmolLM2 tokenisers.
+
+It shows what DDP plus gathered negatives cost, not a speed-up: on a 2-core CPU two ranks share the cores
+that one process with 2 threads uses. Figures are the scripts' own training throughput over all steps after
+the step-0 evaluation (sentences/s; BeLLM: triplets/s).
+
+  bash ../shared/bench/setup_models.sh && python bench/ddp_overhead.py [--steps 20]
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaModel
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+MODELS = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--scripts", default="sscl,jtcse,bellm")
+a = p.parse_args()
+tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
+
+torch.manual_seed(0)
+bert_tok = AutoTokenizer.from_pretrained(MODELS / "minilm")
+for name in ("bert_a", "bert_b"):
+    BertModel(BertConfig(vocab_size=len(bert_tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         intermediate_size=1024)).save_pretrained(tmp / name)
+    bert_tok.save_pretrained(tmp / name)
+llama_tok = AutoTokenizer.from_pretrained(MODELS / "smollm2-135m")
+LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp / "llama")
+llama_tok.save_pretrained(tmp / "llama")
+
+common = ["--data-dir", SHARED / "data" / "senteval", "--max-steps", a.steps, "--log-steps", a.steps,
+          "--eval-steps", 10 * a.steps, "--no-final-eval"]
+runs = {  # script: (arguments, global batch, unit)
+    "sscl": (["--model", tmp / "bert_a", "--train", SHARED / "data/train/wiki1m_head.txt", "--layer", 2,
+              "--max-len", 32], 64, "sent/s"),
+    "jtcse": (["--model-a", tmp / "bert_a", "--model-b", tmp / "bert_b", "--train",
+               SHARED / "data/train/wiki1m_head.txt", "--no-add-sick", "--max-len", 32], 64, "sent/s"),
+    "bellm": (["--model", tmp / "llama", "--train", SHARED / "data/train/snli_devtest_for_simcse.csv",
+               "--max-len", 32, "--no-eval-first", "--bi-layers", 1], 16, "rows/s"),
+}
+
+
+def throughput(script, nproc, threads, batch):
+    args, _, unit = runs[script]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []),
+           str(ROOT / f"{script}.py"), *map(str, args + common), "--batch-size", str(batch),
+           "--output-dir", str(tmp / f"{script}_{nproc}_{threads}")]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return float(re.findall(rf"{unit} (\S+)", r.stdout)[-1])
+
+
+print(f"{'script':6} {'global batch':>12} {'1 proc x 1 thread':>18} {'1 proc x 2 threads':>19} "
+      f"{'2 procs x 1 thread (DDP)':>25} {'DDP / 1x2':>9}")
+for script in a.scripts.split(","):
+    batch, unit = runs[script][1], runs[script][2]
+    one1, one2 = throughput(script, 1, 1, batch), throughput(script, 1, 2, batch)
+    two = throughput(script, 2, 1, batch // 2)
+    print(f"{script:6} {batch:>12} {one1:>14.1f} {unit[:4]:>3} {one2:>15.1f} {unit[:4]:>3} {two:>21.1f} {unit[:4]:>3} "
+          f"{two / one2:>9.2f}", flush=True)
