@@ -34,6 +34,7 @@ from scipy.stats import spearmanr
 import common
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3
+warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft on transformers 5
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general ---
@@ -329,7 +330,6 @@ def main():
 
     # ---------------------------------------------------------------- model (patch) + LoRA
     from peft import LoraConfig, get_peft_model
-    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft + transformers 5
     tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device)
     if device.type == "cuda":  # bf16 weights + gradient checkpointing: LLaMA-2-7B fits one 80 GB GPU
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP-safe

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,7 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--scripts", default="sscl,jtcse,bellm")
 a = p.parse_args()
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
+transformers.logging.disable_progress_bar()
 
 torch.manual_seed(0)
 bert_tok = AutoTokenizer.from_pretrained(MODELS / "minilm")
