@@ -327,6 +327,8 @@ def main():
     order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
     steps = [order[i:i + per_step] for i in range(0, len(order) - per_step + 1, per_step)]  # last partial dropped
     total = len(steps) if a.max_steps < 0 else min(a.max_steps, len(steps))
+    if total < 1:
+        common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
 
     # ---------------------------------------------------------------- model (patch) + LoRA
     from peft import LoraConfig, get_peft_model

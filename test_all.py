@@ -999,6 +999,7 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
         "has no {sentence}": ["--model", str(model), "--prompt", "The representative word is:"],
         "sent0,sent1,hard_neg": ["--model", str(model), "--train", str(nli_csv(tmp_path, cols=("sent0", "sent1")))],
         "needs in-batch negatives": ["--model", str(model), "--batch-size", "1"],
+        "nothing to train": ["--model", str(model), "--max-steps", "0"],
         "training file": ["--model", str(model), "--train", str(tmp_path / "missing.csv")],
         "unknown task": ["--model", str(model), "--tasks", "STS99"],
         "cannot load": ["--model", str(tmp_path / "empty")],
