@@ -316,13 +316,7 @@ def main():
     if len(rows) < per_step:
         common.die(f"'{a.train}' has {len(rows)} rows, fewer than the {per_step} of one step: lower --batch-size "
                    "or --grad-accum")
-    ckpt = os.path.join(a.output_dir, "checkpoint.pt")
-    if rank == 0:
-        common.check_writable(a.output_dir)
-        if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
-            common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
-        if a.resume and not os.path.isfile(ckpt):
-            common.die(f"no {ckpt} to resume from: run without --resume first")
+    ckpt = common.checkpoint_path(a.output_dir, a.resume, rank)  # refuses to overwrite a run
     g = torch.Generator().manual_seed(a.seed)  # the data order: fixed by the seed, the same on every rank
     order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
     steps = [order[i:i + per_step] for i in range(0, len(order) - per_step + 1, per_step)]  # last partial dropped

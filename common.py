@@ -125,14 +125,22 @@ def read_sentences(path):
     return sents
 
 
-def check_writable(out_dir):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, ".write_test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
+def checkpoint_path(out_dir, resume, rank=0):
+    """-> OUT_DIR/checkpoint.pt. Rank 0 checks that nothing already saved will be lost: the folder is
+    writable, a folder that holds a run needs --resume, and --resume needs a checkpoint."""
+    ckpt = os.path.join(out_dir, "checkpoint.pt")
+    if rank == 0:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, ".write_test"), "w").close()
+            os.remove(os.path.join(out_dir, ".write_test"))
+        except OSError as e:
+            die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
+        if not resume and os.path.exists(os.path.join(out_dir, META)):
+            die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+        if resume and not os.path.isfile(ckpt):
+            die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    return ckpt
 
 
 def load_pretrained(cls, name, **kw):

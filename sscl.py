@@ -181,13 +181,7 @@ def main():
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
     if len(sentences) < per_step:
         common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
-    ckpt_path = os.path.join(a.output_dir, "checkpoint.pt")
-    if rank == 0:
-        common.check_writable(a.output_dir)
-        if not a.resume and os.path.exists(os.path.join(a.output_dir, common.META)):
-            common.die(f"'{a.output_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
-        if a.resume and not os.path.isfile(ckpt_path):
-            common.die(f"--resume: no {ckpt_path}; drop --resume to start a new run")
+    ckpt_path = common.checkpoint_path(a.output_dir, a.resume, rank)  # refuses to overwrite a run
 
     # seeding: the data order comes from its own generator (the same on every rank), dropout from torch's RNG
     common.seed_everything(a.seed)
