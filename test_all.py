@@ -15,6 +15,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from transformers import AutoModel, BertConfig, BertModel, PreTrainedTokenizerFa
 
 import bellm
 import common
+import eval_sts
 import jtcse
 
 ROOT = Path(__file__).resolve().parent
@@ -198,6 +200,231 @@ def test_senteval_parity_minilm_avg(tmp_path):
     senteval = {"STS12": 72.37, "STS13": 80.60, "STS14": 75.59, "STS15": 85.39, "STS16": 78.99,
                 "STS-B": 82.03, "SICK-R": 77.15}
     assert json.loads(out.read_text())["results"] == pytest.approx(senteval, abs=0.02)
+
+
+# ---------------------------------------------------------------- eval_sts.py: transfer tasks ---
+def write_transfer(root, n=40, seed=0):
+    """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns downstream/."""
+    rng = random.Random(seed)
+    d = Path(root) / "downstream"
+    files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"), "CR": ("custrev.pos", "custrev.neg"),
+             "SUBJ": ("subj.objective", "subj.subjective"), "MPQA": ("mpqa.pos", "mpqa.neg")}
+    for task, names in files.items():
+        (d / task).mkdir(parents=True, exist_ok=True)
+        for name in names:  # one empty line per file: SentEval keeps it as a sample
+            (d / task / name).write_text("\n".join([sentence(rng) for _ in range(n)] + [""]) + "\n")
+    (d / "SST" / "binary").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "dev", "test"):
+        (d / "SST" / "binary" / f"sentiment-{split}").write_text(
+            "".join(f"{sentence(rng)}\t{rng.randint(0, 1)}\n" for _ in range(n)))
+    (d / "TREC").mkdir(parents=True, exist_ok=True)
+    for name in ("train_5500.label", "TREC_10.label"):
+        (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n" for c in list(eval_sts.TREC_CLASSES) * (n // 6 + 2)))
+    (d / "MRPC").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n" for i in range(n)]
+        (d / "MRPC" / f"msr_paraphrase_{split}.txt").write_text("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                                                                + "".join(rows))
+    return d
+
+
+def test_stratified_kfold_equals_scikit_learn():
+    """Folds printed by scikit-learn 1.9.1: StratifiedKFold(5, shuffle=True, random_state=1111).split(y, y)."""
+    y = np.array([1] * 20 + [0] * 13 + [2] * 9)
+    sklearn_test_folds = [[4, 5, 6, 16, 22, 26, 27, 38, 41], [2, 13, 15, 19, 20, 23, 31, 37, 39],
+                          [3, 7, 11, 14, 24, 28, 30, 35], [9, 10, 12, 17, 21, 29, 34, 40], [0, 1, 8, 18, 25, 32, 33, 36]]
+    folds = eval_sts.stratified_kfold(y, 5)
+    assert [list(te) for _, te in folds] == sklearn_test_folds
+    assert all(sorted(np.concatenate([tr, te])) == list(range(len(y))) for tr, te in folds)
+
+
+def senteval_fit(X, y, nclasses, l2, cfg, validation_data=None, validation_split=None):
+    """Transcription of SentEval's tools/classifier.py (MLP with nhid=0: __init__, prepare_split, fit, trainepoch,
+    score), one run at a time, on the global RNGs as SentEval uses them. -> (best dev accuracy, model)."""
+    np.random.seed(1111)
+    torch.manual_seed(1111)
+    model = torch.nn.Sequential(torch.nn.Linear(X.shape[1], nclasses))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    optimizer = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]](model.parameters())
+    optimizer.param_groups[0]["weight_decay"] = l2
+    if validation_data is not None:
+        trainX, trainy, (devX, devy) = X, y, validation_data
+    else:
+        permutation = np.random.permutation(len(X))
+        cut = int(validation_split * len(X))
+        trainX, trainy, devX, devy = X[permutation[cut:]], y[permutation[cut:]], X[permutation[:cut]], y[permutation[:cut]]
+    nepoch, bestaccuracy, stop_train, early_stop_count = 0, -1, False, 0
+    while not stop_train and nepoch <= 200:
+        for _ in range(cfg["epoch_size"]):
+            permutation = np.random.permutation(len(trainX))
+            for i in range(0, len(trainX), cfg["batch_size"]):
+                idx = torch.from_numpy(permutation[i:i + cfg["batch_size"]]).long()
+                loss = loss_fn(model(trainX[idx]), trainy[idx])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        nepoch += cfg["epoch_size"]
+        accuracy = senteval_score(model, devX, devy)
+        if accuracy > bestaccuracy:
+            bestaccuracy, bestmodel = accuracy, copy.deepcopy(model)
+        else:
+            if early_stop_count >= cfg["tenacity"]:
+                stop_train = True
+            early_stop_count += 1
+    return bestaccuracy, bestmodel
+
+
+def senteval_score(model, X, y):
+    with torch.no_grad():
+        return 1.0 * model(X).max(1)[1].eq(y).sum().item() / len(X)
+
+
+REGS = [10**t for t in range(-5, -1)]
+SMALL = dict(kfold=3, optim="adam", batch_size=16, tenacity=2, epoch_size=2)
+
+
+def synthetic(n, d=6, nclasses=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g)
+    y = (X @ torch.randn(d, nclasses, generator=g) + 1.5 * torch.randn(n, nclasses, generator=g)).argmax(1)
+    return X, y
+
+
+@pytest.mark.parametrize("optim", ["adam", "rmsprop"])
+def test_batched_runs_equal_senteval_one_by_one(optim):
+    """Runs of different sizes, L2 values and dev sets, trained as batched models, each equal to SentEval's
+    own loop run alone: same best dev accuracy, same weights."""
+    cfg = {**SMALL, "optim": optim}
+    X, y = synthetic(90)
+    runs = [(np.arange(0, 60), np.arange(60, 90), 1e-3), (np.arange(0, 60), np.arange(60, 90), 1e-2),
+            (np.arange(5, 62), np.arange(62, 80), 1e-4), (np.arange(10, 90), None, 1e-5)]
+    got = eval_sts.fit_logreg(X, y, runs, 2, cfg)
+    for (tr, dev, l2), (acc, W, b) in zip(runs, got):
+        kw = dict(validation_split=0.05) if dev is None else dict(validation_data=(X[dev], y[dev]))
+        want_acc, model = senteval_fit(X[tr], y[tr], 2, l2, cfg, **kw)
+        assert acc == want_acc
+        assert torch.allclose(W, model[0].weight, atol=1e-5) and torch.allclose(b, model[0].bias, atol=1e-5)
+
+
+def test_inner_kfold_protocol_equals_senteval():
+    """MR/CR/SUBJ/MPQA: SentEval's InnerKFoldClassifier.run, transcribed."""
+    X, y = synthetic(75, seed=1)
+    k, dev, test = SMALL["kfold"], [], []
+    for tr, te in eval_sts.stratified_kfold(y.numpy(), k):
+        scores = []
+        for l2 in REGS:
+            regscores = [senteval_fit(X[tr][itr], y[tr][itr], 2, l2, SMALL,
+                                      validation_data=(X[tr][ite], y[tr][ite]))[0]
+                         for itr, ite in eval_sts.stratified_kfold(y[tr].numpy(), k)]
+            scores.append(round(100 * np.mean(regscores), 2))
+        dev.append(np.max(scores))
+        _, model = senteval_fit(X[tr], y[tr], 2, REGS[np.argmax(scores)], SMALL, validation_split=0.05)
+        test.append(round(100 * senteval_score(model, X[te], y[te]), 2))
+    got = eval_sts.classify("MR", {"all": X}, {"all": y}, SMALL)
+    assert got == {"devacc": round(np.mean(dev), 2), "acc": round(np.mean(test), 2)}
+
+
+def test_kfold_and_split_protocols_equal_senteval():
+    """TREC/MRPC: KFoldClassifier.run; SST-2: SplitClassifier.run (whose final refit is the grid's model)."""
+    X, y = synthetic(70, nclasses=6, seed=2)
+    Xt, yt = synthetic(30, nclasses=6, seed=3)
+    scores = []
+    for l2 in REGS:
+        scores.append(round(100 * np.mean([senteval_fit(X[tr], y[tr], 6, l2, SMALL, validation_data=(X[te], y[te]))[0]
+                                           for tr, te in eval_sts.stratified_kfold(y.numpy(), SMALL["kfold"])]), 2))
+    _, model = senteval_fit(X, y, 6, REGS[np.argmax(scores)], SMALL, validation_split=0.05)
+    want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
+    assert eval_sts.classify("TREC", {"train": X, "test": Xt}, {"train": y, "test": yt}, SMALL) == want
+
+    X, y = synthetic(60, seed=4)
+    Xd, yd = synthetic(25, seed=5)
+    Xt, yt = synthetic(25, seed=6)
+    scores = [round(100 * senteval_fit(X, y, 2, l2, SMALL, validation_data=(Xd, yd))[0], 2) for l2 in REGS]
+    _, model = senteval_fit(X, y, 2, REGS[np.argmax(scores)], SMALL, validation_data=(Xd, yd))
+    want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
+    assert eval_sts.classify("SST2", {"train": X, "dev": Xd, "test": Xt}, {"train": y, "dev": yd, "test": yt},
+                             SMALL) == want
+
+
+def test_mrpc_features_and_loading_order(tmp_path):
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    assert torch.equal(eval_sts.mrpc_features(a, b), torch.cat([(a - b).abs(), a * b], 1))
+    d = write_transfer(tmp_path)
+    (texts_a, texts_b), y = eval_sts.load_transfer(str(d), "MRPC")["train"]
+    keys = [(len(s.split()), len(t.split()), int(l)) for s, t, l in zip(texts_a, texts_b, y)]
+    assert keys == sorted(keys) and len(keys) == 40  # header skipped, SentEval's order
+    (texts,), y = eval_sts.load_transfer(str(d), "SUBJ")["all"]
+    assert len(texts) == 82 and texts.count("") == 2  # empty lines kept, as SentEval keeps them
+    assert [(len(s.split()), l) for s, l in zip(texts, y)] == sorted((len(s.split()), l) for s, l in zip(texts, y))
+    obj = (d / "SUBJ" / "subj.objective").read_text().splitlines()[0]
+    assert y[texts.index(obj)] == 1  # SentEval: objective = 1
+
+
+def test_transfer_table_format():
+    res = {t: {"devacc": 0.0, "acc": 70.0 + i} for i, t in enumerate(eval_sts.TRANSFER)}
+    head, row = eval_sts.format_transfer(res).splitlines()
+    assert head.split() == ["MR", "CR", "SUBJ", "MPQA", "SST", "TREC", "MRPC", "Avg."]
+    assert row.split() == ["70.00", "71.00", "72.00", "73.00", "74.00", "75.00", "76.00", "73.00"]
+
+
+def test_align_uniform_by_hand(tmp_path):
+    """Four sentences, STS-B test pairs with gold 4.5 / 4.0 / 1.0: alignment over the first two pairs."""
+    d = write_sts(tmp_path)
+    sts_b = d / "downstream" / "STS" / "STSBenchmark" / "sts-test.csv"
+    sts_b.write_text("g\tf\ty\t0\t4.5\ta man\ta dog\ng\tf\ty\t1\t4.0\ta cat\ta man\ng\tf\ty\t2\t1.0\tthe car\ta dog\n")
+    vec = {"a man": [1.0, 0.0], "a dog": [0.0, 2.0], "a cat": [3.0, 4.0], "the car": [-1.0, -1.0]}
+    encode = lambda sents: torch.tensor([vec[s] for s in sents])  # noqa: E731
+    align, uniform = eval_sts.align_uniform(encode, str(d / "downstream"))
+    f = {s: torch.tensor(v) / torch.tensor(v).norm() for s, v in vec.items()}
+    assert align == pytest.approx(((f["a man"] - f["a dog"]).norm() ** 2 + (f["a cat"] - f["a man"]).norm() ** 2).item() / 2)
+    s = list(f)
+    pairs = [(s[i], s[j]) for i in range(4) for j in range(i + 1, 4)]
+    assert uniform == pytest.approx(math.log(sum(math.exp(-2 * (f[x] - f[z]).norm().item() ** 2) for x, z in pairs) / 6))
+
+
+def test_eval_transfer_end_to_end_and_bad_inputs(bert_dir, tmp_path):
+    write_sts(tmp_path)
+    d = write_transfer(tmp_path)
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg", "--data-dir", tmp_path, "--tasks", "all",
+               "--transfer-mode", "fasttest", "--align-uniform", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == common.TASKS + ["Avg."] and lines[2].split()[-1] == "Avg."
+    r = json.loads(out.read_text())
+    assert set(r["results"]) == set(common.TASKS) and set(r["transfer"]) == set(eval_sts.TRANSFER)
+    assert all(0 <= v["acc"] <= 100 for v in r["transfer"].values()) and r["transfer_mode"] == "fasttest"
+    assert r["align"] >= 0 and -4 <= r["uniform"] <= 0
+    assert {"transfer_encode", "transfer_classifier"} <= set(r["seconds"])
+
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "MR,POS"),
+                     "POS", "transfer")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", ","), "--tasks")
+    trec = d / "TREC" / "train_5500.label"
+    trec.write_text(trec.read_text().replace("HUM:fine", "HUMAN fine", 1))
+    line = 1 + trec.read_text().splitlines().index(next(l for l in trec.read_text().splitlines() if l.startswith("HUMAN")))
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "TREC"),
+                     "train_5500.label", f"line {line}")
+    shutil.rmtree(d / "CR")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "transfer"),
+                     "custrev.pos", "--data-dir")
+
+
+SENTEVAL_TRANSFER = {  # SentEval itself (SimCSE's copy, SimCSE's batcher), all-MiniLM-L6-v2, avg pooling
+    "fasttest": {"MR": 75.06, "CR": 82.07, "SUBJ": 91.89, "MPQA": 86.96, "SST2": 81.55, "TREC": 88.40, "MRPC": 71.71},
+}
+
+
+def test_senteval_transfer_parity_minilm_avg(tmp_path):
+    """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25."""
+    minilm = MODELS / "minilm"
+    assert (minilm / "model.safetensors").exists(), "run: bash ../shared/bench/setup_models.sh"
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--tasks", "transfer",
+               "--transfer-mode", "fasttest", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    assert proc.returncode == 0, proc.stderr
+    got = {t: v["acc"] for t, v in json.loads(out.read_text())["transfer"].items()}
+    assert got == pytest.approx(SENTEVAL_TRANSFER["fasttest"], abs=0.25)
 
 
 # ---------------------------------------------------------------- SSCL ---------------------------
