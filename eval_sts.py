@@ -146,7 +146,7 @@ def fit_logreg(X, y, runs, nclasses, cfg):
 
     Runs whose training sets have the same size see the same permutations (same seed, same length), so they
     are trained as one batched model, W: (M, C, D), each row with its own data, L2 and early stopping: the
-    same maths as M separate runs. A run that has stopped keeps its best weights; later updates are ignored."""
+    same maths as M separate runs. A run that stops leaves the batch with its best weights."""
     results, groups = [None] * len(runs), {}
     for r, (tr, dev, l2) in enumerate(runs):
         groups.setdefault((len(tr), dev is None), []).append(r)
@@ -171,9 +171,8 @@ def fit_logreg(X, y, runs, nclasses, cfg):
         l2 = torch.tensor([runs[r][2] for r in members], device=X.device)  # (M,)
         opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]]([W, b])  # torch defaults
         best_acc, best_W, best_b = [-1.0] * M, W.detach().clone(), b.detach().clone()
-        bad_chunks, stopped, nepoch, bs = [0] * M, [False] * M, 0, cfg["batch_size"]
-        n_train = tr.shape[1]
-        while not all(stopped) and nepoch <= MAX_EPOCH:
+        bad_chunks, live, nepoch, bs, n_train = [0] * M, list(range(M)), 0, cfg["batch_size"], tr.shape[1]
+        while live and nepoch <= MAX_EPOCH:  # live: the runs still training, one row of W each
             for _ in range(cfg["epoch_size"]):
                 perm = torch.as_tensor(rng.permutation(n_train), device=X.device)
                 for i in range(0, n_train, bs):
@@ -191,16 +190,23 @@ def fit_logreg(X, y, runs, nclasses, cfg):
             with torch.no_grad():
                 pred = torch.baddbmm(b.unsqueeze(1), X_dev, W.transpose(1, 2)).argmax(-1)  # (M, n_dev)
                 correct = ((pred == y_dev) & dev_mask).sum(1).tolist()
-            for m in range(M):
-                if stopped[m]:
-                    continue
-                acc = correct[m] / dev_n[m]
+            stop = [False] * len(live)
+            for j, m in enumerate(live):
+                acc = correct[j] / dev_n[m]
                 if acc > best_acc[m]:
-                    best_acc[m] = acc
-                    best_W[m], best_b[m] = W[m].detach(), b[m].detach()
-                else:
-                    stopped[m] = bad_chunks[m] >= cfg["tenacity"]
+                    best_acc[m], best_W[m], best_b[m] = acc, W[j].detach(), b[j].detach()
+                else:  # SentEval: stop at the (tenacity + 1)-th check without a new best
+                    stop[j] = bad_chunks[m] >= cfg["tenacity"]
                     bad_chunks[m] += 1
+            if any(stop):  # drop the stopped runs' rows from the batch, and from the optimizer's state
+                keep = [j for j, s in enumerate(stop) if not s]
+                live = [live[j] for j in keep]
+                tr, X_dev, y_dev, dev_mask, l2 = tr[keep], X_dev[keep], y_dev[keep], dev_mask[keep], l2[keep]
+                state = [opt.state[p] for p in (W, b)]
+                W, b = W.detach()[keep].requires_grad_(), b.detach()[keep].requires_grad_()
+                opt = type(opt)([W, b])
+                for p, s in zip((W, b), state):  # Adam: step, exp_avg, exp_avg_sq; RMSprop: step, square_avg
+                    opt.state[p] = {k: v[keep] if v.dim() else v for k, v in s.items()}
         for m, r in enumerate(members):
             results[r] = (best_acc[m], best_W[m], best_b[m])
     return results
