@@ -141,27 +141,36 @@ def fit_logreg(X, y, runs, nclasses, cfg):
     What one SentEval run does: seed numpy and torch with 1111; nn.Linear(D, C) at torch's default init;
     every epoch a fresh np.random.permutation of the training rows, minibatches of cfg batch_size, mean
     cross-entropy, Adam (test mode) or RMSprop (fasttest) at torch's defaults with weight_decay = l2 on W and b;
-    after every `epoch_size` epochs the dev accuracy, keeping the best model; stop after `tenacity` + 1
-    chunks without a new best (the count is never reset), or at epoch 200.
+    after every `epoch_size` epochs the dev accuracy, keeping the best model; stop at the (tenacity + 1)-th
+    check without a new best (the count is never reset), or after epoch 200.
 
-    Runs whose training sets have the same size see the same permutations (same seed, same length), so they
-    are trained as one batched model, W: (M, C, D), each row with its own data, L2 and early stopping: the
-    same maths as M separate runs. A run that stops leaves the batch with its best weights."""
-    results, groups = [None] * len(runs), {}
-    for r, (tr, dev, l2) in enumerate(runs):
-        groups.setdefault((len(tr), dev is None), []).append(r)
-    for (n, split), members in groups.items():
-        rng = np.random.RandomState(SEED)  # = np.random.seed(1111) in the classifier's constructor
-        tr, dev = [runs[r][0] for r in members], [runs[r][1] for r in members]
-        if split:  # prepare_split(validation_split=0.05): one permutation, then the first 5% are dev
-            perm, cut = rng.permutation(n), int(VALIDATION_SPLIT * n)
-            tr, dev = [t[perm[cut:]] for t in tr], [t[perm[:cut]] for t in tr]
-        M, dev_n = len(members), [len(d) for d in dev]
-        tr = torch.as_tensor(np.stack(tr), device=X.device)  # (M, n_train)
-        dev_idx = torch.zeros(M, max(dev_n), dtype=torch.long, device=X.device)  # (M, n_dev), padded
-        for m, d in enumerate(dev):
-            dev_idx[m, :len(d)] = torch.as_tensor(d)
-        dev_mask = torch.arange(dev_idx.shape[1], device=X.device) < torch.tensor(dev_n, device=X.device)[:, None]
+    Every run starts from the same seed, so its RNG stream depends only on its sizes. Runs with the same number
+    of minibatches per epoch are trained as one batched model, W: (M, C, D), one row per run with its own data,
+    permutations, L2 and early stopping (a shorter last minibatch is masked): the same maths as M separate runs.
+    A run that stops leaves the batch with its best weights."""
+    bs, results, groups = cfg["batch_size"], [None] * len(runs), {}
+    for r, (tr, dev, _) in enumerate(runs):
+        n = len(tr) - (int(VALIDATION_SPLIT * len(tr)) if dev is None else 0)  # training rows
+        groups.setdefault(-(-n // bs), []).append(r)
+    for members in groups.values():
+        rngs, split_perm, tr, dev, stream = {}, {}, [], [], []
+        for r in members:
+            t, d, _ = runs[r]
+            key = (len(t), d is None)  # what a run's RNG stream depends on
+            if key not in rngs:
+                rngs[key] = np.random.RandomState(SEED)  # = np.random.seed(1111) in the classifier's constructor
+                if d is None:  # prepare_split(validation_split=0.05): one permutation, the first 5% are dev
+                    split_perm[key] = rngs[key].permutation(len(t))
+            if d is None:
+                cut = int(VALIDATION_SPLIT * len(t))
+                t, d = t[split_perm[key][cut:]], t[split_perm[key][:cut]]
+            tr.append(t), dev.append(d), stream.append(list(rngs).index(key))
+        M, n_tr, n_dev = len(members), [len(t) for t in tr], [len(d) for d in dev]
+        pad = lambda rows: torch.as_tensor(np.stack([np.pad(a, (0, max(map(len, rows)) - len(a))) for a in rows]),  # noqa: E731
+                                           device=X.device)  # (M, longest), zero-padded
+        tr_idx, dev_idx, stream = pad(tr), pad(dev), torch.tensor(stream, device=X.device)
+        tr_mask = torch.arange(tr_idx.shape[1], device=X.device) < torch.tensor(n_tr, device=X.device)[:, None]
+        dev_mask = torch.arange(dev_idx.shape[1], device=X.device) < torch.tensor(n_dev, device=X.device)[:, None]
         X_dev, y_dev = X[dev_idx], y[dev_idx]  # (M, n_dev, D), (M, n_dev)
         with torch.random.fork_rng(devices=[]):  # torch.manual_seed(1111); nn.Linear(D, C): SentEval's init
             torch.manual_seed(SEED)
@@ -171,15 +180,20 @@ def fit_logreg(X, y, runs, nclasses, cfg):
         l2 = torch.tensor([runs[r][2] for r in members], device=X.device)  # (M,)
         opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]]([W, b])  # torch defaults
         best_acc, best_W, best_b = [-1.0] * M, W.detach().clone(), b.detach().clone()
-        bad_chunks, live, nepoch, bs, n_train = [0] * M, list(range(M)), 0, cfg["batch_size"], tr.shape[1]
+        bad_checks, live, nepoch = [0] * M, list(range(M)), 0
+        buf = torch.empty(M * bs, X.shape[1], device=X.device)  # X_batch = X[idx], (M, bs, D), written in place:
+        # a fresh tensor of that size every step (40 MB for MR's 400 runs) costs more than the step itself
         while live and nepoch <= MAX_EPOCH:  # live: the runs still training, one row of W each
             for _ in range(cfg["epoch_size"]):
-                perm = torch.as_tensor(rng.permutation(n_train), device=X.device)
-                for i in range(0, n_train, bs):
-                    idx = tr[:, perm[i:i + bs]]  # (M, bs): the same positions in every run's training set
-                    logits = torch.baddbmm(b.unsqueeze(1), X[idx], W.transpose(1, 2))  # (M, bs, C)
-                    # sum over runs of each run's mean cross-entropy: run m's gradient is its own
-                    loss = F.cross_entropy(logits.transpose(1, 2), y[idx], reduction="none").mean(1).sum()
+                perms = pad([rng.permutation(n) for (n, split), rng in rngs.items()
+                             for n in [n - int(VALIDATION_SPLIT * n) if split else n]])  # one per RNG stream
+                order = tr_idx.gather(1, perms[stream])  # (M, n_train): each run's rows in its epoch's order
+                for i in range(0, order.shape[1], bs):
+                    idx, mask = order[:, i:i + bs], tr_mask[:, i:i + bs]  # (M, bs)
+                    X_batch = torch.index_select(X, 0, idx.flatten(), out=buf[:idx.numel()]).view(*idx.shape, -1)
+                    logits = torch.baddbmm(b.unsqueeze(1), X_batch, W.transpose(1, 2))  # (M, bs, C)
+                    ce = F.cross_entropy(logits.transpose(1, 2), y[idx], reduction="none") * mask  # (M, bs)
+                    loss = (ce.sum(1) / mask.sum(1)).sum()  # sum of the runs' mean losses: each gradient its own
                     opt.zero_grad()
                     loss.backward()
                     with torch.no_grad():  # weight_decay as torch's optimizers apply it: grad + l2 * param
@@ -192,16 +206,17 @@ def fit_logreg(X, y, runs, nclasses, cfg):
                 correct = ((pred == y_dev) & dev_mask).sum(1).tolist()
             stop = [False] * len(live)
             for j, m in enumerate(live):
-                acc = correct[j] / dev_n[m]
+                acc = correct[j] / n_dev[m]
                 if acc > best_acc[m]:
                     best_acc[m], best_W[m], best_b[m] = acc, W[j].detach(), b[j].detach()
-                else:  # SentEval: stop at the (tenacity + 1)-th check without a new best
-                    stop[j] = bad_chunks[m] >= cfg["tenacity"]
-                    bad_chunks[m] += 1
+                else:
+                    stop[j] = bad_checks[m] >= cfg["tenacity"]
+                    bad_checks[m] += 1
             if any(stop):  # drop the stopped runs' rows from the batch, and from the optimizer's state
                 keep = [j for j, s in enumerate(stop) if not s]
                 live = [live[j] for j in keep]
-                tr, X_dev, y_dev, dev_mask, l2 = tr[keep], X_dev[keep], y_dev[keep], dev_mask[keep], l2[keep]
+                tr_idx, tr_mask, stream, l2 = tr_idx[keep], tr_mask[keep], stream[keep], l2[keep]
+                X_dev, y_dev, dev_mask = X_dev[keep], y_dev[keep], dev_mask[keep]
                 state = [opt.state[p] for p in (W, b)]
                 W, b = W.detach()[keep].requires_grad_(), b.detach()[keep].requires_grad_()
                 opt = type(opt)([W, b])
