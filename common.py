@@ -173,6 +173,14 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
     return torch.stack(out)
 
 
+def encode_once(encode, sentences, device="cpu"):
+    """Encode every distinct sentence once, in one call (batched by token length); -> embed(list[str]) ->
+    (n, H) float32 on `device`, looked up from that cache."""
+    distinct = sorted(set(sentences))
+    cache = dict(zip(distinct, encode(distinct).float().to(device)))
+    return lambda sents: torch.stack([cache[s] for s in sents])
+
+
 # ---------------------------------------------------------------- STS data ----------------------
 def _lines(path):
     if not os.path.isfile(path):
@@ -229,12 +237,8 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
     length). exact=True: SentEval's own batches (each subset's pairs sorted by length, `batch_size`
     pairs a batch, each side encoded separately): slower, for bit-level comparisons."""
     loaded = {t: load_sts(data, t, split if t in ("STS-B", "SICK-R") else "test") for t in tasks}
-    embed = encode
-    if not exact:
-        distinct = sorted({s for subsets in loaded.values() for rs in subsets.values() for r in rs
-                           for s in r[:2]})
-        cache = dict(zip(distinct, encode(distinct).float().cpu()))
-        embed = lambda sents: torch.stack([cache[s] for s in sents])  # noqa: E731
+    embed = encode if exact else encode_once(
+        encode, {s for subsets in loaded.values() for rs in subsets.values() for r in rs for s in r[:2]})
     results = {}
     for t in tasks:
         sims, gold = [], []

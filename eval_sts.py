@@ -164,10 +164,16 @@ def fit_logreg(X, y, runs, nclasses, cfg):
             if d is None:
                 cut = int(VALIDATION_SPLIT * len(t))
                 t, d = t[split_perm[key][cut:]], t[split_perm[key][:cut]]
-            tr.append(t), dev.append(d), stream.append(list(rngs).index(key))
+            tr.append(t)
+            dev.append(d)
+            stream.append(list(rngs).index(key))
         M, n_tr, n_dev = len(members), [len(t) for t in tr], [len(d) for d in dev]
-        pad = lambda rows: torch.as_tensor(np.stack([np.pad(a, (0, max(map(len, rows)) - len(a))) for a in rows]),  # noqa: E731
-                                           device=X.device)  # (M, longest), zero-padded
+        rows_per_stream = [n - int(VALIDATION_SPLIT * n) if split else n for n, split in rngs]
+
+        def pad(rows):  # list of 1-d int arrays -> (len(rows), longest), zero-padded
+            longest = max(map(len, rows))
+            return torch.as_tensor(np.stack([np.pad(a, (0, longest - len(a))) for a in rows]), device=X.device)
+
         tr_idx, dev_idx, stream = pad(tr), pad(dev), torch.tensor(stream, device=X.device)
         tr_mask = torch.arange(tr_idx.shape[1], device=X.device) < torch.tensor(n_tr, device=X.device)[:, None]
         dev_mask = torch.arange(dev_idx.shape[1], device=X.device) < torch.tensor(n_dev, device=X.device)[:, None]
@@ -185,8 +191,7 @@ def fit_logreg(X, y, runs, nclasses, cfg):
         # a fresh tensor of that size every step (40 MB for MR's 400 runs) costs more than the step itself
         while live and nepoch <= MAX_EPOCH:  # live: the runs still training, one row of W each
             for _ in range(cfg["epoch_size"]):
-                perms = pad([rng.permutation(n) for (n, split), rng in rngs.items()
-                             for n in [n - int(VALIDATION_SPLIT * n) if split else n]])  # one per RNG stream
+                perms = pad([rng.permutation(n) for rng, n in zip(rngs.values(), rows_per_stream)])  # per stream
                 order = tr_idx.gather(1, perms[stream])  # (M, n_train): each run's rows in its epoch's order
                 for i in range(0, order.shape[1], bs):
                     idx, mask = order[:, i:i + bs], tr_mask[:, i:i + bs]  # (M, bs)
@@ -279,9 +284,8 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None):
     device = device or common.pick_device()
     loaded = {t: load_transfer(data, t) for t in tasks}
     t0 = time.perf_counter()
-    distinct = sorted({s for splits in loaded.values() for texts, _ in splits.values() for col in texts for s in col})
-    cache = dict(zip(distinct, encode(distinct).float().to(device)))
-    embed = lambda sents: torch.stack([cache[s] for s in sents])  # noqa: E731
+    embed = common.encode_once(encode, {s for splits in loaded.values() for texts, _ in splits.values()
+                                        for col in texts for s in col}, device)
     seconds = {"encode": time.perf_counter() - t0}
     t0, results = time.perf_counter(), {}
     for t, splits in loaded.items():
@@ -301,11 +305,12 @@ def align_uniform(encode, data, split="test"):
     (all pairs x != y, torch.pdist). Lower is better for both; uniformity lies in [-4, 0]."""
     pairs = common.load_sts(data, "STS-B", split)[split]
     sents = sorted({s for a, b, _ in pairs for s in (a, b)})
-    f = dict(zip(sents, F.normalize(encode(sents).float().cpu(), dim=-1)))  # sentence -> (H,)
-    pos = [(a, b) for a, b, gold in pairs if gold >= 4]
-    x, x_pos = torch.stack([f[a] for a, _ in pos]), torch.stack([f[b] for _, b in pos])  # (P, H)
+    f = F.normalize(encode(sents).float().cpu(), dim=-1)  # (S, H), one row per distinct sentence
+    row = {s: i for i, s in enumerate(sents)}
+    pos = [(row[a], row[b]) for a, b, gold in pairs if gold >= 4]
+    x, x_pos = f[[i for i, _ in pos]], f[[j for _, j in pos]]  # (P, H)
     alignment = (x - x_pos).norm(dim=1).pow(2).mean()
-    uniformity = torch.pdist(torch.stack(list(f.values()))).pow(2).mul(-2).exp().mean().log()
+    uniformity = torch.pdist(f).pow(2).mul(-2).exp().mean().log()
     return alignment.item(), uniformity.item()
 
 
