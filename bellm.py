@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import io
 import os
 import random
 import resource
@@ -44,24 +45,26 @@ p.add_argument("--train", default=None, help="csv with sent0,sent1,hard_neg (Sim
                "default) or a C-STS csv with sentence1,sentence2,condition,label")
 p.add_argument("--data-dir", default=None, help="STS data (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/bellm", help="where the best adapter and sentemb.json go")
-p.add_argument("--epochs", type=int, default=1)
-p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=int, default=64, help="triplets per step PER GPU (paper: one of 16, 32, 64, "
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="passes over --train")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="triplets per step PER GPU (paper: one of 16, 32, 64, "
                "128); under torchrun the in-batch negatives come from all GPUs: world_size x batch-size triplets")
-p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
-p.add_argument("--lr", type=float, default=2e-4, help="paper: 2e-4")
-p.add_argument("--max-len", type=int, default=64, help="tokens per TRAINING sentence; longer ones are cut before "
+p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 2e-4 (paper); with --resume: the "
+               "run's own, unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="tokens per TRAINING sentence; longer ones are cut before "
                "they are put into the prompt, so the prompt's end is never cut (evaluation never cuts)")
-p.add_argument("--eval-steps", type=int, default=100, help="STS-B dev every N steps (and at step 0 and the end)")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="STS-B dev every N steps (and at step 0 and the end)")
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
                help="evaluate at step 0 (the zero-shot score); --no-eval-first saves one evaluation on a CPU")
-p.add_argument("--seed", type=int, default=42)
+p.add_argument("--seed", type=common.SEED, default=42, help="weights of added layers, LoRA, "
+               "dropout and the data order")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA), for training and the "
                "dev evaluations: faster on CPUs with bf16 instructions; dev scores move by ~0.1")
 # --- bellm ---
-p.add_argument("--bi-layers", type=int, default=1, help="K: how many last layers are bidirectional (paper: 1; "
+p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1, help="K: how many last layers are bidirectional (paper: 1; "
                "0 = the plain causal LLM)")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
                help="parallel = eq. 5 (causal stack and bidirectional layers both read x, outputs summed; the "
@@ -71,24 +74,24 @@ p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"],
                     "of the last K, on top of all n causal layers (Table 4 'addition')")
 p.add_argument("--prompt", default=PROMPT, help="must contain {sentence}; may contain {condition} (C-STS, §5.1: "
                "'Given the context {condition}, summarize the sentence {sentence} in one word:\"')")
-p.add_argument("--temp", type=float, default=0.05, help="tau of eq. 6 (paper: 0.05)")
-p.add_argument("--lora-r", type=int, default=32, help="paper: 32")
-p.add_argument("--lora-alpha", type=int, default=32, help="paper: 32")
-p.add_argument("--lora-dropout", type=float, default=0.1, help="paper: 0.1")
+p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau of eq. 6 (paper: 0.05)")
+p.add_argument("--lora-r", type=common.POS_INT, default=32, help="paper: 32")
+p.add_argument("--lora-alpha", type=common.POS_INT, default=32, help="paper: 32")
+p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1")
 p.add_argument("--csts", default=None, help="C-STS csv (sentence1,sentence2,condition,label) scored at every "
                "evaluation; when given it selects the checkpoint instead of STS-B dev")
-p.add_argument("--log-steps", type=int, default=10, help="print loss and speed every N steps")
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print loss and speed every N steps")
 p.add_argument("--degradation", action="store_true", help="no training: STS score of the causal LLM cut after "
                "each layer k = 1..n (Fig. 4), from one pass with all hidden states")
 p.add_argument("--tasks", default=",".join(common.TASKS), help="tasks of the final table and of --degradation")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="7-task table of the best checkpoint at the end")
+common.show_ranges(p)
 
 
 def fill(prompt, sentence, condition=None):
-    """The prompted text; str.replace, so braces inside a sentence are left alone."""
-    text = prompt.replace("{sentence}", sentence)
-    return text if condition is None else text.replace("{condition}", condition)
+    """The prompted text; str.replace, so braces inside a sentence are left alone. No condition: empty."""
+    return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
 
 
 def check_prompt(prompt, conditional):
@@ -206,25 +209,37 @@ def load_encoder(run_dir, meta, device):
     if run_dir and os.path.isfile(os.path.join(run_dir, "adapter_config.json")):
         from peft import PeftModel
         PeftModel.from_pretrained(dec, run_dir)  # wraps the LoRA layers into dec in place
-    check_prompt(cfg["prompt"], False)
+    check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
+    if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
+        print("note: the prompt has {condition} (C-STS) and these sentences have none: it is left empty")
     return make_encoder(dec.eval(), tok, cfg, device)
 
 
 # ================================================================ data ==========================
 def read_csv(path):
-    """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition, label)."""
-    with open(path, encoding="utf8", newline="") as f:
-        rows = list(csv.DictReader(f))
-    cols = set(rows[0]) if rows else set()
+    """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition, label); an empty
+    or missing cell is a bad input naming its line."""
+    reader = csv.DictReader(io.StringIO(common.read_text(path)))
+    cols = set(reader.fieldnames or [])
     if {"sent0", "sent1", "hard_neg"} <= cols:
-        return "nli", [(r["sent0"], r["sent1"], r["hard_neg"]) for r in rows]
-    if {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,sentence2,"
+                   f"condition,label (C-STS); it has {','.join(sorted(cols)) or 'no header'}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or delete the row")
         try:
-            return "csts", [(r["sentence1"], r["sentence2"], r["condition"], float(r["label"])) for r in rows]
+            rows.append(tuple(r[c] for c in need[:-1]) + (float(r["label"]),) if kind == "csts" else
+                        tuple(r[c] for c in need))
         except ValueError:
-            common.die(f"'{path}': a label is not a number; C-STS labels are 1-5")
-    common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,sentence2,"
-               f"condition,label (C-STS); it has {','.join(sorted(cols)) or 'no rows'}")
+            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; C-STS labels are 1-5")
+    if not rows:
+        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
 
 
 def csts_spearman(encode, rows):
@@ -291,8 +306,6 @@ def main():
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if min(a.max_len, a.eval_steps, a.log_steps, a.grad_accum) < 1 or a.lr <= 0 or a.temp <= 0:
-        common.die("--max-len, --lr, --temp, --eval-steps, --log-steps and --grad-accum must be positive")
     data = common.senteval_dir(a.data_dir)
 
     # ---------------------------------------------------------------- seeding
@@ -316,13 +329,14 @@ def main():
     if len(rows) < per_step:
         common.die(f"'{a.train}' has {len(rows)} rows, fewer than the {per_step} of one step: lower --batch-size "
                    "or --grad-accum")
-    ckpt = common.checkpoint_path(a.output_dir, a.resume, rank)  # refuses to overwrite a run
+    data = common.check_sts(data, tasks if a.final_eval else [])
+    ckpt = common.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
+    state = common.load_state(ckpt, "bellm", a, device) if a.resume else None
+    lr = a.lr or (state["args"]["lr"] if state else 2e-4)
     g = torch.Generator().manual_seed(a.seed)  # the data order: fixed by the seed, the same on every rank
     order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
     steps = [order[i:i + per_step] for i in range(0, len(order) - per_step + 1, per_step)]  # last partial dropped
     total = len(steps) if a.max_steps < 0 else min(a.max_steps, len(steps))
-    if total < 1:
-        common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
 
     # ---------------------------------------------------------------- model (patch) + LoRA
     from peft import LoraConfig, get_peft_model
@@ -338,12 +352,12 @@ def main():
                 max_len=dec.config.max_position_embeddings)  # for evaluation, which does not cut sentences
     encode = make_encoder(dec, tok, meta, device, a.bf16)
     params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr)
+    opt = torch.optim.AdamW(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)  # linear decay (the authors' HF Trainer)
     log = print if rank == 0 else (lambda *_, **__: None)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, {total} steps of {per_step} "
-        f"rows ({world} process(es) x {a.batch_size} x {a.grad_accum} accumulated), device {device}")
+        f"rows ({world} process(es) x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}")
 
     def dev_score():
         model.eval()
@@ -353,28 +367,40 @@ def main():
         return score
 
     step, best = 0, -float("inf")
-    if a.resume:
-        s = torch.load(ckpt, map_location=device, weights_only=False)
-        for q, v in zip(params, s["trainable"]):
-            q.data.copy_(v)
-        opt.load_state_dict(s["opt"]), sched.load_state_dict(s["sched"])
-        step, best = s["step"], s["best"]
-        torch.set_rng_state(s["rng"][0]), random.setstate(s["rng"][1]), np.random.set_state(s["rng"][2])
+    if state:
+        def restore():
+            if [q.shape for q in params] != [v.shape for v in state["trainable"]]:
+                raise ValueError("other LoRA shapes")
+            for q, v in zip(params, state["trainable"]):
+                q.data.copy_(v)
+            opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
+        common.fit(restore, f"'{a.model}' with these LoRA settings")
+        step, best = state["step"], state["best"]
+        torch.set_rng_state(state["rng"][0]), random.setstate(state["rng"][1]), np.random.set_state(state["rng"][2])
+        if lr != state["args"].get("lr", lr):
+            common.set_lr(opt, lr, sched)
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
 
-    def evaluate_and_save():  # rank 0 only; the others wait at the barrier
+    def training_state():
+        return {"method": "bellm", "args": {**common.run_args(a), "lr": lr}, "trainable": [q.detach().clone() for q in params],
+                "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "best": best,
+                "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+
+    def save(score=None):  # rank 0 writes (the training state; with a new best dev score, the adapter too)
         nonlocal best
-        if rank == 0:
-            d = dev_score()
-            if d > best:
-                best = d
-                model.save_pretrained(a.output_dir)  # the peft adapter (added layers' LoRA included)
-                common.save_meta(a.output_dir, **meta)
-            log(f"step {step:>5}  {'csts_dev' if csts_dev else 'stsb_dev'} {d:.2f}  (best {best:.2f})", flush=True)
-            torch.save({"trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "step": step, "best": best,
-                        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}, ckpt)
+        if rank == 0 and score is not None and score > best:
+            best = score  # the peft adapter (added layers' LoRA included), sentemb.json and the state, as one
+            common.save_best(a.output_dir, model.save_pretrained, training_state(), params, **meta)
+        elif rank == 0:
+            common.save_state(training_state(), a.output_dir, params)
         if world > 1:
             torch.distributed.barrier()
+
+    def evaluate_and_save():
+        d = dev_score() if rank == 0 else None
+        save(d)
+        if rank == 0:
+            log(f"step {step:>5}  {'csts_dev' if csts_dev else 'stsb_dev'} {d:.2f}  (best {best:.2f})", flush=True)
 
     def micro_step(batch):
         """One micro-batch of B rows on this rank -> (loss over the global batch of world·B rows, real tokens)."""
@@ -396,46 +422,52 @@ def main():
 
     # ---------------------------------------------------------------- training loop
     model.train()
-    if step == 0 and a.eval_first:
-        evaluate_and_save()
-    t0, toks, seen = time.perf_counter(), 0, 0
-    while step < total:
-        opt.zero_grad(set_to_none=True)
-        for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B rows
-            start = (k * world + rank) * a.batch_size
-            sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else ddp.no_sync
-            with sync():  # gradients are all-reduced once, after the last micro-batch
-                loss, n_tok = micro_step([rows[i] for i in steps[step][start:start + a.batch_size]])
-            if not torch.isfinite(loss):
-                common.die(f"loss became NaN at step {step}: lower --lr (now {a.lr}); the best checkpoint in "
-                           f"{a.output_dir} is kept")
-            toks += n_tok
-        opt.step()
-        sched.step()
-        step, seen = step + 1, seen + per_step
-        if step % a.log_steps == 0 or step == total:
-            dt, n = time.perf_counter() - t0, torch.tensor(float(toks), device=device)
-            if world > 1:
-                torch.distributed.all_reduce(n)  # real tokens of all ranks
-            log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                f"rows/s {seen / dt:.2f}  "
-                f"tok/s {n.item() / dt:.0f}", flush=True)
-            t0, toks, seen = time.perf_counter(), 0, 0
-        if step % a.eval_steps == 0 or step == total:
+    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+        if step == 0 and a.eval_first:
             evaluate_and_save()
-            t0, toks, seen = time.perf_counter(), 0, 0
+        t0, toks, seen = time.perf_counter(), 0, 0
+        while step < total:
+            opt.zero_grad(set_to_none=True)
+            for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B rows
+                start = (k * world + rank) * a.batch_size
+                sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else ddp.no_sync
+                with sync():  # gradients are all-reduced once, after the last micro-batch
+                    loss, n_tok = micro_step([rows[i] for i in steps[step][start:start + a.batch_size]])
+                if not torch.isfinite(loss):  # before opt.step(): the weights are still the last good ones
+                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now {lr:g}; "
+                               f"--resume --lr ...); the run in {a.output_dir} is kept")
+                toks += n_tok
+            opt.step()
+            sched.step()
+            step, seen = step + 1, seen + per_step
+            if step % a.log_steps == 0 or step == total:
+                dt, n = time.perf_counter() - t0, torch.tensor(float(toks), device=device)
+                if world > 1:
+                    torch.distributed.all_reduce(n)  # real tokens of all ranks
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                    f"rows/s {seen / dt:.2f}  "
+                    f"tok/s {n.item() / dt:.0f}", flush=True)
+                t0, toks, seen = time.perf_counter(), 0, 0
+            halt = stop(device, world)  # the same answer on every rank
+            if step % a.eval_steps == 0 or step == total:
+                evaluate_and_save()
+                t0, toks, seen = time.perf_counter(), 0, 0
+            elif halt:
+                save()
+            if halt:
+                stop.exit(step, a.output_dir)
 
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else  # Linux ru_maxrss is in KiB
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-    log(f"peak memory {peak:.2f} GiB ({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'ru_maxrss'}"
-        f"{', rank 0' if world > 1 else ''})")
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else  # Linux ru_maxrss: KiB
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+        log(f"peak memory {peak:.2f} GiB ({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'ru_maxrss'}"
+            f"{', rank 0' if world > 1 else ''})")
 
-    # ---------------------------------------------------------------- evaluation of the best checkpoint
-    if a.final_eval and rank == 0:
-        best_encode = load_encoder(a.output_dir, meta, device)  # exactly what eval_sts.py runs (--bf16: its --bf16)
-        with common.autocast(device, a.bf16):
-            print(common.format_table(common.evaluate(best_encode, data, tasks)))
-
+        # ------------------------------------------------------------ evaluation of the best checkpoint
+        stop.now = True  # nothing left to save: a signal ends the process at once
+        if a.final_eval and rank == 0:
+            best_encode = load_encoder(a.output_dir, meta, device)  # what eval_sts.py runs (--bf16: its --bf16)
+            with common.autocast(device, a.bf16):
+                print(common.format_table(common.evaluate(best_encode, data, tasks)))
 
 if __name__ == "__main__":
     main()

@@ -5,10 +5,15 @@ finding the data, reading training text, tokenisation with dynamic padding, and 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
 """
+import argparse
 import contextlib
 import json
+import math
 import os
+import shutil
+import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -25,6 +30,8 @@ STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as 
 HUB_DATASET = "princeton-nlp/datasets-for-simcse"  # holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sentemb")
 META = "sentemb.json"  # written beside every checkpoint: how eval_sts.py must encode with it
+CKPT = "checkpoint.pt"  # the training state, for --resume
+STAGING, PENDING, LOCK = ".best.staging", ".best.pending", ".lock"  # see save_best() and lock_run()
 
 
 def die(msg):
@@ -106,6 +113,15 @@ def senteval_dir(flag=None):
         "STS/STS12-en-test/... and DIR/downstream/SICK/... are SimCSE's senteval.tar, unpacked")
 
 
+def check_sts(data, tasks=TASKS):
+    """Read every evaluation file now (STS-B dev and the tasks' test sets), so that a malformed one stops a
+    training run before it starts rather than at its final table."""
+    load_sts(data, "STS-B", "dev")
+    for t in tasks:
+        load_sts(data, t)
+    return data
+
+
 def train_file(path, hub_name):
     """A training file given on the command line, or SimCSE's default downloaded from the hub."""
     if path and os.path.isfile(path):
@@ -116,31 +132,347 @@ def train_file(path, hub_name):
         f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
 
 
+def read_text(path):
+    """A whole UTF-8 text file, newlines translated as open() in text mode does; anything else is a bad
+    input naming the file and the line."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        die(f"cannot read '{path}' ({e.strerror}): pass a readable file")
+    try:
+        return raw.decode("utf8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        die(f"'{path}', line {line}: not UTF-8 text; convert the file to UTF-8 "
+            "(e.g. iconv -f latin1 -t utf8)")
+
+
 def read_sentences(path):
     """One sentence per line; blank lines are skipped; a file with no sentence is an error."""
-    with open(path, encoding="utf8") as f:
-        sents = [line.strip() for line in f if line.strip()]
+    sents = [line.strip() for line in read_text(path).split("\n") if line.strip()]
     if not sents:
         die(f"'{path}' has no sentences: pass a --train file with one sentence per line")
     return sents
 
 
-def checkpoint_path(out_dir, resume, rank=0):
-    """-> OUT_DIR/checkpoint.pt. Rank 0 checks that nothing already saved will be lost: the folder is
-    writable, a folder that holds a run needs --resume, and --resume needs a checkpoint."""
-    ckpt = os.path.join(out_dir, "checkpoint.pt")
+# ---------------------------------------------------------------- nothing lost ------------------
+# A run folder holds the best model (plain HF or peft files + sentemb.json) and checkpoint.pt (the training
+# state). Every write is atomic: a kill, a full disk or a power cut at any instant leaves the old version or
+# the new one. Only one process at a time may write a run folder (lock_run).
+def _pause():
+    """For tests: SENTEMB_SAVE_PAUSE=seconds makes every save wait between its writes, so that a kill can
+    be aimed inside a save."""
+    if t := os.environ.get("SENTEMB_SAVE_PAUSE"):
+        time.sleep(float(t))
+
+
+def _fsync(path):
+    """Flush a file, or a folder's entries (renames), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_failed(what, e):
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; what was saved before "
+        "is kept, and --resume continues from it")
+
+
+def _check_finite(params, out_dir):
+    if not all(bool(torch.isfinite(q).all()) for q in params):
+        die(f"the weights are no longer finite: not saved; {out_dir} holds the last good step: "
+            "resume from it with a lower --lr (--resume --lr ...)")
+
+
+def save_state(state, out_dir, params):
+    """torch.save(state, OUT_DIR/checkpoint.pt) atomically: a temporary file beside it, fsync, one rename.
+    Weights that are no longer finite are never saved: the checkpoint of the last good step stays."""
+    _check_finite(params, out_dir)
+    path = os.path.join(out_dir, CKPT)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            _pause()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync(out_dir)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer on a full disk
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        _save_failed(path, e)
+
+
+def save_best(out_dir, write, state, params, **meta):
+    """A new best model and the training state, replaced together as one. write(folder) saves the weights
+    and tokenizer into an empty staging folder; checkpoint.pt (state) and sentemb.json (meta) are added,
+    every file is synced, and the folder is renamed to .best.pending: the commit point. Before it a kill
+    leaves the previous save untouched; after it the files are moved over the old ones, sentemb.json
+    last, and a move cut short by a kill is completed by finish_save() the next time a command of this
+    project opens the folder (training, --resume, eval_sts.py)."""
+    _check_finite(params, out_dir)
+    staging = os.path.join(out_dir, STAGING)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        write(staging)
+        torch.save(state, os.path.join(staging, CKPT))
+        with open(os.path.join(staging, META), "w") as f:
+            json.dump(meta, f, indent=2)
+        for root, _, files in os.walk(staging):
+            for name in files:
+                _fsync(os.path.join(root, name))
+                _pause()
+            _fsync(root)
+        os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
+        _fsync(out_dir)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        _save_failed(f"the best model in {out_dir}", e)
+    finish_save(out_dir)
+
+
+def finish_save(out_dir):
+    """Complete an interrupted save (call it holding the folder's lock): an uncommitted staging folder is
+    dropped (the old model stands), a committed one is moved into place; stray temporary files go."""
+    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, CKPT + ".tmp"))
+    pending = os.path.join(out_dir, PENDING)
+    if not os.path.isdir(pending):
+        return
+    if os.path.exists(os.path.join(pending, META)):  # files still to move: meanwhile the folder describes no run
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, META))
+    files = sorted((os.path.relpath(os.path.join(root, n), pending) for root, _, names in os.walk(pending)
+                    for n in names), key=lambda rel: (rel == META, rel))  # sentemb.json last
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+        _pause()
+    for root, _, _ in os.walk(out_dir):
+        _fsync(root)
+    shutil.rmtree(pending)
+
+
+_held = {}  # real path -> open lock file, for the run folders this process holds
+
+
+def lock_run(out_dir):
+    """An exclusive lock on OUT_DIR/.lock that lasts as long as this process (the kernel drops it when the
+    process ends, however it ends). True when this process holds it, False when another process does."""
+    key = os.path.realpath(out_dir)
+    if key in _held:
+        return True
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return True
+    f = open(os.path.join(out_dir, LOCK), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return False
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _held[key] = f
+    return True
+
+
+def open_run(out_dir, resume, models=(), rank=0):
+    """-> OUT_DIR/checkpoint.pt, once rank 0 has made sure that nothing already saved can be lost: the folder
+    is not one of the input models and is writable; it is locked for this run; an interrupted save is
+    completed; a folder that holds a run (sentemb.json or checkpoint.pt) needs --resume, and --resume needs
+    a checkpoint. Other ranks wait for that (they read the checkpoint next)."""
+    ckpt = os.path.join(out_dir, CKPT)
     if rank == 0:
+        for m in models:
+            if m and os.path.isdir(m) and os.path.isdir(out_dir) and os.path.samefile(m, out_dir):
+                die(f"--output-dir '{out_dir}' is the input model '{m}': training would overwrite its weights; "
+                    "pass another --output-dir")
         try:
             os.makedirs(out_dir, exist_ok=True)
             open(os.path.join(out_dir, ".write_test"), "w").close()
             os.remove(os.path.join(out_dir, ".write_test"))
         except OSError as e:
             die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
-        if not resume and os.path.exists(os.path.join(out_dir, META)):
+        if not lock_run(out_dir):
+            with open(os.path.join(out_dir, LOCK)) as f:
+                pid = f.read().strip()
+            die(f"'{out_dir}' is in use by another training run (pid {pid or '?'}): wait for it to end, or pass "
+                "another --output-dir")
+        finish_save(out_dir)
+        holds_run = os.path.exists(os.path.join(out_dir, META)) or os.path.exists(ckpt)
+        if not resume and holds_run:
             die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json",
+                                                                                     "adapter_config.json")):
+            die(f"'{out_dir}' holds a model that is not a run of this project: pass a new or empty --output-dir")
         if resume and not os.path.isfile(ckpt):
             die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
     return ckpt
+
+
+def settle(run_dir):
+    """Before reading a run folder: complete a save that a kill cut short after its commit point. If a
+    training run holds the folder, it completes its own save within moments: wait for it."""
+    key = os.path.realpath(run_dir)
+    for _ in range(300):
+        if not os.path.isdir(os.path.join(run_dir, PENDING)):
+            return
+        mine = key in _held
+        try:
+            if lock_run(run_dir):
+                finish_save(run_dir)
+                if not mine and key in _held:
+                    _held.pop(key).close()
+                return
+        except OSError as e:
+            die(f"'{run_dir}' holds an interrupted save that cannot be completed ({e.strerror}): make the folder "
+                "writable and run again")
+        time.sleep(0.1)
+    die(f"'{run_dir}' is being saved by a training run: try again in a moment")
+
+
+META_KEYS = {"sscl": ["pooler", "proj_dim", "max_len"], "jtcse": ["towers", "max_len"],
+             "bellm": ["base_model", "bi_layers", "bi_mode", "prompt"]}
+
+
+def read_meta(run_dir):
+    """A run folder's sentemb.json (after settle()), or None when it has none; a damaged one is a bad input."""
+    settle(run_dir)
+    path = os.path.join(run_dir, META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS.get(meta.get("method"), ["method"])):
+        die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py (damaged or edited): "
+            "re-save the run, or delete the file to load the folder as a plain model")
+    return meta
+
+
+# settings that may change on --resume; any other difference is refused, listing the flags
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval", "data_dir",
+             "output_dir", "bf16", "tasks", "eval_first"}
+
+
+def run_args(args):
+    """The settings a checkpoint records; paths that exist are made absolute (a resume may start elsewhere)."""
+    return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v for k, v in vars(args).items()}
+
+
+def load_state(path, method, args, device):
+    """The training state of OUT_DIR/checkpoint.pt for --resume, or one line saying why it cannot be used:
+    unreadable (damaged), written by another script, or by a run with other settings."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        die(f"--resume: {path} cannot be read ({type(e).__name__}); it is damaged: start again without --resume "
+            "in another --output-dir")
+    if not isinstance(state, dict) or state.get("method", method) != method:
+        die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a {method}.py run")
+    old, new = state.get("args", {}), run_args(args)
+    if changed := [k for k in old if k not in RESUMABLE and old[k] != new.get(k)]:
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
+        die(f"--resume: the run was started with {', '.join(flag(k, old[k]) for k in changed)}, this command "
+            f"says {', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own settings")
+    return state
+
+
+def fit(load, what):
+    """Load a checkpoint's tensors into the model; a mismatch is a foreign checkpoint, one line."""
+    try:
+        load()
+    except (KeyError, RuntimeError, ValueError) as e:
+        die(f"--resume: the checkpoint does not fit {what} ({type(e).__name__}): pass the --output-dir of a run "
+            "of this model and settings")
+
+
+def set_lr(opt, lr, sched=None):
+    """A new --lr on --resume: the optimizer's groups (and a LambdaLR's base) take it from this step on."""
+    for i, g in enumerate(opt.param_groups):
+        g["initial_lr"] = lr
+        g["lr"] = lr * (sched.lr_lambdas[i](sched.last_epoch) if sched else 1)
+    if sched:
+        sched.base_lrs = [lr] * len(opt.param_groups)
+
+
+class StopOnSignal(contextlib.AbstractContextManager):
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption): training stops at the next step boundary,
+    saves its state and exits with 128 + the signal number; a second signal exits at once (every save is
+    atomic, so that loses nothing already saved). The previous handlers come back on exit."""
+
+    def __enter__(self):
+        self.signum, self.now = 0, False  # now: exit at the first signal (training has ended)
+        self.old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in self.old:
+            signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum or self.now:
+            os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at once)\n".encode())
+
+    def __call__(self, device, world):
+        """True on every rank once any rank has had a signal (ranks must leave the loop at the same step)."""
+        if world > 1:
+            t = torch.tensor(self.signum, device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            self.signum = int(t)
+        return bool(self.signum)
+
+    def exit(self, step, out_dir):
+        print(f"stopped at step {step} ({signal.Signals(self.signum).name}): the training state is in "
+              f"{os.path.join(out_dir, CKPT)}; run the same command with --resume to continue", flush=True)
+        sys.exit(128 + self.signum)
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------- argument types ----------------
+def _typed(convert, ok, text):
+    def parse(s):
+        try:
+            v = convert(s)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"{s!r} is not {text}")
+        return v
+    parse.range = text
+    return parse
+
+
+POS_INT = _typed(int, lambda v: v >= 1, "an integer >= 1")
+NONNEG_INT = _typed(int, lambda v: v >= 0, "an integer >= 0")
+STEPS = _typed(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1")
+SEED = _typed(int, lambda v: 0 <= v < 2**32, "an integer in 0..2**32-1")
+POS_FLOAT = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+PROB = _typed(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+
+
+def show_ranges(parser):
+    """Append each typed argument's allowed range to its --help text."""
+    for act in parser._actions:
+        if hasattr(act.type, "range") and act.help:
+            act.help += f" [{act.type.range}]"
+    return parser
 
 
 def load_pretrained(cls, name, **kw):
@@ -185,8 +517,8 @@ def encode_once(encode, sentences, device="cpu"):
 def _lines(path):
     if not os.path.isfile(path):
         die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix --data-dir")
-    with open(path, encoding="utf8") as f:
-        return [line.rstrip("\n") for line in f]
+    lines = read_text(path).split("\n")
+    return lines[:-1] if lines[-1] == "" else lines  # as iterating over the file: no line after the last \n
 
 
 def _row(path, i, s1, s2, gold):
@@ -262,8 +594,3 @@ def format_table(results):
     avg = sum(results[t] for t in names) / len(names)
     head = " ".join(f"{t:>7}" for t in names + ["Avg."])
     return head + "\n" + " ".join(f"{results[t]:7.2f}" for t in names) + f" {avg:7.2f}"
-
-
-def save_meta(out_dir, **meta):
-    with open(os.path.join(out_dir, META), "w") as f:
-        json.dump(meta, f, indent=2)

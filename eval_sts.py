@@ -355,12 +355,13 @@ p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
                     "check (the papers' tables); fasttest = 5 folds, RMSprop, batch 128, tenacity 3, 2 epochs")
 p.add_argument("--align-uniform", action="store_true", help="also print alignment and uniformity (Wang & Isola "
                                                             "2020, as SimCSE computes them) on STS-B")
-p.add_argument("--batch-size", type=int, default=128)
-p.add_argument("--max-len", type=int, default=512, help="truncation, in tokens")
+p.add_argument("--batch-size", type=common.POS_INT, default=128, help="pairs per batch with --exact")
+p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
 p.add_argument("--exact", action="store_true", help="STS only: SentEval's own batches (slower; for parity checks)")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU as well (about 2x faster where "
                                                     "the CPU has bf16 instructions; numbers move by ~0.01)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
+common.show_ranges(p)
 
 def hf_encoder(name, pooler, max_len, device):
     """encode(list[str]) -> (N, H) for a plain Hugging Face encoder with the usual poolings (SimCSE's names)."""
@@ -396,13 +397,12 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
     if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
-    meta_path = os.path.join(name, common.META)
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("method") not in ("sscl", "jtcse", "bellm"):
-            common.die(f"{meta_path} names no known method (sscl, jtcse, bellm): re-save the run or remove the file")
-        return importlib.import_module(meta["method"]).load_encoder(name, meta, device)
+    if os.path.isdir(name) and (meta := common.read_meta(name)) is not None:  # read_meta: completes a cut save
+        try:
+            return importlib.import_module(meta["method"]).load_encoder(name, meta, device)
+        except (OSError, ValueError) as e:
+            common.die(f"cannot load the {meta['method']}.py run in '{name}' ({type(e).__name__}): its model files "
+                       "are missing or damaged; evaluate another checkpoint or train again")
     return hf_encoder(name, pooler, max_len, device)
 
 
@@ -410,6 +410,9 @@ def main():
     a = p.parse_args()
     transformers.logging.disable_progress_bar()
     sts_tasks, transfer_tasks = parse_tasks(a.tasks)
+    parent = os.path.dirname(os.path.abspath(a.json or "."))
+    if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
+        common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): pass a file path")
     data = common.senteval_dir(a.data_dir)
     t0 = time.perf_counter()
     encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
@@ -433,9 +436,10 @@ def main():
     out["seconds"] = seconds
     print(f"({a.model}, split {a.split}" + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
-    if a.json:
-        with open(a.json, "w") as f:
+    if a.json:  # a temporary file, then one rename: an old file is never left half-written
+        with open(a.json + ".tmp", "w") as f:
             json.dump(out, f, indent=2)
+        os.replace(a.json + ".tmp", a.json)
 
 
 if __name__ == "__main__":

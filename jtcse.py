@@ -19,7 +19,6 @@ no cross-attention; `--distill` compresses the twin into one tower ("JTCSE D", Â
 """
 import argparse
 import contextlib
-import json
 import os
 import time
 
@@ -39,27 +38,28 @@ p.add_argument("--model-b", default="bert-base-uncased", help="tower II, same to
 p.add_argument("--train", default=None, help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
 p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/jtcse", help="the best checkpoint (STS-B dev) is saved here")
-p.add_argument("--epochs", type=int, default=1, help="paper: 1")
-p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=int, default=64, help="sentences per step PER GPU (paper: 64); under torchrun "
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences per step PER GPU (paper: 64); under torchrun "
                "the in-batch negatives come from all GPUs: world_size x batch-size")
-p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
-p.add_argument("--lr", type=float, default=None, help="default 1.3e-6 (authors' value: small, because the "
-               "towers are ALREADY fine-tuned sentence encoders); with --distill 1e-5 (authors' supplementary)")
-p.add_argument("--max-len", type=int, default=64, help="paper: 64 tokens")
-p.add_argument("--eval-steps", type=int, default=100, help="STS-B dev every N steps, also at step 0 and at the end")
-p.add_argument("--seed", type=int, default=42)
-p.add_argument("--log-steps", type=int, default=10, help="print the loss every N steps")
+p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 1.3e-6 (authors' value: small, because "
+               "the towers are ALREADY fine-tuned sentence encoders); with --distill 1e-5 (authors' supplementary); "
+               "with --resume: the run's own, unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="paper: 64 tokens")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="STS-B dev every N steps, also at step 0 and at the end")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
 # --- JTCSE ---
-p.add_argument("--num-cael", type=int, default=None, help="number of cross-attention encoder layers: layer j "
+p.add_argument("--num-cael", type=common.NONNEG_INT, default=None, help="number of cross-attention encoder layers: layer j "
                "(1-based) is a CAEL when j mod (layers/num_cael) = 0, so it must divide the layer count (eq. 7, "
                "Table IX); default layers/2 (every 2nd layer: 6 for BERT-base, the paper's best; 3 for a 6-layer "
                "MiniLM), 1 for an odd layer count; 0 = no cross stream (ICNCE on plain outputs only)")
-p.add_argument("--temp", type=float, default=0.05, help="temperature tau of every InfoNCE (paper: 0.05)")
+p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="temperature tau of every InfoNCE (paper: 0.05)")
 p.add_argument("--add-sick", action=argparse.BooleanOptionalAction, default=True, help="add the unlabeled "
                "sentences of SICK train (from --data-dir) to --train, as the paper's footnote 7 adds SICK-R's")
 p.add_argument("--no-nce", action="store_true", help="drop L_NCE, eq. 11 (Table X ablation)")
@@ -71,6 +71,7 @@ p.add_argument("--distill", default=None, metavar="TEACHER_DIR", help="JTCSE D: 
 p.add_argument("--analyze", nargs="?", const="", default=None, metavar="TWIN_DIR", help="print E_CLS (eq. 6) "
                "per layer on STS-B test for --model-a alone and the twin (TWIN_DIR's towers, else --model-a/-b) "
                "with and without cross-attention, then exit")
+common.show_ranges(p)
 
 
 # ---------------------------------------------------------------- model -------------------------
@@ -267,25 +268,22 @@ def main():
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop at least one of them")
-    if distill and not os.path.isfile(meta_path := os.path.join(a.distill, common.META)):
+    if distill and (teacher_meta := common.read_meta(a.distill)) is None:
         common.die(f"--distill '{a.distill}' holds no {common.META}: pass the --output-dir of a jtcse.py twin run")
     if distill:
-        with open(meta_path) as f:
-            teacher_meta = json.load(f)
-        if teacher_meta.get("method") != "jtcse" or len(teacher_meta.get("towers", [])) != 2:
+        if teacher_meta["method"] != "jtcse" or len(teacher_meta["towers"]) != 2:
             common.die(f"--distill '{a.distill}' is not a jtcse.py twin run: pass the --output-dir of one")
-    lr = a.lr if a.lr is not None else (1e-5 if distill else 1.3e-6)
-    data = common.senteval_dir(a.data_dir)
+    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # paper footnote 7: unlabeled SICK sentences join the training text (we take SICK train)
         sick = common.load_sts(data, "SICK-R", "train")["train"]
         sentences += sorted({s for r in sick for s in r[:2]} - set(sentences))
-    if a.grad_accum < 1:
-        common.die(f"--grad-accum {a.grad_accum}: pass 1 (no accumulation) or more")
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
     if len(sentences) < per_step:
         common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
-    ckpt_path = common.checkpoint_path(a.output_dir, a.resume, rank)  # refuses to overwrite a run
+    ckpt_path = common.open_run(a.output_dir, a.resume, [a.model_a, a.model_b, a.distill], rank)  # locks it
+    state = common.load_state(ckpt_path, "jtcse", a, device) if a.resume else None
+    lr = a.lr or (state["args"]["lr"] if state else 1e-5 if distill else 1.3e-6)
 
     # seeding: one generator for the data order, one for R (eq. 12), both the same on every rank (so R is
     # the same on all ranks in a step); torch's global RNG drives dropout
@@ -311,44 +309,57 @@ def main():
     ddp = net if world == 1 else torch.nn.parallel.DistributedDataParallel(net)
     steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
-    if total < 1:
-        common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
     # NOTE(authors' code): plain AdamW at a constant learning rate, no schedule and no warm-up
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, fused=True)  # one kernel
     save_towers = [model[0]] if distill else list(model.towers)
     eval_len = save_towers[0].config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
     encode = make_encode(save_towers, tokenizer, eval_len, device)
     step, best = 0, -float("inf")
-    if a.resume:
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+    log = print if rank == 0 else (lambda *_, **__: None)
+    if state:
+        common.fit(lambda: (model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])),
+                   "these towers")
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"]), r_gen.set_state(state["r_gen"])
+        if lr != state["args"].get("lr", lr):
+            common.set_lr(opt, lr)
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
     what = f"distil {a.distill} into {a.model_a}" if distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {model.k or '-'} of {model.n} layers"
-    log = print if rank == 0 else (lambda *_, **__: None)
     log(f"JTCSE: {what}, {len(sentences)} sentences, {total} steps of {per_step} sentences ({world} process(es) "
         f"x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}")
 
-    def evaluate_and_save():  # rank 0 only; the others wait at the barrier
+    def training_state():
+        return {"method": "jtcse", "args": {**common.run_args(a), "lr": lr}, "model": model.state_dict(),
+                "opt": opt.state_dict(), "step": step, "best": best, "rng": torch.get_rng_state(),
+                "r_gen": r_gen.get_state()}
+
+    def save_model(folder):  # plain BertModel folders, loadable without this project
+        for name, tower in zip(names, save_towers):
+            tower.save_pretrained(os.path.join(folder, name))
+            tokenizer.save_pretrained(os.path.join(folder, name))
+
+    def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best
+        if rank == 0 and dev is not None and dev > best:
+            best = dev  # both towers (or the student), sentemb.json and the training state: replaced as one
+            common.save_best(a.output_dir, save_model, training_state(), list(model.parameters()), method="jtcse",
+                             towers=names, max_len=eval_len, stsb_dev=dev, step=step, teacher=a.distill,
+                             num_cael=None if distill else model.n // model.k if model.k else 0)
+        elif rank == 0:
+            common.save_state(training_state(), a.output_dir, list(model.parameters()))
+        if world > 1:
+            torch.distributed.barrier()
+
+    def evaluate_and_save():
+        dev = None
         if rank == 0:
             model.eval()
             dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
             model.train()
-            if dev > best:
-                best = dev
-                for name, tower in zip(names, save_towers):  # plain BertModel folders, loadable without us
-                    tower.save_pretrained(os.path.join(a.output_dir, name))
-                    tokenizer.save_pretrained(os.path.join(a.output_dir, name))
-                common.save_meta(a.output_dir, method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev,
-                                 step=step, teacher=a.distill,
-                                 num_cael=None if distill else model.n // model.k if model.k else 0)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                        "rng": torch.get_rng_state(), "r_gen": r_gen.get_state()}, ckpt_path)
+        save(dev)
+        if rank == 0:
             log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
-        if world > 1:
-            torch.distributed.barrier()
 
     def micro_step(sents, R):
         """One micro-batch of B sentences on this rank -> (loss over the global batch of worldÂ·B, its terms)."""
@@ -370,42 +381,48 @@ def main():
         return loss, terms
 
     model.train()
-    if step == 0:
-        evaluate_and_save()
-    t0, seen = time.perf_counter(), 0
-    while step < total:
-        epoch = step // steps_per_epoch
-        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
-        for b in range(step % steps_per_epoch, steps_per_epoch):
-            step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
-            R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: direction of ICNCE, drawn each step
-            opt.zero_grad(set_to_none=True)
-            for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
-                start = (k * world + rank) * a.batch_size
-                sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else ddp.no_sync
-                with sync():  # gradients are all-reduced once, after the last micro-batch
-                    loss, terms = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]], R)
-                if not torch.isfinite(loss):
-                    common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
-                               f"the best checkpoint in {a.output_dir} is kept")
-            opt.step()
-            step, seen = step + 1, seen + per_step
-            if step % a.log_steps == 0 or step == total:
-                parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}{'' if distill else f'  R {R}'}  "
-                    f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
-            if step == total or (a.eval_steps > 0 and step % a.eval_steps == 0):
-                evaluate_and_save()
-                t0, seen = time.perf_counter(), 0
-            if step == total:
-                break
+    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+        if step == 0:
+            evaluate_and_save()
+        t0, seen = time.perf_counter(), 0
+        while step < total and not stop(device, world):
+            epoch = step // steps_per_epoch
+            order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
+            for b in range(step % steps_per_epoch, steps_per_epoch):
+                step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
+                R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: direction of ICNCE, drawn each step
+                opt.zero_grad(set_to_none=True)
+                for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
+                    start = (k * world + rank) * a.batch_size
+                    sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else ddp.no_sync
+                    with sync():  # gradients are all-reduced once, after the last micro-batch
+                        loss, terms = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]], R)
+                    if not torch.isfinite(loss):  # before opt.step(): the weights are still the last good ones
+                        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr "
+                                   f"(--resume --lr ...) or check the data; the run in {a.output_dir} is kept")
+                opt.step()
+                step, seen = step + 1, seen + per_step
+                if step % a.log_steps == 0 or step == total:
+                    parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
+                    log(f"step {step:>5}  loss {loss.item():.4f}{parts}{'' if distill else f'  R {R}'}  "
+                        f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
+                halt = stop(device, world)  # the same answer on every rank
+                if step == total or step % a.eval_steps == 0:
+                    evaluate_and_save()
+                    t0, seen = time.perf_counter(), 0
+                elif halt:
+                    save()
+                if step == total or halt:
+                    break
+        if stop.signum:
+            stop.exit(step, a.output_dir)
 
-    # ---------------------------------------------------------------- final table ---------------
-    if a.final_eval and rank == 0:
-        from eval_sts import load_encoder as load_any
-        print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
-        print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))
-
+        # ------------------------------------------------------------ final table ---------------
+        stop.now = True  # nothing left to save: a signal ends the process at once
+        if a.final_eval and rank == 0:
+            from eval_sts import load_encoder as load_any
+            print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
+            print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))
 
 if __name__ == "__main__":
     main()

@@ -31,17 +31,18 @@ p.add_argument("--model", default="bert-base-uncased", help="hub name or local f
 p.add_argument("--train", default=None, help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
 p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/sscl", help="the best checkpoint (STS-B dev) is saved here")
-p.add_argument("--epochs", type=int, default=1, help="paper: 1")
-p.add_argument("--max-steps", type=int, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=int, default=64, help="sentences per GPU and step (paper: 64 on one GPU); "
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences per GPU and step (paper: 64 on one GPU); "
                "under torchrun the in-batch negatives come from all GPUs: world_size x batch-size")
-p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
-p.add_argument("--lr", type=float, default=3e-5, help="paper: 3e-5 (1e-5 for large models)")
-p.add_argument("--max-len", type=int, default=32, help="paper: 32 tokens")
-p.add_argument("--eval-steps", type=int, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
-p.add_argument("--seed", type=int, default=42)
-p.add_argument("--log-steps", type=int, default=10, help="print the loss every N steps")
+p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 3e-5 (paper; 1e-5 for large models); "
+               "with --resume: the run's own, unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=32, help="paper: 32 tokens")
+p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA): ~1.7x faster "
                "training on CPUs with bf16 instructions; evaluation stays fp32")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
@@ -54,13 +55,14 @@ p.add_argument("--pooler", default="cls", choices=["cls", "avg"],
                help="cls: CLS + MLP head in training, raw CLS at evaluation (SimCSE); avg: masked mean")
 p.add_argument("--no-aug", action="store_true", help="SSCL-BERT (Table 2): the positive is the sentence's own "
                "representation, no dropout view; only the negatives shape the space")
-p.add_argument("--proj-dim", type=int, default=0, help="linear projection of the sentence vector to this size, "
+p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0, help="linear projection of the sentence vector to this size, "
                "kept at evaluation (Table 5: 128/256); 0 = none")
-p.add_argument("--temp", type=float, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
+p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
 p.add_argument("--loss-mix", action="store_true", help="authors' code: mean of the SSCL loss and the plain "
                "SimCSE loss (the paper describes the SSCL loss alone)")
 p.add_argument("--analyze", action="store_true", help="print the over-smoothing diagnostics of --model on "
                "STS-B test (eq. 1 token-wise and eq. 2 inter-layer similarity) and exit")
+common.show_ranges(p)
 
 
 def parse_layers(spec, num_layers):
@@ -175,59 +177,78 @@ def main():
         return analyze(a, device)
     if a.batch_size * world < 2:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
-    layers = parse_layers(a.layer, common.load_pretrained(AutoConfig, a.model).num_hidden_layers)
-    data = common.senteval_dir(a.data_dir)
+    config = common.load_pretrained(AutoConfig, a.model)
+    if config.model_type not in transformers.models.auto.modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        common.die(f"'{a.model}' is a {config.model_type} model, not a bidirectional encoder: SSCL trains BERT-like "
+                   "models (bert, roberta, ...); pass one as --model")
+    layers = parse_layers(a.layer, config.num_hidden_layers)
+    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
     if len(sentences) < per_step:
         common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
-    ckpt_path = common.checkpoint_path(a.output_dir, a.resume, rank)  # refuses to overwrite a run
+    ckpt_path = common.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
+    state = common.load_state(ckpt_path, "sscl", a, device) if a.resume else None
+    lr = a.lr or (state["args"]["lr"] if state else 3e-5)
 
     # seeding: the data order comes from its own generator (the same on every rank), dropout from torch's RNG
     common.seed_everything(a.seed)
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
     encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim).to(device)
-    if encoder.bert.pooler is not None:  # BERT's own pooler is not used by either pooling: keep it frozen as loaded
+    if getattr(encoder.bert, "pooler", None) is not None:  # BERT's own pooler is used by neither pooling: frozen
         encoder.bert.pooler.requires_grad_(False)
     model = encoder if world == 1 else torch.nn.parallel.DistributedDataParallel(encoder)
     steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
-    if total < 1:
-        common.die(f"nothing to train ({total} steps): pass --max-steps >= 1 or --epochs >= 1")
     params = [q for q in encoder.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, fused=True)  # fused: one kernel for all parameters
+    opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)  # linear decay, as SimCSE's Trainer
     eval_len = encoder.bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
     encode = make_encode(encoder, tokenizer, eval_len, device)
     step, best = 0, -float("inf")
-    if a.resume:
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
+    log = print if rank == 0 else (lambda *_, **__: None)
+    if state:
+        common.fit(lambda: (encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]),
+                            sched.load_state_dict(state["sched"])), f"'{a.model}'")
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"])
-    log = print if rank == 0 else (lambda *_, **__: None)
+        if lr != state["args"].get("lr", lr):
+            common.set_lr(opt, lr, sched)
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
-        f"{total} steps of {per_step} sentences, {world} process(es), device {device}")
+        f"{total} steps of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}")
 
-    def evaluate_and_save():  # rank 0 only; the others wait at the barrier
+    def training_state():
+        return {"method": "sscl", "args": {**common.run_args(a), "lr": lr}, "encoder": encoder.state_dict(),
+                "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "best": best,
+                "rng": torch.get_rng_state()}
+
+    def save_model(folder):  # a plain HF model folder (+ proj.pt), loadable without this project
+        encoder.bert.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if encoder.proj is not None:
+            torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
+
+    def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best
+        if rank == 0 and dev is not None and dev > best:
+            best = dev
+            common.save_best(a.output_dir, save_model, training_state(), params, method="sscl", pooler=a.pooler,
+                             proj_dim=a.proj_dim, max_len=eval_len, layers=layers, stsb_dev=dev, step=step)
+        elif rank == 0:
+            common.save_state(training_state(), a.output_dir, params)
+        if world > 1:
+            torch.distributed.barrier()
+
+    def evaluate_and_save():
+        dev = None
         if rank == 0:
             encoder.eval()
             dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
             encoder.train()
-            if dev > best:
-                best = dev
-                encoder.bert.save_pretrained(a.output_dir)
-                tokenizer.save_pretrained(a.output_dir)
-                if encoder.proj is not None:
-                    torch.save(encoder.proj.state_dict(), os.path.join(a.output_dir, "proj.pt"))
-                common.save_meta(a.output_dir, method="sscl", pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
-                                 layers=layers, stsb_dev=dev, step=step)
-            torch.save({"encoder": encoder.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "best": best, "rng": torch.get_rng_state()}, ckpt_path)
+        save(dev)
+        if rank == 0:
             log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
-        if world > 1:
-            torch.distributed.barrier()
 
     def micro_step(sents):
         """One micro-batch of B sentences on this rank -> loss over the global batch (world·B rows)."""
@@ -248,40 +269,47 @@ def main():
         return loss
 
     encoder.train()
-    if step == 0:
-        evaluate_and_save()
-    t0, seen = time.perf_counter(), 0
-    while step < total:
-        epoch = step // steps_per_epoch
-        order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
-        for b in range(step % steps_per_epoch, steps_per_epoch):
-            step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
-            opt.zero_grad(set_to_none=True)
-            for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
-                start = (k * world + rank) * a.batch_size
-                sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else model.no_sync
-                with sync():  # gradients are all-reduced once, after the last micro-batch
-                    loss = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]])
-                if not torch.isfinite(loss):
-                    common.die(f"loss became {loss.item()} at step {step}: lower --lr or check the data; "
-                               f"the best checkpoint in {a.output_dir} is kept")
-            opt.step()
-            sched.step()
-            step, seen = step + 1, seen + per_step
-            if step % a.log_steps == 0 or step == total:
-                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                    f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
-            if step == total or (a.eval_steps > 0 and step % a.eval_steps == 0):
-                evaluate_and_save()
-                t0, seen = time.perf_counter(), 0
-            if step == total:
-                break
+    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+        if step == 0:
+            evaluate_and_save()
+        t0, seen = time.perf_counter(), 0
+        while step < total and not stop(device, world):
+            epoch = step // steps_per_epoch
+            order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(a.seed + epoch)).tolist()
+            for b in range(step % steps_per_epoch, steps_per_epoch):
+                step_sents = order[b * per_step:(b + 1) * per_step]  # this step's sentences, all ranks
+                opt.zero_grad(set_to_none=True)
+                for k in range(a.grad_accum):  # micro-batch k: rank r takes its slice of B
+                    start = (k * world + rank) * a.batch_size
+                    sync = contextlib.nullcontext if world == 1 or k == a.grad_accum - 1 else model.no_sync
+                    with sync():  # gradients are all-reduced once, after the last micro-batch
+                        loss = micro_step([sentences[i] for i in step_sents[start:start + a.batch_size]])
+                    if not torch.isfinite(loss):  # before opt.step(): the weights are still the last good ones
+                        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr "
+                                   f"(--resume --lr ...) or check the data; the run in {a.output_dir} is kept")
+                opt.step()
+                sched.step()
+                step, seen = step + 1, seen + per_step
+                if step % a.log_steps == 0 or step == total:
+                    log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                        f"sent/s {seen / (time.perf_counter() - t0):.1f}", flush=True)
+                halt = stop(device, world)  # the same answer on every rank
+                if step == total or step % a.eval_steps == 0:
+                    evaluate_and_save()
+                    t0, seen = time.perf_counter(), 0
+                elif halt:
+                    save()
+                if step == total or halt:
+                    break
+        if stop.signum:
+            stop.exit(step, a.output_dir)
 
-    # ---------------------------------------------------------------- final table ---------------
-    if a.final_eval and rank == 0:
-        from eval_sts import load_encoder as load_any
-        print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
-        print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))
+        # ------------------------------------------------------------ final table ---------------
+        stop.now = True  # nothing left to save: a signal ends the process at once
+        if a.final_eval and rank == 0:
+            from eval_sts import load_encoder as load_any
+            print(f"best checkpoint (STS-B dev {best:.2f}) on the test sets:")
+            print(common.format_table(common.evaluate(load_any(a.output_dir, device=device), data)))
 
 
 if __name__ == "__main__":

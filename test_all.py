@@ -4,14 +4,18 @@ equation), determinism. Tiny models and tokenisers are built here, offline. The 
 needs the real data and MiniLM checkpoint (../shared; `bash ../shared/bench/setup_models.sh`)."""
 import copy
 import csv
+import errno
 import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -25,6 +29,7 @@ import bellm
 import common
 import eval_sts
 import jtcse
+import sscl
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -506,7 +511,7 @@ def losses(stdout):
 
 
 def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
-    kw = dict(steps=10, eval_steps=0, layer="1,2")
+    kw = dict(steps=10, eval_steps=100, layer="1,2")
     a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval", **kw))
     b = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "b", "--no-final-eval", **kw))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
@@ -1091,7 +1096,7 @@ def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
         want = bellm.make_encoder(dec, tok, meta, bl_CPU)(SENTS)
         bl_run = tmp_path / f"run-{strategy}"
         model.save_pretrained(bl_run)
-        common.save_meta(bl_run, **meta)
+        (bl_run / common.META).write_text(json.dumps(meta))
         torch.testing.assert_close(bellm.load_encoder(str(bl_run), meta, bl_CPU)(SENTS), want)
         zero_shot = bellm.load_encoder(None, {k: meta[k] for k in ("method", "base_model", "bi_layers", "bi_mode",
                                                                    "prompt")}, bl_CPU)(SENTS)
@@ -1227,7 +1232,7 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
         "has no {sentence}": ["--model", str(model), "--prompt", "The representative word is:"],
         "sent0,sent1,hard_neg": ["--model", str(model), "--train", str(nli_csv(tmp_path, cols=("sent0", "sent1")))],
         "needs in-batch negatives": ["--model", str(model), "--batch-size", "1"],
-        "nothing to train": ["--model", str(model), "--max-steps", "0"],
+        "--max-steps": ["--model", str(model), "--max-steps", "0"],
         "training file": ["--model", str(model), "--train", str(tmp_path / "missing.csv")],
         "unknown task": ["--model", str(model), "--tasks", "STS99"],
         "cannot load": ["--model", str(tmp_path / "empty")],
@@ -1237,7 +1242,7 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     }
     for want, extra in cases.items():
         code, _, err = bl_main(capsys, monkeypatch, *base[1:], *extra)
-        lines = [line for line in err.splitlines() if line.startswith("error:")]  # (+ progress bars)
+        lines = [line for line in err.splitlines() if "error:" in line]  # (+ progress bars)
         assert code == 2 and len(lines) == 1 and want in lines[0], (want, err)
     r = bl_run(*base, "--model", str(bert))  # and once as a user sees it: exit code 2, one line, no traceback
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
@@ -1261,3 +1266,339 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     assert len(w1) == len(w2) > 0
     for x, y in zip(w1, w2):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- nothing lost: kills, signals, full disks
+def save_versions(out, pause):
+    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a new best
+    model with its training state every other save, the training state alone otherwise)."""
+    os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
+    v = torch.load(out / common.CKPT)["v"] if (out / common.CKPT).exists() else 0
+    while True:
+        v += 1
+        w = torch.full((4000,), float(v))
+
+        def write(folder):  # a model of two files, one in a sub-folder (a JTCSE tower)
+            torch.save({"w": w}, os.path.join(folder, "model.pt"))
+            os.makedirs(os.path.join(folder, "tower"))
+            (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
+        if v % 2:
+            common.save_best(str(out), write, {"v": v, "w": w}, [w], v=v)
+        else:
+            common.save_state({"v": v, "w": w}, str(out), [w])
+
+
+def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
+    """40 SIGKILLs at random instants of a process that saves without pause: after each (and the completion
+    that the next command of the project runs first) the folder holds one whole version, never older than
+    before the kill; most kills land inside a save."""
+    rng, out, last, inside = random.Random(0), tmp_path / "run", 0, 0
+    out.mkdir()
+    for _ in range(40):
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            try:
+                save_versions(out, rng.choice([0, 0.002, 0.02]))
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.05, 0.5))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        inside += any((out / n).exists() for n in (common.STAGING, common.PENDING, common.CKPT + ".tmp"))
+        common.finish_save(str(out))
+        assert sorted(p.name for p in out.iterdir()) in ([], [common.CKPT, "model.pt", common.META, "tower"])
+        if (out / common.META).exists():
+            best = json.loads((out / common.META).read_text())["v"]  # the best model: all its files of one save
+            assert torch.load(out / "model.pt")["w"].eq(best).all()
+            assert (out / "tower" / "weights.txt").read_text() == str(best) * 2000
+            state = torch.load(out / common.CKPT)  # the training state: at or after that save, whole
+            assert state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all() and state["v"] >= last
+            last = state["v"]
+    assert inside >= 10 and last > 20
+
+
+def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatch, capsys):
+    out, w = tmp_path / "run", torch.ones(3)
+    out.mkdir()
+    write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
+    common.save_best(str(out), write, {"v": 1}, [w], v=1)
+    files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
+    before, real_save = files(), torch.save
+
+    def disk_full(obj, f, *a, **k):  # writes part of the file, then the disk is full
+        if isinstance(f, (str, os.PathLike)):
+            f = open(f, "wb")
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", disk_full)
+    for save in (lambda: common.save_state({"v": 2}, str(out), [w]),
+                 lambda: common.save_best(str(out), write, {"v": 2}, [w], v=2)):
+        with pytest.raises(SystemExit) as e:
+            save()
+        assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
+        assert files() == before
+    monkeypatch.setattr(torch, "save", real_save)
+    with pytest.raises(SystemExit):  # NaN weights are never written
+        common.save_state({"v": 3}, str(out), [torch.tensor([1.0, math.nan])])
+    assert "no longer finite" in capsys.readouterr().err and files() == before
+
+
+def main_of(module, capsys, monkeypatch, *args):
+    """module.main() in this process, as from the command line: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
+    capsys.readouterr()
+    try:
+        module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return (code, *capsys.readouterr())
+
+
+def popen(script, *args, env=None):
+    log = open(Path(tempfile.mkdtemp()) / "log", "w+")
+    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**ENV, **(env or {})}, cwd=ROOT), log
+
+
+def text(log):
+    log.seek(0)
+    return log.read()
+
+
+def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
+    """Send signum once `trigger` holds: seconds elapsed, or one of the named files appears in out (a save is
+    under way); -> whether it fired."""
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        if (time.time() - t0 > trigger) if isinstance(trigger, float) else any((out / n).exists() for n in trigger):
+            proc.send_signal(signum)
+            proc.wait()
+            return True
+        time.sleep(0.005)
+    proc.wait()
+    return False
+
+
+def weights(out, key):
+    return torch.load(out / common.CKPT, weights_only=False)[key]
+
+
+def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir, tmp_path, capsys,
+                                                                monkeypatch):
+    """SIGKILL inside each part of a save (SENTEMB_SAVE_PAUSE makes them last) and at random instants: after
+    every kill eval_sts.py reads the folder, its score is the one sentemb.json records (weights and
+    description of one step), AutoModel loads it, and --resume goes on to the uninterrupted run's weights."""
+    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--proj-dim", 8, steps=6)  # noqa: E731
+    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
+    out, rng, fired = tmp_path / "killed", random.Random(0), []
+    saving = (common.STAGING, common.PENDING, common.CKPT + ".tmp")  # any save under way
+    for trigger in [(common.STAGING,), (common.PENDING,), saving, rng.uniform(4, 10), saving[1:]]:
+        resume = ["--resume"] if (out / common.CKPT).exists() else []
+        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
+        fired.append(kill_when(proc, out, trigger))
+        if (out / common.META).exists() or (out / common.PENDING).exists():
+            code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", sts_dir, "--tasks",
+                                    "STS-B", "--split", "dev")
+            assert code == 0, err
+            meta = json.loads((out / common.META).read_text())
+            assert f"{float(ev.split()[2]):.2f}" == f"{meta['stsb_dev']:.2f}"
+            assert weights(out, "best") == meta["stsb_dev"] and weights(out, "step") >= meta["step"]
+            AutoModel.from_pretrained(out)
+        assert not (out / common.PENDING).exists()  # eval_sts.py completed a save cut after its commit
+    assert sum(fired) >= 4, fired
+    assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
+    for key, a in weights(tmp_path / "whole", "encoder").items():
+        assert torch.equal(a, weights(out, "encoder")[key]), key
+
+
+def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
+    out = tmp_path / "r"
+    procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval")) for _ in range(2)]
+    codes = sorted(p.wait() for p, _ in procs)
+    logs = [text(log) for _, log in procs]
+    assert codes == [0, 2], logs
+    assert any("is in use by another training run" in t or "already holds a run" in t for t in logs)
+
+
+def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys, monkeypatch):
+    d, _ = jt_env
+    args = lambda out: ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir", out,  # noqa: E731
+                        "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3, "--log-steps", 1,
+                        "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
+    jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
+    out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(REAL_STS)}, time.time()
+    proc, log = popen("jtcse.py", *args(out), env=env)
+    while "step     1  loss" not in text(log) and time.time() - t0 < 300:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait() == 128 + signal.SIGTERM
+    said = text(log)
+    stopped = int(re.search(r"stopped at step (\d+) \(SIGTERM\)", said).group(1))
+    assert 1 <= stopped < 6 and "--resume" in said and "Traceback" not in said
+    assert weights(out, "step") == stopped  # saved at the step it stopped, not at the last evaluation
+    proc, log = popen("jtcse.py", *args(out), "--resume", env=env)  # a second signal: out at once
+    while not re.search(r"step +\d+  loss", text(log)) and time.time() - t0 < 300:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait() == 128 + signal.SIGINT
+    jt_main(capsys, monkeypatch, *args(out), "--resume")
+    for key, a in weights(tmp_path / "whole", "model").items():
+        assert torch.equal(a, weights(out, "model")[key]), key
+
+
+def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monkeypatch):
+    """A kill while a new best adapter is moved into place: eval_sts.py completes that save and reads the
+    adapter, PeftModel loads it, and --resume logs the uninterrupted run's losses."""
+    from peft import PeftModel
+    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=20)
+    args = lambda out: ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,  # noqa: E731
+                        "--batch-size", 4, "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4, "--no-final-eval",
+                        "--no-eval-first", "--max-steps", 4]
+    losses = lambda text: [l.split("rows/s")[0] for l in text.splitlines() if " loss " in l]  # noqa: E731
+    code, whole, err = bl_main(capsys, monkeypatch, *args(tmp_path / "whole"))
+    assert code == 0, err
+    out = tmp_path / "killed"
+    proc, log = popen("bellm.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.3"})
+    assert kill_when(proc, out, (common.PENDING,))
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data, "--tasks", "STS-B",
+                            "--split", "dev")
+    assert code == 0, err
+    assert f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}"
+    PeftModel.from_pretrained(AutoModel.from_pretrained(model), out)
+    code, rest, err = bl_main(capsys, monkeypatch, *args(out), "--resume")
+    assert code == 0, err
+    assert losses(text(log)) + losses(rest) == losses(whole)
+
+
+def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r"
+    assert main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
+                                                         steps=2))[0] == 0
+    code, again, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+                                                                     "--no-final-eval", "--lr", "1e-4", steps=4))
+    assert code == 0, err
+    assert "--lr 0.0001 replaces the run's 3e-05 from step 2 on" in again
+    assert "step     3  loss" in again and "lr 2.50e-05" in again  # 1e-4 x (1 - 3/4), linear decay
+    code, same, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+                                                                    "--no-final-eval", steps=8))
+    assert "lr 3.75e-05" in same  # without --lr the run keeps its own, now 1e-4: 1e-4 x (1 - 5/8)
+
+
+# ---------------------------------------------------------------- bad inputs, all scripts, one table
+@pytest.fixture(scope="session")
+def sscl_template(tmp_path_factory, bert_dir, train_txt, sts_dir):
+    out = tmp_path_factory.mktemp("tpl") / "run"
+    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=2))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def fake_state(path, method, **args):
+    torch.save({"method": method, "args": args}, path)
+
+
+def hold_lock(c):  # another process's lock: a second open file description, flock'ed
+    import fcntl
+    c.held = open(c.run / common.LOCK, "a+")
+    fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def malformed_sts12(c):
+    bad = c.tmp / "bad_sts"
+    shutil.copytree(c.sts, bad)
+    f = next((bad / "downstream" / "STS" / "STS12-en-test").glob("STS.input.*"))
+    lines = f.read_text().split("\n")
+    f.write_text("\n".join(["one sentence, no tab"] + lines[1:]))
+    c.sts = bad
+
+
+SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts, "--output-dir", c.out,  # noqa: E731
+                      "--batch-size", 8, "--max-len", 16, "--layer", 2, "--max-steps", 2, "--eval-steps", 2,
+                      "--no-final-eval", *x]
+JT = lambda c, *x: ["--model-a", c.jt / "a", "--model-b", c.jt / "b", "--train", c.jt / "train.txt",  # noqa: E731
+                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2, "--no-add-sick",
+                    "--no-final-eval", *x]
+BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts, "--output-dir", c.out,  # noqa: E731
+                    "--batch-size", 4, "--max-steps", 1, "--lora-r", 4, "--no-final-eval", *x]
+EV = lambda c, *x: ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
+PROBES = [  # (script, arguments, words of the error line, preparation)
+    *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
+        ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan", "finite"), ("--temp", "-0.05", "> 0"),
+        ("--max-len", "0", ">= 1"), ("--log-steps", "0", ">= 1"), ("--grad-accum", "0", ">= 1"),
+        ("--seed", "-1", "0..2**32-1"), ("--proj-dim", "-1", ">= 0"), ("--eval-steps", "0", ">= 1"),
+        ("--epochs", "0", ">= 1"), ("--max-steps", "0", "-1 or"), ("--batch-size", "0", ">= 1")]],
+    ("sscl", lambda c: SSCL(c, "--train", c.latin1), ["line 2", "not UTF-8"], None),
+    ("sscl", lambda c: SSCL(c, "--train", c.binary), ["not UTF-8"], None),
+    ("sscl", lambda c: SSCL(c, "--model", c.llama), ["llama", "not a bidirectional encoder"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.bert), ["is the input model"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.llama), ["not a run of this project"], None),
+    ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"], malformed_sts12),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
+     lambda c: (c.run / common.CKPT).write_bytes((c.run / common.CKPT).read_bytes()[:5000])),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
+     lambda c: fake_state(c.run / common.CKPT, "jtcse")),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"), ["--layer 2", "--layer 1"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"], lambda c: (c.run / common.META).unlink()),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["in use by another training run"], hold_lock),
+    ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
+    ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
+    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
+     lambda c: fake_state(c.run / common.CKPT, "jtcse", num_cael=2)),
+    ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
+     lambda c: (c.run / common.META).write_text("{not json")),
+    ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
+    ("bellm", lambda c: BL(c, "--lora-r", "0"), ["--lora-r", ">= 1"], None),
+    ("bellm", lambda c: BL(c, "--lora-dropout", "2"), ["--lora-dropout", "probability"], None),
+    ("bellm", lambda c: BL(c, "--lr", "0"), ["--lr", "> 0"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b,c\nd,,f\n")), ["line 3", "no sent1"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b\n")), ["line 2", "no hard_neg"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"")), ["no header"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\n")), ["no rows"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")), ["line 2", "not UTF-8"], None),
+    ("bellm", lambda c: BL(c, "--output-dir", c.run, "--resume"), ["--lora-r 8", "--lora-r 4"],
+     lambda c: fake_state(c.run / common.CKPT, "bellm", lora_r=8)),
+    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("{not json")),
+    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("[1, 2]")),
+    ("eval_sts", lambda c: EV(c), ["not a run description"],
+     lambda c: (c.run / common.META).write_text('{"method": "sscl"}')),
+    ("eval_sts", lambda c: EV(c), ["model files are missing"], lambda c: (c.run / "model.safetensors").unlink()),
+    ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
+    ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
+    ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
+    ("eval_sts", lambda c: EV(c, "--json", c.train / "out.json"), ["--json"], None),
+]
+
+
+@pytest.mark.parametrize("script,args,words,prep", PROBES, ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
+def test_bad_input_table(script, args, words, prep, sscl_template, bert_dir, train_txt, sts_dir, jt_env, tok_dir,
+                         tmp_path, capsys, monkeypatch):
+    """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception other
+    than SystemExit fails the test), and every folder that existed before is byte-for-byte unchanged."""
+    c = Namespace(tmp=tmp_path, bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=tmp_path / "out",
+                  run=tmp_path / "run", llama=bl_make_model(tok_dir, tmp_path), bl_sts=bl_sts_dir(tmp_path),
+                  nli=nli_csv(tmp_path), latin1=tmp_path / "latin1.txt", binary=tmp_path / "binary.txt")
+    shutil.copytree(sscl_template, c.run)
+    c.latin1.write_bytes("a first line\nun caf\xe9 noir\n".encode("latin-1"))
+    c.binary.write_bytes(bytes(range(256)) * 4)
+
+
+    def csv_file(body):
+        (tmp_path / "train.csv").write_bytes(body)
+        return tmp_path / "train.csv"
+    c.csv = csv_file
+    if prep:
+        prep(c)
+    snapshot = lambda: {p: p.read_bytes() for d in (c.run, c.bert, c.llama, c.jt) for p in Path(d).rglob("*")  # noqa: E731
+                        if p.is_file() and p.name != common.LOCK}
+    before = snapshot()
+    if script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(REAL_STS))
+    code, out, err = main_of({"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts}[script], capsys,
+                             monkeypatch, *args(c))
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, err
+    assert all(w in errors[0] for w in words), errors[0]
+    assert snapshot() == before
