@@ -589,7 +589,7 @@ def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, 
     """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B
     (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
     args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                     "--batch-size", bs, "--grad-accum", 2, steps=3, eval_steps=0, layer="1,3")
+                                     "--batch-size", bs, "--grad-accum", 2, steps=3, eval_steps=100, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
@@ -889,7 +889,7 @@ def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path):
         m.save_pretrained(tmp_path / name), PreTrainedTokenizerFast.from_pretrained(d / name).save_pretrained(tmp_path / name)
     args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt",  # noqa: E731
                             "--data-dir", sts_dir, "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
-                            "--max-len", 16, "--max-steps", 2, "--eval-steps", 0, "--log-steps", 1, "--lr", 1e-3,
+                            "--max-len", 16, "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
                             "--no-add-sick", "--no-final-eval"]
     one = run("jtcse.py", *args(tmp_path / "one", 8))
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
@@ -1213,6 +1213,9 @@ def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
                           "Given the context {condition}, summarize the sentence {sentence} in one word:\"")
     assert code == 0, err
     assert "csts_dev" in out
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "run", "--data-dir",
+                             tmp_path / "senteval", "--tasks", "STS-B")  # STS has no condition: left empty, said
+    assert code == 0 and "{condition}" in out and "left empty" in out and "STS-B" in out, err
 
 
 def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
@@ -1422,13 +1425,19 @@ def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp
 
 
 def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys, monkeypatch):
+    """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two Ctrl-Cs (out
+    at once, exit 130); --resume ends on the uninterrupted run's weights."""
     d, _ = jt_env
     args = lambda out: ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir", out,  # noqa: E731
                         "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3, "--log-steps", 1,
                         "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(REAL_STS)}, time.time()
-    proc, log = popen("jtcse.py", *args(out), env=env)
+    proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})  # first, a SIGKILL while
+    assert kill_when(proc, out, (common.PENDING,))  # the twin's files move: both towers must come from one step
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B", "--split", "dev")
+    assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
+    proc, log = popen("jtcse.py", *args(out), "--resume", env=env)
     while "step     1  loss" not in text(log) and time.time() - t0 < 300:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
