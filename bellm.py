@@ -46,16 +46,21 @@ p.add_argument("--train", default=None, help="csv with sent0,sent1,hard_neg (Sim
 p.add_argument("--data-dir", default=None, help="STS data (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/bellm", help="where the best adapter and sentemb.json go")
 p.add_argument("--epochs", type=common.POS_INT, default=1, help="passes over --train")
-p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=common.POS_INT, default=64, help="triplets per step PER GPU (paper: one of 16, 32, 64, "
+p.add_argument("--max-steps", type=common.STEPS, default=-1,
+               help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64,
+               help="triplets per step PER GPU (paper: one of 16, 32, 64, "
                "128); under torchrun the in-batch negatives come from all GPUs: world_size x batch-size triplets")
-p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1,
+               help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 2e-4 (paper); with --resume: the "
                "run's own, unless given")
-p.add_argument("--max-len", type=common.POS_INT, default=64, help="tokens per TRAINING sentence; longer ones are cut before "
+p.add_argument("--max-len", type=common.POS_INT, default=64,
+               help="tokens per TRAINING sentence; longer ones are cut before "
                "they are put into the prompt, so the prompt's end is never cut (evaluation never cuts)")
-p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="STS-B dev every N steps (and at step 0 and the end)")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100,
+               help="STS-B dev every N steps (and at step 0 and the end)")
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
                help="evaluate at step 0 (the zero-shot score); --no-eval-first saves one evaluation on a CPU")
 p.add_argument("--seed", type=common.SEED, default=42, help="weights of added layers, LoRA, "
@@ -64,7 +69,8 @@ p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/c
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA), for training and the "
                "dev evaluations: faster on CPUs with bf16 instructions; dev scores move by ~0.1")
 # --- bellm ---
-p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1, help="K: how many last layers are bidirectional (paper: 1; "
+p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1,
+               help="K: how many last layers are bidirectional (paper: 1; "
                "0 = the plain causal LLM)")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
                help="parallel = eq. 5 (causal stack and bidirectional layers both read x, outputs summed; the "
@@ -382,8 +388,9 @@ def main():
             log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
 
     def training_state():
-        return {"method": "bellm", "args": {**common.run_args(a), "lr": lr}, "trainable": [q.detach().clone() for q in params],
-                "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "best": best,
+        return {"method": "bellm", "args": {**common.run_args(a), "lr": lr},
+                "trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
+                "sched": sched.state_dict(), "step": step, "best": best,
                 "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
 
     def save(score=None):  # rank 0 writes (the training state; with a new best dev score, the adapter too)

@@ -39,23 +39,28 @@ p.add_argument("--train", default=None, help="one sentence a line (default: SimC
 p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/jtcse", help="the best checkpoint (STS-B dev) is saved here")
 p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
-p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences per step PER GPU (paper: 64); under torchrun "
+p.add_argument("--max-steps", type=common.STEPS, default=-1,
+               help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64,
+               help="sentences per step PER GPU (paper: 64); under torchrun "
                "the in-batch negatives come from all GPUs: world_size x batch-size")
-p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1,
+               help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 1.3e-6 (authors' value: small, because "
                "the towers are ALREADY fine-tuned sentence encoders); with --distill 1e-5 (authors' supplementary); "
                "with --resume: the run's own, unless given")
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="paper: 64 tokens")
-p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="STS-B dev every N steps, also at step 0 and at the end")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100,
+               help="STS-B dev every N steps, also at step 0 and at the end")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
 # --- JTCSE ---
-p.add_argument("--num-cael", type=common.NONNEG_INT, default=None, help="number of cross-attention encoder layers: layer j "
+p.add_argument("--num-cael", type=common.NONNEG_INT, default=None,
+               help="number of cross-attention encoder layers: layer j "
                "(1-based) is a CAEL when j mod (layers/num_cael) = 0, so it must divide the layer count (eq. 7, "
                "Table IX); default layers/2 (every 2nd layer: 6 for BERT-base, the paper's best; 3 for a 6-layer "
                "MiniLM), 1 for an odd layer count; 0 = no cross stream (ICNCE on plain outputs only)")

@@ -32,15 +32,19 @@ p.add_argument("--train", default=None, help="one sentence a line (default: SimC
 p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/sscl", help="the best checkpoint (STS-B dev) is saved here")
 p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
-p.add_argument("--max-steps", type=common.STEPS, default=-1, help="stop after N optimisation steps (-1: run the epochs)")
-p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences per GPU and step (paper: 64 on one GPU); "
+p.add_argument("--max-steps", type=common.STEPS, default=-1,
+               help="stop after N optimisation steps (-1: run the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64,
+               help="sentences per GPU and step (paper: 64 on one GPU); "
                "under torchrun the in-batch negatives come from all GPUs: world_size x batch-size")
-p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches of --batch-size per optimisation step; "
+p.add_argument("--grad-accum", type=common.POS_INT, default=1,
+               help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 3e-5 (paper; 1e-5 for large models); "
                "with --resume: the run's own, unless given")
 p.add_argument("--max-len", type=common.POS_INT, default=32, help="paper: 32 tokens")
-p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="STS-B dev every N steps, also at step 0 and at the end")
+p.add_argument("--eval-steps", type=common.POS_INT, default=125,
+               help="STS-B dev every N steps, also at step 0 and at the end")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA): ~1.7x faster "
@@ -55,7 +59,8 @@ p.add_argument("--pooler", default="cls", choices=["cls", "avg"],
                help="cls: CLS + MLP head in training, raw CLS at evaluation (SimCSE); avg: masked mean")
 p.add_argument("--no-aug", action="store_true", help="SSCL-BERT (Table 2): the positive is the sentence's own "
                "representation, no dropout view; only the negatives shape the space")
-p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0, help="linear projection of the sentence vector to this size, "
+p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0,
+               help="linear projection of the sentence vector to this size, "
                "kept at evaluation (Table 5: 128/256); 0 = none")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
 p.add_argument("--loss-mix", action="store_true", help="authors' code: mean of the SSCL loss and the plain "
