@@ -65,6 +65,7 @@ p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=Tr
                help="evaluate at step 0 (the zero-shot score); --no-eval-first saves one evaluation on a CPU")
 p.add_argument("--seed", type=common.SEED, default=42, help="weights of added layers, LoRA, "
                "dropout and the data order")
+p.add_argument("--quiet", action="store_true", help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA), for training and the "
                "dev evaluations: faster on CPUs with bf16 instructions; dev scores move by ~0.1")
@@ -305,6 +306,7 @@ def degradation(a, tok, dec, device, data, tasks):
 # ================================================================ main ==========================
 def main():
     a = p.parse_args()
+    common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     rank, world, device = common.init_distributed()  # under torchrun: one process per GPU
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
@@ -363,7 +365,8 @@ def main():
     log = print if rank == 0 else (lambda *_, **__: None)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, {total} steps of {per_step} "
-        f"rows ({world} process(es) x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}")
+        f"rows ({world} process(es) x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}"
+        + (f" ({common.bf16_note(device)})" if a.bf16 else ""))
 
     def dev_score():
         model.eval()

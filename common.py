@@ -40,8 +40,29 @@ def die(msg):
     sys.exit(2)
 
 
+QUIET = False  # --quiet: no progress bars
+
+
+def progress(iterable, desc, total=None, unit="it"):
+    """A progress bar (tqdm, on stderr) for loops that can take more than ~10 s on a CPU. It is off when stderr
+    is not a terminal (logs stay parseable) and with --quiet."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr,
+                disable=True if QUIET else None)
+
+
 def pick_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bf16_note(device):
+    """For the start-up line with --bf16: whether this CPU has the instructions that make bf16 faster."""
+    if device.type != "cpu":
+        return "bf16 autocast"
+    has = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+           if getattr(torch.cpu, f, lambda: False)()]
+    return (f"bf16 autocast; this CPU has {' and '.join(has)}" if has else
+            "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than fp32")
 
 
 def autocast(device, cpu_bf16=False):
@@ -364,7 +385,7 @@ def read_meta(run_dir):
 
 # settings that may change on --resume; any other difference is refused, listing the flags
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval", "data_dir",
-             "output_dir", "bf16", "tasks", "eval_first"}
+             "output_dir", "bf16", "tasks", "eval_first", "quiet"}
 
 
 def run_args(args):
@@ -484,6 +505,32 @@ def load_pretrained(cls, name, **kw):
             f"with the hub reachable")
 
 
+def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):
+    """The small files sentence-transformers reads beside a plain HF model (its classic layout, which v2 to v6
+    load), so that SentenceTransformer(folder) encodes as we evaluate: Transformer (no truncation below
+    max_len) -> Pooling (pooling: "cls" or "mean") [-> Dense, the linear projection `dense`]. No normalisation:
+    cosine similarity does not need it."""
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")] if dense is not None else [])
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+                              for i, (path, kind) in enumerate(modules)],
+             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
+             "1_Pooling/config.json": {"word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
+                                       "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+                                       "pooling_mode_mean_sqrt_len_tokens": False}}
+    if dense is not None:
+        files["2_Dense/config.json"] = {"in_features": dense.in_features, "out_features": dense.out_features,
+                                        "bias": dense.bias is not None,
+                                        "activation_function": "torch.nn.modules.linear.Identity"}
+        from safetensors.torch import save_file
+        os.makedirs(os.path.join(folder, "2_Dense"))
+        save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in dense.state_dict().items()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+
+
 # ---------------------------------------------------------------- tokenisation ------------------
 def tokenize(tokenizer, sentences, max_len, device):
     """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
@@ -497,7 +544,7 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
     ids = tokenizer(sentences, truncation=True, max_length=max_len)["input_ids"]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out = [None] * len(ids)
-    for i in range(0, len(order), batch_size):
+    for i in progress(range(0, len(order), batch_size), "encoding", unit="batch"):
         idx = order[i:i + batch_size]
         batch = tokenizer.pad({"input_ids": [ids[j] for j in idx]}, return_tensors="pt")
         for j, e in zip(idx, embed({k: v.to(device) for k, v in batch.items()}).float()):

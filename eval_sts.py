@@ -15,6 +15,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -288,7 +289,7 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None):
                                         for col in texts for s in col}, device)
     seconds = {"encode": time.perf_counter() - t0}
     t0, results = time.perf_counter(), {}
-    for t, splits in loaded.items():
+    for t, splits in common.progress(loaded.items(), "classifiers", total=len(loaded), unit="task"):
         X = {s: mrpc_features(embed(texts[0]), embed(texts[1])) if t == "MRPC" else embed(texts[0])
              for s, (texts, _) in splits.items()}
         y = {s: torch.as_tensor(labels, device=device) for s, (_, labels) in splits.items()}
@@ -360,6 +361,7 @@ p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, 
 p.add_argument("--exact", action="store_true", help="STS only: SentEval's own batches (slower; for parity checks)")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU as well (about 2x faster where "
                                                     "the CPU has bf16 instructions; numbers move by ~0.01)")
+p.add_argument("--quiet", action="store_true", help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
 common.show_ranges(p)
 
@@ -408,6 +410,7 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
 
 def main():
     a = p.parse_args()
+    common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     sts_tasks, transfer_tasks = parse_tasks(a.tasks)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
@@ -416,6 +419,8 @@ def main():
     data = common.senteval_dir(a.data_dir)
     t0 = time.perf_counter()
     encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
+    if a.bf16:
+        print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
     out, seconds = {"model": a.model, "split": a.split}, {"load": time.perf_counter() - t0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         if sts_tasks:

@@ -55,6 +55,7 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=100,
                help="STS-B dev every N steps, also at step 0 and at the end")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
+p.add_argument("--quiet", action="store_true", help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
@@ -242,7 +243,7 @@ def analyze(a, device):
     rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
     sents = sorted({s for r in rows for s in r[:2]})
     E = {col: torch.zeros(n) for _, _, cols in runs.values() for col in cols}
-    for i in range(0, len(sents), 128):
+    for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
         batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
         m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens other than CLS
         for ts, kk, cols in runs.values():
@@ -264,6 +265,7 @@ def analyze(a, device):
 # ---------------------------------------------------------------- training ----------------------
 def main():
     a = p.parse_args()
+    common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     rank, world, device = common.init_distributed()  # under torchrun: one process per GPU
     if a.analyze is not None:
@@ -343,6 +345,8 @@ def main():
         for name, tower in zip(names, save_towers):
             tower.save_pretrained(os.path.join(folder, name))
             tokenizer.save_pretrained(os.path.join(folder, name))
+        if distill:  # one tower, CLS: also a sentence-transformers folder (a twin's sum of two towers is not)
+            common.save_sentence_transformers(folder, save_towers[0].config.hidden_size, "cls", eval_len)
 
     def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best

@@ -49,6 +49,7 @@ p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA): ~1.7x faster "
                "training on CPUs with bf16 instructions; evaluation stays fp32")
+p.add_argument("--quiet", action="store_true", help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="print the 7-task table of the best checkpoint at the end")
@@ -152,7 +153,7 @@ def analyze(a, device):
     sents = sorted({s for r in rows for s in r[:2]})
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
-    for i in range(0, len(sents), 128):
+    for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
         batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
         with common.autocast(device):
             hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
@@ -176,6 +177,7 @@ def analyze(a, device):
 # ---------------------------------------------------------------- training ----------------------
 def main():
     a = p.parse_args()
+    common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     rank, world, device = common.init_distributed()
     if a.analyze:
@@ -221,18 +223,21 @@ def main():
             common.set_lr(opt, lr, sched)
             log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
-        f"{total} steps of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}")
+        f"{total} steps of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}"
+        + (f" ({common.bf16_note(device)})" if a.bf16 else ""))
 
     def training_state():
         return {"method": "sscl", "args": {**common.run_args(a), "lr": lr}, "encoder": encoder.state_dict(),
                 "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "best": best,
                 "rng": torch.get_rng_state()}
 
-    def save_model(folder):  # a plain HF model folder (+ proj.pt), loadable without this project
+    def save_model(folder):  # a plain HF model folder (+ proj.pt), also a sentence-transformers folder
         encoder.bert.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         if encoder.proj is not None:
             torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
+        pooling = "cls" if a.pooler == "cls" else "mean"  # raw CLS at evaluation: the MLP is training-only
+        common.save_sentence_transformers(folder, encoder.bert.config.hidden_size, pooling, eval_len, encoder.proj)
 
     def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best

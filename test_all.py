@@ -5,6 +5,7 @@ needs the real data and MiniLM checkpoint (../shared; `bash ../shared/bench/setu
 import copy
 import csv
 import errno
+import io
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import sscl
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
-REAL_STS = SHARED / "data" / "senteval"
+REAL_STS = Path(os.environ.get("SENTEMB_DATA", SHARED / "data" / "senteval"))  # SimCSE's senteval.tar, unpacked
 MODELS = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONHASHSEED": "0",
        "OMP_NUM_THREADS": "1"}  # tiny models: a second thread costs more than it gives
@@ -56,6 +57,14 @@ def assert_bad_input(proc, *words):
     assert len(err) == 1, proc.stderr
     for w in words:
         assert w in err[0], err[0]
+
+
+def need(*paths):
+    """A test on real data or checkpoints skips, with the reason, when they are missing; in CI (CI=true) a
+    missing prerequisite is a failure, so that CI never passes by skipping."""
+    if missing := [str(p) for p in paths if not Path(p).exists()]:
+        why = f"needs {', '.join(missing)} (README: Set up and test)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
 
 
 def sentence(rng, n=None):
@@ -197,7 +206,7 @@ def test_unknown_model_offline(sts_dir):
 def test_senteval_parity_minilm_avg(tmp_path):
     """SentEval's own numbers for all-MiniLM-L6-v2 with avg pooling, each within ±0.02."""
     minilm = MODELS / "minilm"
-    assert (minilm / "model.safetensors").exists(), "run: bash ../shared/bench/setup_models.sh"
+    need(minilm / "model.safetensors", REAL_STS / "downstream" / "STS")
     out = tmp_path / "r.json"
     proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--json", out,
                env={"OMP_NUM_THREADS": str(os.cpu_count())})
@@ -423,7 +432,7 @@ SENTEVAL_TRANSFER = {  # SentEval itself (SimCSE's copy, SimCSE's batcher), all-
 def test_senteval_transfer_parity_minilm_avg(tmp_path):
     """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25."""
     minilm = MODELS / "minilm"
-    assert (minilm / "model.safetensors").exists(), "run: bash ../shared/bench/setup_models.sh"
+    need(minilm / "model.safetensors", REAL_STS / "downstream" / "MR")
     out = tmp_path / "r.json"
     proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--tasks", "transfer",
                "--transfer-mode", "fasttest", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())},
@@ -630,9 +639,13 @@ def jt_tiny_bert(tok, seed, layers=4):
     return BertModel(cfg)
 
 
+JT_DATA = {}  # paths made by jt_env
+
+
 @pytest.fixture(scope="module")
 def jt_env(tmp_path_factory):
     d = tmp_path_factory.mktemp("jtcse")
+    JT_DATA["sts"] = write_sts(d / "sts", seed=3)  # the STS data of every jtcse.py run here (SENTEMB_DATA)
     jt_train = d / "train.txt"
     lines = [f"{w} number {i}" for i in range(40) for w in jt_WORDS]
     jt_train.write_text("\n".join(lines) + "\n")
@@ -650,7 +663,7 @@ def jt_env(tmp_path_factory):
 
 def jt_run(*args, ok=True):
     """A real subprocess: python SCRIPT ARGS (import cost ~5-10 s on a loaded 2-core machine)."""
-    e = dict(os.environ, SENTEMB_DATA=str(REAL_STS), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+    e = dict(os.environ, SENTEMB_DATA=str(JT_DATA["sts"]), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
              OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=e, timeout=300)
     if ok:
@@ -660,7 +673,7 @@ def jt_run(*args, ok=True):
 
 def jt_main(capsys, monkeypatch, *args, ok=True):
     """jtcse.main() in this process (same code path as the command line, without the import cost)."""
-    monkeypatch.setenv("SENTEMB_DATA", str(REAL_STS))
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     monkeypatch.setattr(sys, "argv", ["jtcse.py", *map(str, args)])
     capsys.readouterr()
     code = 0
@@ -1432,7 +1445,7 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
                         "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3, "--log-steps", 1,
                         "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
-    out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(REAL_STS)}, time.time()
+    out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}, time.time()
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})  # first, a SIGKILL while
     assert kill_when(proc, out, (common.PENDING,))  # the twin's files move: both towers must come from one step
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B", "--split", "dev")
@@ -1604,10 +1617,82 @@ def test_bad_input_table(script, args, words, prep, sscl_template, bert_dir, tra
                         if p.is_file() and p.name != common.LOCK}
     before = snapshot()
     if script == "jtcse":
-        monkeypatch.setenv("SENTEMB_DATA", str(REAL_STS))
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     code, out, err = main_of({"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts}[script], capsys,
                              monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
     assert snapshot() == before
+
+
+# ---------------------------------------------------------------- outside users: sentence-transformers, progress
+def st_python(code):
+    """Run code where sentence-transformers imports: $SENTEMB_ST (CI installs it there with --no-deps, beside
+    the pinned torch) or this Python's own packages; None when it is not installed (a failure in CI)."""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("SENTEMB_ST"), str(ROOT)]))}
+    probe = subprocess.run([sys.executable, "-c", "import sentence_transformers"], env=env, capture_output=True)
+    if probe.returncode:
+        why = "sentence-transformers is not installed (set SENTEMB_ST to a folder that holds it)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("pooler,proj", [("cls", "0"), ("avg", "8")])
+def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch,
+                                                    pooler, proj):
+    out = tmp_path / "run"
+    code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
+                                                                 "--pooler", pooler, "--proj-dim", proj, steps=2))
+    assert code == 0, err
+    modules = json.loads((out / "modules.json").read_text())
+    assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
+        [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")] if proj != "0" else [])
+    pool = json.loads((out / "1_Pooling" / "config.json").read_text())
+    assert pool["word_embedding_dimension"] == 32 and pool["pooling_mode_cls_token"] == (pooler == "cls")
+    assert pool["pooling_mode_mean_tokens"] == (pooler == "avg")
+    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64  # no truncation
+    if proj != "0":
+        assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
+print(float((st - eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
+
+
+def test_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_path, capsys, monkeypatch):
+    d, _ = jt_env
+    jt_train(jt_env, tmp_path / "twin", capsys, monkeypatch)
+    jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a", d / "a", "--train", d / "train.txt",
+            "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1, "--no-add-sick",
+            "--no-final-eval")
+    assert not (tmp_path / "twin" / "modules.json").exists()  # a sum of two towers is not one module chain
+    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"]
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
+print(float((st - eval_sts.load_encoder({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+    assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokenizer_dir, monkeypatch):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    for tty, quiet, shown in [(True, False, True), (False, False, False), (True, True, False)]:
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        monkeypatch.setattr(common, "QUIET", quiet)
+        out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok, ["a man", "a dog"] * 40, 8,
+                                       "cpu", 16)
+        assert out.shape == (80, 2) and ("encoding" in err.getvalue()) == shown, (tty, quiet, err.getvalue()[:200])
