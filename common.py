@@ -538,6 +538,7 @@ def tokenize(tokenizer, sentences, max_len, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+@torch.no_grad()
 def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=128):
     """(N, H) embeddings in the order given. Every sentence is tokenised once, then batched by token
     length, so a batch pads to little more than its own length; embed(batch dict) -> (b, H)."""

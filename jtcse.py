@@ -10,12 +10,13 @@ to have equal length, weighted by -log cos of their CLS vectors. The embedding i
 no cross-attention; `--distill` compresses the twin into one tower ("JTCSE D", §IV-C).
 
   python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2 --train wiki1m_for_simcse.txt  # paper (GPU)
-  python jtcse.py --model-a ~/.cache/sentemb-models/minilm --model-b runs/sscl_minilm \\
-      --train ../shared/data/train/wiki1m_head.txt --no-add-sick --lr 1e-5 --max-len 32 \\
-      --max-steps 60 --eval-steps 20 --output-dir runs/jtcse_minilm                # CPU quick run
-  python jtcse.py --distill runs/jtcse_minilm --model-a ~/.cache/sentemb-models/minilm \\
-      --train ../shared/data/train/wiki1m_head.txt --output-dir runs/jtcse_d       # JTCSE D
-  python jtcse.py --analyze runs/jtcse_minilm --model-a ~/.cache/sentemb-models/minilm   # E_CLS, eq. 6
+  OMP_NUM_THREADS=1 python jtcse.py --model-a sentence-transformers/all-MiniLM-L6-v2 --model-b runs/sscl_minilm \\
+      --train wiki1m_head.txt --no-add-sick --max-len 32 --lr 2e-5 --max-steps 40 --eval-steps 10 \\
+      --output-dir runs/jtcse_minilm                  # README's CPU run: 23 min on 2 cores shared with other jobs
+  OMP_NUM_THREADS=1 python jtcse.py --distill runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \\
+      --train wiki1m_head.txt --no-add-sick --max-len 32 --max-steps 30 --eval-steps 10 \\
+      --output-dir runs/jtcse_d_minilm                # JTCSE D: 7 min
+  python jtcse.py --analyze runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2   # E_CLS, eq. 6
 """
 import argparse
 import contextlib

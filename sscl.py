@@ -7,11 +7,11 @@ and the tokens of a sentence become near-identical) and adds one negative per se
 model itself: the same sentence's representation at an intermediate layer M. The last layer is pushed
 away from what layer M already says. Several layers at once = Progressive SSCL (Fig. 3b).
 
-  python sscl.py --layer 11                      # paper: bert-base-uncased, wiki1m, 1 epoch (GPU, ~1 h)
-  python sscl.py --layer 10,11                   # Progressive SSCL, the paper's best (77.90)
-  python sscl.py --model ~/.cache/sentemb-models/minilm --train ../shared/data/train/wiki1m_head.txt \\
-      --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm     # CPU quick run, ~15 min
-  python sscl.py --analyze --model runs/sscl_minilm                              # over-smoothing, eqs. 1-2
+  python sscl.py --layer 11                  # the paper's setting: bert-base-uncased, wiki1m, 1 epoch (GPU)
+  python sscl.py --layer 10,11               # Progressive SSCL, the paper's best (77.90) (GPU)
+  python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
+      --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm  # README's quick run: 6 min, 2 cores
+  python sscl.py --analyze --model runs/sscl_minilm                          # over-smoothing, eqs. 1-2
 """
 import argparse
 import contextlib
