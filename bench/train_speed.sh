@@ -11,6 +11,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error SENTEMB_DATA=${SENTEMB_DATA
 st() { PYTHONPATH=${ST_PATH:-} python ../shared/bench/st_simcse.py --model "$M" --train "$T" --batch-size 64 \
          --max-len 32 --steps 10 --warmup 2 --pooling cls 2>&1 | grep sentences/s; }
 ss() { out=$(mktemp -d); echo -n "sscl.py $* : "; python sscl.py --model "$M" --train "$T" --pooler cls --batch-size 64 \
-         --max-len 32 --max-steps 12 --eval-steps 0 --log-steps 12 --no-final-eval --output-dir "$out/r" "$@" 2>&1 \
+         --max-len 32 --max-steps 12 --eval-steps 1000 --log-steps 12 --no-final-eval --output-dir "$out/r" "$@" 2>&1 \
          | grep -o "sent/s .*"; rm -rf "$out"; }
 st; ss --layer 0; ss --layer 0 --bf16; ss --layer 5; ss --layer 5 --bf16; st; ss --layer 0; ss --layer 0 --bf16
