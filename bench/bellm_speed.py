@@ -5,6 +5,7 @@ one warm-up step each.
 
   python bench/bellm_speed.py            # fp32
   python bench/bellm_speed.py --bf16     # bf16 autocast, as bellm.py --bf16
+  (SMOLLM=model name or folder, NLI=triplet csv; defaults: HuggingFaceTB/SmolLM2-135M-Instruct, snli_devtest.csv)
 """
 import csv
 import os
@@ -22,11 +23,10 @@ import common  # noqa: E402
 
 bf16 = "--bf16" in sys.argv
 dev = torch.device("cpu")
-models = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
-tok, dec = bellm.load_decoder(str(models / "smollm2-135m"), 1, "convert", dev)
+tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1, "convert", dev)
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear")).train()
 opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-9)  # the step's cost, ~no change
-with open(Path(__file__).resolve().parents[2] / "shared/data/train/snli_devtest_for_simcse.csv", newline="") as f:
+with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:  # SimCSE's NLI csv format
     rows = list(csv.reader(f))[1:17]
 b = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, [s for r in rows for s in r]), dev)
 ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}

@@ -1,10 +1,11 @@
+import os
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import time, torch, common, bellm
 torch.set_num_threads(2)
 dev = torch.device("cpu")
-M = "/root/.cache/sentemb-models/smollm2-135m"
+M = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")  # or a local folder
 data = common.senteval_dir(None)
 for spec in sys.argv[1:]:
     k, mode, prompt = spec.split(":", 2) if spec.count(":") >= 2 else (*spec.split(":"), bellm.PROMPT)

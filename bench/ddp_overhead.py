@@ -6,7 +6,8 @@ It shows what DDP plus gathered negatives cost, not a speed-up: on a 2-core CPU 
 that one process with 2 threads uses. Figures are the scripts' own training throughput over all steps after
 the step-0 evaluation (sentences/s; BeLLM: triplets/s).
 
-  bash ../shared/bench/setup_models.sh && python bench/ddp_overhead.py [--steps 20]
+  python bench/ddp_overhead.py [--steps 20]
+  (MINILM, SMOLLM: the tokenisers' model names or folders; WIKI, NLI: the README's wiki1m head and NLI csv)
 """
 import argparse
 import os
@@ -21,8 +22,9 @@ import transformers
 from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-MODELS = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
+MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+SMOLLM = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--scripts", default="sscl,jtcse,bellm")
@@ -31,24 +33,24 @@ tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()
 
 torch.manual_seed(0)
-bert_tok = AutoTokenizer.from_pretrained(MODELS / "minilm")
+bert_tok = AutoTokenizer.from_pretrained(MINILM)
 for name in ("bert_a", "bert_b"):
     BertModel(BertConfig(vocab_size=len(bert_tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          intermediate_size=1024)).save_pretrained(tmp / name)
     bert_tok.save_pretrained(tmp / name)
-llama_tok = AutoTokenizer.from_pretrained(MODELS / "smollm2-135m")
+llama_tok = AutoTokenizer.from_pretrained(SMOLLM)
 LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp / "llama")
 llama_tok.save_pretrained(tmp / "llama")
 
-common = ["--data-dir", SHARED / "data" / "senteval", "--max-steps", a.steps, "--log-steps", a.steps,
+common = ["--max-steps", a.steps, "--log-steps", a.steps,
           "--eval-steps", 10 * a.steps, "--no-final-eval"]
 runs = {  # script: (arguments, global batch, unit)
-    "sscl": (["--model", tmp / "bert_a", "--train", SHARED / "data/train/wiki1m_head.txt", "--layer", 2,
+    "sscl": (["--model", tmp / "bert_a", "--train", WIKI, "--layer", 2,
               "--max-len", 32], 64, "sent/s"),
     "jtcse": (["--model-a", tmp / "bert_a", "--model-b", tmp / "bert_b", "--train",
-               SHARED / "data/train/wiki1m_head.txt", "--no-add-sick", "--max-len", 32], 64, "sent/s"),
-    "bellm": (["--model", tmp / "llama", "--train", SHARED / "data/train/snli_devtest_for_simcse.csv",
+               WIKI, "--no-add-sick", "--max-len", 32], 64, "sent/s"),
+    "bellm": (["--model", tmp / "llama", "--train", NLI,
                "--max-len", 32, "--no-eval-first", "--bi-layers", 1], 16, "rows/s"),
 }
 

@@ -1,8 +1,8 @@
 """Time and memory of training steps: SimCSE (sscl.py's encoder and loss with no layer-M negatives =
 `sscl.py --layer 0`) vs JTCSE (jtcse.py's Twin + eqs. 11-15), same MiniLM, batch 64, max_len 32, same text.
-Usage: bench_cost.py simcse|jtcse [num_cael]. 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
+Usage: [MINILM=..] [WIKI=..] python bench/jtcse_cost.py simcse|jtcse [num_cael] [tower_b]. 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
 Memory: peak RSS (ru_maxrss) of the process after the steps minus RSS after loading the model(s)."""
-import resource, sys, time
+import os, resource, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -14,9 +14,9 @@ def rss_mb():
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
 mode = sys.argv[1]
-A = str(Path.home() / ".cache/sentemb-models/minilm")
+A = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
 B = sys.argv[3] if len(sys.argv) > 3 else "runs/sscl_minilm"  # tower II: a MiniLM trained by sscl.py
-sents = common.read_sentences(Path(__file__).resolve().parents[2] / "shared/data/train/wiki1m_head.txt")[:5 * 64]
+sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:5 * 64]  # the README's wiki1m head
 common.seed_everything(42)
 tok = AutoTokenizer.from_pretrained(A)
 if mode == "simcse":
