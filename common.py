@@ -1,6 +1,7 @@
 """What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and nothing method-specific:
-finding the data, reading training text, tokenisation with dynamic padding, and the STS evaluation
-(STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100).
+finding the data, reading training text, run folders that lose nothing (atomic saves, a lock, --resume
+checks, stopping on a signal), range-checked argument types, tokenisation with dynamic padding, and the STS
+evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100).
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.

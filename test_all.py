@@ -1638,9 +1638,8 @@ def st_python(code):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
-@pytest.mark.parametrize("pooler,proj", [("cls", "0"), ("avg", "8")])
 def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch,
-                                                    pooler, proj):
+                                                    pooler="avg", proj="8"):  # CLS: the distilled tower's test
     out = tmp_path / "run"
     code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
                                                                  "--pooler", pooler, "--proj-dim", proj, steps=2))
