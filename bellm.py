@@ -33,6 +33,7 @@ import transformers
 from scipy.stats import spearmanr
 
 import common
+import runs
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3
 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft on transformers 5
@@ -338,8 +339,8 @@ def main():
         common.die(f"'{a.train}' has {len(rows)} rows, fewer than the {per_step} of one step: lower --batch-size "
                    "or --grad-accum")
     data = common.check_sts(data, tasks if a.final_eval else [])
-    ckpt = common.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
-    state = common.load_state(ckpt, "bellm", a, device) if a.resume else None
+    ckpt = runs.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
+    state = runs.load_state(ckpt, "bellm", a, device) if a.resume else None
     lr = a.lr or (state["args"]["lr"] if state else 2e-4)
     g = torch.Generator().manual_seed(a.seed)  # the data order: fixed by the seed, the same on every rank
     order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
@@ -377,21 +378,19 @@ def main():
 
     step, best = 0, -float("inf")
     if state:
-        def restore():
-            if [q.shape for q in params] != [v.shape for v in state["trainable"]]:
-                raise ValueError("other LoRA shapes")
+        def restore():  # copy_ refuses other shapes; the count is checked here
+            if len(params) != len(state["trainable"]):
+                raise ValueError("other LoRA layers")
             for q, v in zip(params, state["trainable"]):
                 q.data.copy_(v)
             opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
-        common.fit(restore, f"'{a.model}' with these LoRA settings")
+        runs.fit(restore, f"'{a.model}' with these LoRA settings")
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"][0]), random.setstate(state["rng"][1]), np.random.set_state(state["rng"][2])
-        if lr != state["args"].get("lr", lr):
-            common.set_lr(opt, lr, sched)
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+        runs.resume_lr(opt, lr, state, log, sched)
 
     def training_state():
-        return {"method": "bellm", "args": {**common.run_args(a), "lr": lr},
+        return {"method": "bellm", "args": {**runs.run_args(a), "lr": lr},
                 "trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
                 "sched": sched.state_dict(), "step": step, "best": best,
                 "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
@@ -400,9 +399,9 @@ def main():
         nonlocal best
         if rank == 0 and score is not None and score > best:
             best = score  # the peft adapter (added layers' LoRA included), sentemb.json and the state, as one
-            common.save_best(a.output_dir, model.save_pretrained, training_state(), params, **meta)
+            runs.save_best(a.output_dir, model.save_pretrained, training_state(), params, **meta)
         elif rank == 0:
-            common.save_state(training_state(), a.output_dir, params)
+            runs.save_state(training_state(), a.output_dir, params)
         if world > 1:
             torch.distributed.barrier()
 
@@ -432,7 +431,7 @@ def main():
 
     # ---------------------------------------------------------------- training loop
     model.train()
-    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+    with runs.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
         if step == 0 and a.eval_first:
             evaluate_and_save()
         t0, toks, seen = time.perf_counter(), 0, 0

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
+import runs
 
 # ---------------------------------------------------------------- transfer tasks (SentEval) -----
 # SentEval (Conneau & Kiela 2018) as SimCSE's evaluation.py runs it: a logistic regression on frozen sentence
@@ -399,7 +400,7 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
     if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
-    if os.path.isdir(name) and (meta := common.read_meta(name)) is not None:  # read_meta: completes a cut save
+    if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # read_meta: completes a cut save
         try:
             return importlib.import_module(meta["method"]).load_encoder(name, meta, device)
         except (OSError, ValueError) as e:

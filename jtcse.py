@@ -29,6 +29,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, BertModel
 
 import common
+import runs
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general ---
@@ -276,7 +277,7 @@ def main():
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop at least one of them")
-    if distill and (teacher_meta := common.read_meta(a.distill)) is None:
+    if distill and (teacher_meta := runs.read_meta(a.distill)) is None:
         common.die(f"--distill '{a.distill}' holds no {common.META}: pass the --output-dir of a jtcse.py twin run")
     if distill:
         if teacher_meta["method"] != "jtcse" or len(teacher_meta["towers"]) != 2:
@@ -289,8 +290,8 @@ def main():
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
     if len(sentences) < per_step:
         common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
-    ckpt_path = common.open_run(a.output_dir, a.resume, [a.model_a, a.model_b, a.distill], rank)  # locks it
-    state = common.load_state(ckpt_path, "jtcse", a, device) if a.resume else None
+    ckpt_path = runs.open_run(a.output_dir, a.resume, [a.model_a, a.model_b, a.distill], rank)  # locks it
+    state = runs.load_state(ckpt_path, "jtcse", a, device) if a.resume else None
     lr = a.lr or (state["args"]["lr"] if state else 1e-5 if distill else 1.3e-6)
 
     # seeding: one generator for the data order, one for R (eq. 12), both the same on every rank (so R is
@@ -325,20 +326,18 @@ def main():
     step, best = 0, -float("inf")
     log = print if rank == 0 else (lambda *_, **__: None)
     if state:
-        common.fit(lambda: (model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])),
+        runs.fit(lambda: (model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])),
                    "these towers")
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"]), r_gen.set_state(state["r_gen"])
-        if lr != state["args"].get("lr", lr):
-            common.set_lr(opt, lr)
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+        runs.resume_lr(opt, lr, state, log)
     what = f"distil {a.distill} into {a.model_a}" if distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {model.k or '-'} of {model.n} layers"
     log(f"JTCSE: {what}, {len(sentences)} sentences, {total} steps of {per_step} sentences ({world} process(es) "
         f"x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}")
 
     def training_state():
-        return {"method": "jtcse", "args": {**common.run_args(a), "lr": lr}, "model": model.state_dict(),
+        return {"method": "jtcse", "args": {**runs.run_args(a), "lr": lr}, "model": model.state_dict(),
                 "opt": opt.state_dict(), "step": step, "best": best, "rng": torch.get_rng_state(),
                 "r_gen": r_gen.get_state()}
 
@@ -347,17 +346,17 @@ def main():
             tower.save_pretrained(os.path.join(folder, name))
             tokenizer.save_pretrained(os.path.join(folder, name))
         if distill:  # one tower, CLS: also a sentence-transformers folder (a twin's sum of two towers is not)
-            common.save_sentence_transformers(folder, save_towers[0].config.hidden_size, "cls", eval_len)
+            runs.save_sentence_transformers(folder, save_towers[0].config.hidden_size, "cls", eval_len)
 
     def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best
         if rank == 0 and dev is not None and dev > best:
             best = dev  # both towers (or the student), sentemb.json and the training state: replaced as one
-            common.save_best(a.output_dir, save_model, training_state(), list(model.parameters()), method="jtcse",
+            runs.save_best(a.output_dir, save_model, training_state(), list(model.parameters()), method="jtcse",
                              towers=names, max_len=eval_len, stsb_dev=dev, step=step, teacher=a.distill,
                              num_cael=None if distill else model.n // model.k if model.k else 0)
         elif rank == 0:
-            common.save_state(training_state(), a.output_dir, list(model.parameters()))
+            runs.save_state(training_state(), a.output_dir, list(model.parameters()))
         if world > 1:
             torch.distributed.barrier()
 
@@ -391,7 +390,7 @@ def main():
         return loss, terms
 
     model.train()
-    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+    with runs.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
         if step == 0:
             evaluate_and_save()
         t0, seen = time.perf_counter(), 0

@@ -24,6 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 import common
+import runs
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general ---
@@ -194,8 +195,8 @@ def main():
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
     if len(sentences) < per_step:
         common.die(f"{len(sentences)} training sentences < {per_step} per step: lower --batch-size or --grad-accum")
-    ckpt_path = common.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
-    state = common.load_state(ckpt_path, "sscl", a, device) if a.resume else None
+    ckpt_path = runs.open_run(a.output_dir, a.resume, [a.model], rank)  # locks it; refuses to overwrite a run
+    state = runs.load_state(ckpt_path, "sscl", a, device) if a.resume else None
     lr = a.lr or (state["args"]["lr"] if state else 3e-5)
 
     # seeding: the data order comes from its own generator (the same on every rank), dropout from torch's RNG
@@ -215,19 +216,17 @@ def main():
     step, best = 0, -float("inf")
     log = print if rank == 0 else (lambda *_, **__: None)
     if state:
-        common.fit(lambda: (encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]),
+        runs.fit(lambda: (encoder.load_state_dict(state["encoder"]), opt.load_state_dict(state["opt"]),
                             sched.load_state_dict(state["sched"])), f"'{a.model}'")
         step, best = state["step"], state["best"]
         torch.set_rng_state(state["rng"])
-        if lr != state["args"].get("lr", lr):
-            common.set_lr(opt, lr, sched)
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+        runs.resume_lr(opt, lr, state, log, sched)
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, {len(sentences)} sentences, "
         f"{total} steps of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}"
         + (f" ({common.bf16_note(device)})" if a.bf16 else ""))
 
     def training_state():
-        return {"method": "sscl", "args": {**common.run_args(a), "lr": lr}, "encoder": encoder.state_dict(),
+        return {"method": "sscl", "args": {**runs.run_args(a), "lr": lr}, "encoder": encoder.state_dict(),
                 "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "best": best,
                 "rng": torch.get_rng_state()}
 
@@ -237,16 +236,16 @@ def main():
         if encoder.proj is not None:
             torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
         pooling = "cls" if a.pooler == "cls" else "mean"  # raw CLS at evaluation: the MLP is training-only
-        common.save_sentence_transformers(folder, encoder.bert.config.hidden_size, pooling, eval_len, encoder.proj)
+        runs.save_sentence_transformers(folder, encoder.bert.config.hidden_size, pooling, eval_len, encoder.proj)
 
     def save(dev=None):  # rank 0 writes (the training state; with a new best dev score, the model too), all wait
         nonlocal best
         if rank == 0 and dev is not None and dev > best:
             best = dev
-            common.save_best(a.output_dir, save_model, training_state(), params, method="sscl", pooler=a.pooler,
+            runs.save_best(a.output_dir, save_model, training_state(), params, method="sscl", pooler=a.pooler,
                              proj_dim=a.proj_dim, max_len=eval_len, layers=layers, stsb_dev=dev, step=step)
         elif rank == 0:
-            common.save_state(training_state(), a.output_dir, params)
+            runs.save_state(training_state(), a.output_dir, params)
         if world > 1:
             torch.distributed.barrier()
 
@@ -279,7 +278,7 @@ def main():
         return loss
 
     encoder.train()
-    with common.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
+    with runs.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
         if step == 0:
             evaluate_and_save()
         t0, seen = time.perf_counter(), 0

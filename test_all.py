@@ -28,6 +28,7 @@ from transformers import AutoModel, BertConfig, BertModel, PreTrainedTokenizerFa
 
 import bellm
 import common
+import runs
 import eval_sts
 import jtcse
 import sscl
@@ -674,14 +675,7 @@ def jt_run(*args, ok=True):
 def jt_main(capsys, monkeypatch, *args, ok=True):
     """jtcse.main() in this process (same code path as the command line, without the import cost)."""
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    monkeypatch.setattr(sys, "argv", ["jtcse.py", *map(str, args)])
-    capsys.readouterr()
-    code = 0
-    try:
-        jtcse.main()
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
+    code, out, err = main_of(jtcse, capsys, monkeypatch, *args)
     if ok:
         assert code == 0, err[-3000:]
     return code, out, err
@@ -1146,15 +1140,7 @@ def bl_run(*args):
 
 def bl_main(capsys, monkeypatch, *args):
     """bellm.main() in this process (no interpreter start-up): exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "argv", ["bellm.py", *map(str, args)])
-    capsys.readouterr()
-    try:
-        bellm.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return main_of(bellm, capsys, monkeypatch, *args)
 
 
 def nli_csv(tmp, rows=12, cols=("sent0", "sent1", "hard_neg")):
@@ -1289,7 +1275,7 @@ def save_versions(out, pause):
     """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a new best
     model with its training state every other save, the training state alone otherwise)."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
-    v = torch.load(out / common.CKPT)["v"] if (out / common.CKPT).exists() else 0
+    v = torch.load(out / runs.CKPT)["v"] if (out / runs.CKPT).exists() else 0
     while True:
         v += 1
         w = torch.full((4000,), float(v))
@@ -1299,9 +1285,9 @@ def save_versions(out, pause):
             os.makedirs(os.path.join(folder, "tower"))
             (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
         if v % 2:
-            common.save_best(str(out), write, {"v": v, "w": w}, [w], v=v)
+            runs.save_best(str(out), write, {"v": v, "w": w}, [w], v=v)
         else:
-            common.save_state({"v": v, "w": w}, str(out), [w])
+            runs.save_state({"v": v, "w": w}, str(out), [w])
 
 
 def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
@@ -1320,14 +1306,14 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
         time.sleep(rng.uniform(0.05, 0.5))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        inside += any((out / n).exists() for n in (common.STAGING, common.PENDING, common.CKPT + ".tmp"))
-        common.finish_save(str(out))
-        assert sorted(p.name for p in out.iterdir()) in ([], [common.CKPT, "model.pt", common.META, "tower"])
+        inside += any((out / n).exists() for n in (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))
+        runs.finish_save(str(out))
+        assert sorted(p.name for p in out.iterdir()) in ([], [runs.CKPT, "model.pt", common.META, "tower"])
         if (out / common.META).exists():
             best = json.loads((out / common.META).read_text())["v"]  # the best model: all its files of one save
             assert torch.load(out / "model.pt")["w"].eq(best).all()
             assert (out / "tower" / "weights.txt").read_text() == str(best) * 2000
-            state = torch.load(out / common.CKPT)  # the training state: at or after that save, whole
+            state = torch.load(out / runs.CKPT)  # the training state: at or after that save, whole
             assert state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all() and state["v"] >= last
             last = state["v"]
     assert inside >= 10 and last > 20
@@ -1337,7 +1323,7 @@ def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatc
     out, w = tmp_path / "run", torch.ones(3)
     out.mkdir()
     write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    common.save_best(str(out), write, {"v": 1}, [w], v=1)
+    runs.save_best(str(out), write, {"v": 1}, [w], v=1)
     files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
     before, real_save = files(), torch.save
 
@@ -1347,15 +1333,15 @@ def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatc
         f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", disk_full)
-    for save in (lambda: common.save_state({"v": 2}, str(out), [w]),
-                 lambda: common.save_best(str(out), write, {"v": 2}, [w], v=2)):
+    for save in (lambda: runs.save_state({"v": 2}, str(out), [w]),
+                 lambda: runs.save_best(str(out), write, {"v": 2}, [w], v=2)):
         with pytest.raises(SystemExit) as e:
             save()
         assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
         assert files() == before
     monkeypatch.setattr(torch, "save", real_save)
     with pytest.raises(SystemExit):  # NaN weights are never written
-        common.save_state({"v": 3}, str(out), [torch.tensor([1.0, math.nan])])
+        runs.save_state({"v": 3}, str(out), [torch.tensor([1.0, math.nan])])
     assert "no longer finite" in capsys.readouterr().err and files() == before
 
 
@@ -1397,7 +1383,7 @@ def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
 
 
 def weights(out, key):
-    return torch.load(out / common.CKPT, weights_only=False)[key]
+    return torch.load(out / runs.CKPT, weights_only=False)[key]
 
 
 def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir, tmp_path, capsys,
@@ -1408,12 +1394,12 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--proj-dim", 8, steps=6)  # noqa: E731
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out, rng, fired = tmp_path / "killed", random.Random(0), []
-    saving = (common.STAGING, common.PENDING, common.CKPT + ".tmp")  # any save under way
-    for trigger in [(common.STAGING,), (common.PENDING,), saving, rng.uniform(4, 10), saving[1:]]:
-        resume = ["--resume"] if (out / common.CKPT).exists() else []
+    saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # any save under way
+    for trigger in [(runs.STAGING,), (runs.PENDING,), saving, rng.uniform(4, 10), saving[1:]]:
+        resume = ["--resume"] if (out / runs.CKPT).exists() else []
         proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
         fired.append(kill_when(proc, out, trigger))
-        if (out / common.META).exists() or (out / common.PENDING).exists():
+        if (out / common.META).exists() or (out / runs.PENDING).exists():
             code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", sts_dir, "--tasks",
                                     "STS-B", "--split", "dev")
             assert code == 0, err
@@ -1421,7 +1407,7 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
             assert f"{float(ev.split()[2]):.2f}" == f"{meta['stsb_dev']:.2f}"
             assert weights(out, "best") == meta["stsb_dev"] and weights(out, "step") >= meta["step"]
             AutoModel.from_pretrained(out)
-        assert not (out / common.PENDING).exists()  # eval_sts.py completed a save cut after its commit
+        assert not (out / runs.PENDING).exists()  # eval_sts.py completed a save cut after its commit
     assert sum(fired) >= 4, fired
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     for key, a in weights(tmp_path / "whole", "encoder").items():
@@ -1447,7 +1433,7 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}, time.time()
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})  # first, a SIGKILL while
-    assert kill_when(proc, out, (common.PENDING,))  # the twin's files move: both towers must come from one step
+    assert kill_when(proc, out, (runs.PENDING,))  # the twin's files move: both towers must come from one step
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B", "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
     proc, log = popen("jtcse.py", *args(out), "--resume", env=env)
@@ -1484,7 +1470,7 @@ def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monk
     assert code == 0, err
     out = tmp_path / "killed"
     proc, log = popen("bellm.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.3"})
-    assert kill_when(proc, out, (common.PENDING,))
+    assert kill_when(proc, out, (runs.PENDING,))
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data, "--tasks", "STS-B",
                             "--split", "dev")
     assert code == 0, err
@@ -1524,7 +1510,7 @@ def fake_state(path, method, **args):
 
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
-    c.held = open(c.run / common.LOCK, "a+")
+    c.held = open(c.run / runs.LOCK, "a+")
     fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -1559,16 +1545,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--output-dir", c.llama), ["not a run of this project"], None),
     ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"], malformed_sts12),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
-     lambda c: (c.run / common.CKPT).write_bytes((c.run / common.CKPT).read_bytes()[:5000])),
+     lambda c: (c.run / runs.CKPT).write_bytes((c.run / runs.CKPT).read_bytes()[:5000])),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
-     lambda c: fake_state(c.run / common.CKPT, "jtcse")),
+     lambda c: fake_state(c.run / runs.CKPT, "jtcse")),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"), ["--layer 2", "--layer 1"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"], lambda c: (c.run / common.META).unlink()),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
     ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
-     lambda c: fake_state(c.run / common.CKPT, "jtcse", num_cael=2)),
+     lambda c: fake_state(c.run / runs.CKPT, "jtcse", num_cael=2)),
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
@@ -1581,7 +1567,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\n")), ["no rows"], None),
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")), ["line 2", "not UTF-8"], None),
     ("bellm", lambda c: BL(c, "--output-dir", c.run, "--resume"), ["--lora-r 8", "--lora-r 4"],
-     lambda c: fake_state(c.run / common.CKPT, "bellm", lora_r=8)),
+     lambda c: fake_state(c.run / runs.CKPT, "bellm", lora_r=8)),
     ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("{not json")),
     ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("[1, 2]")),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
@@ -1614,7 +1600,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, bert_dir, tra
     if prep:
         prep(c)
     snapshot = lambda: {p: p.read_bytes() for d in (c.run, c.bert, c.llama, c.jt) for p in Path(d).rglob("*")  # noqa: E731
-                        if p.is_file() and p.name != common.LOCK}
+                        if p.is_file() and p.name != runs.LOCK}
     before = snapshot()
     if script == "jtcse":
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))

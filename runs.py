@@ -1,0 +1,337 @@
+"""Run folders that lose nothing, shared by sscl.py, jtcse.py and bellm.py (and read by eval_sts.py): atomic
+saves of the best model and the training state, a lock per folder, the checks of --resume, stopping at a step
+boundary on SIGINT/SIGTERM, and the sentence-transformers files beside a saved model.
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import torch
+
+import common
+
+CKPT = "checkpoint.pt"  # the training state, for --resume
+STAGING, PENDING, LOCK = ".best.staging", ".best.pending", ".lock"  # see save_best() and lock_run()
+
+
+# ---------------------------------------------------------------- nothing lost ------------------
+# A run folder holds the best model (plain HF or peft files + sentemb.json) and checkpoint.pt (the training
+# state). Every write is atomic: a kill, a full disk or a power cut at any instant leaves the old version or
+# the new one. Only one process at a time may write a run folder (lock_run).
+def _pause():
+    """For tests: SENTEMB_SAVE_PAUSE=seconds makes every save wait between its writes, so that a kill can
+    be aimed inside a save."""
+    if t := os.environ.get("SENTEMB_SAVE_PAUSE"):
+        time.sleep(float(t))
+
+
+def _fsync(path):
+    """Flush a file, or a folder's entries (renames), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_failed(what, e):
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; what was saved before "
+               "is kept, and --resume continues from it")
+
+
+def _check_finite(params, out_dir):
+    if not all(bool(torch.isfinite(q).all()) for q in params):
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good step: "
+                   "resume from it with a lower --lr (--resume --lr ...)")
+
+
+def save_state(state, out_dir, params):
+    """torch.save(state, OUT_DIR/checkpoint.pt) atomically: a temporary file beside it, fsync, one rename.
+    Weights that are no longer finite are never saved: the checkpoint of the last good step stays."""
+    _check_finite(params, out_dir)
+    path = os.path.join(out_dir, CKPT)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            _pause()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync(out_dir)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer on a full disk
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        _save_failed(path, e)
+
+
+def save_best(out_dir, write, state, params, **meta):
+    """A new best model and the training state, replaced together as one. write(folder) saves the weights
+    and tokenizer into an empty staging folder; checkpoint.pt (state) and sentemb.json (meta) are added,
+    every file is synced, and the folder is renamed to .best.pending: the commit point. Before it a kill
+    leaves the previous save untouched; after it the files are moved over the old ones, sentemb.json
+    last, and a move cut short by a kill is completed by finish_save() the next time a command of this
+    project opens the folder (training, --resume, eval_sts.py)."""
+    _check_finite(params, out_dir)
+    staging = os.path.join(out_dir, STAGING)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        write(staging)
+        torch.save(state, os.path.join(staging, CKPT))
+        with open(os.path.join(staging, common.META), "w") as f:
+            json.dump(meta, f, indent=2)
+        for root, _, files in os.walk(staging):
+            for name in files:
+                _fsync(os.path.join(root, name))
+                _pause()
+            _fsync(root)
+        os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
+        _fsync(out_dir)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        _save_failed(f"the best model in {out_dir}", e)
+    finish_save(out_dir)
+
+
+def finish_save(out_dir):
+    """Complete an interrupted save (call it holding the folder's lock): an uncommitted staging folder is
+    dropped (the old model stands), a committed one is moved into place; stray temporary files go."""
+    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, CKPT + ".tmp"))
+    pending = os.path.join(out_dir, PENDING)
+    if not os.path.isdir(pending):
+        return
+    if os.path.exists(os.path.join(pending, common.META)):  # files still to move: meanwhile the folder describes no run
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, common.META))
+    files = sorted((os.path.relpath(os.path.join(root, n), pending) for root, _, names in os.walk(pending)
+                    for n in names), key=lambda rel: (rel == common.META, rel))  # sentemb.json last
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+        _pause()
+    for root, _, _ in os.walk(out_dir):
+        _fsync(root)
+    shutil.rmtree(pending)
+
+
+_held = {}  # real path -> open lock file, for the run folders this process holds
+
+
+def lock_run(out_dir):
+    """An exclusive lock on OUT_DIR/.lock that lasts as long as this process (the kernel drops it when the
+    process ends, however it ends). True when this process holds it, False when another process does."""
+    key = os.path.realpath(out_dir)
+    if key in _held:
+        return True
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return True
+    f = open(os.path.join(out_dir, LOCK), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return False
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _held[key] = f
+    return True
+
+
+def open_run(out_dir, resume, models=(), rank=0):
+    """-> OUT_DIR/checkpoint.pt, once rank 0 has made sure that nothing already saved can be lost: the folder
+    is not one of the input models and is writable; it is locked for this run; an interrupted save is
+    completed; a folder that holds a run (sentemb.json or checkpoint.pt) needs --resume, and --resume needs
+    a checkpoint. Other ranks wait for that (they read the checkpoint next)."""
+    ckpt = os.path.join(out_dir, CKPT)
+    if rank == 0:
+        for m in models:
+            if m and os.path.isdir(m) and os.path.isdir(out_dir) and os.path.samefile(m, out_dir):
+                common.die(f"--output-dir '{out_dir}' is the input model '{m}': training would overwrite its weights; "
+                           "pass another --output-dir")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, ".write_test"), "w").close()
+            os.remove(os.path.join(out_dir, ".write_test"))
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
+        if not lock_run(out_dir):
+            with open(os.path.join(out_dir, LOCK)) as f:
+                pid = f.read().strip()
+            common.die(f"'{out_dir}' is in use by another training run (pid {pid or '?'}): wait for it to end, or pass "
+                       "another --output-dir")
+        finish_save(out_dir)
+        holds_run = os.path.exists(os.path.join(out_dir, common.META)) or os.path.exists(ckpt)
+        if not resume and holds_run:
+            common.die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json",
+                                                                                     "adapter_config.json")):
+            common.die(f"'{out_dir}' holds a model that is not a run of this project: pass a new or empty --output-dir")
+        if resume and not os.path.isfile(ckpt):
+            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return ckpt
+
+
+def settle(run_dir):
+    """Before reading a run folder: complete a save that a kill cut short after its commit point. If a
+    training run holds the folder, it completes its own save within moments: wait for it."""
+    key = os.path.realpath(run_dir)
+    for _ in range(300):
+        if not os.path.isdir(os.path.join(run_dir, PENDING)):
+            return
+        mine = key in _held
+        try:
+            if lock_run(run_dir):
+                finish_save(run_dir)
+                if not mine and key in _held:
+                    _held.pop(key).close()
+                return
+        except OSError as e:
+            common.die(f"'{run_dir}' holds an interrupted save that cannot be completed ({e.strerror}): make the "
+                       "folder writable and run again")
+        time.sleep(0.1)
+    common.die(f"'{run_dir}' is being saved by a training run: try again in a moment")
+
+
+META_KEYS = {"sscl": ["pooler", "proj_dim", "max_len"], "jtcse": ["towers", "max_len"],
+             "bellm": ["base_model", "bi_layers", "bi_mode", "prompt"]}
+
+
+def read_meta(run_dir):
+    """A run folder's sentemb.json (after settle()), or None when it has none; a damaged one is a bad input."""
+    settle(run_dir)
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS.get(meta.get("method"), ["method"])):
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py (damaged or edited): "
+                   "re-save the run, or delete the file to load the folder as a plain model")
+    return meta
+
+
+# settings that may change on --resume; any other difference is refused, listing the flags
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval", "data_dir",
+             "output_dir", "bf16", "tasks", "eval_first", "quiet"}
+
+
+def run_args(args):
+    """The settings a checkpoint records; paths that exist are made absolute (a resume may start elsewhere)."""
+    return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v for k, v in vars(args).items()}
+
+
+def load_state(path, method, args, device):
+    """The training state of OUT_DIR/checkpoint.pt for --resume, or one line saying why it cannot be used:
+    unreadable (damaged), written by another script, or by a run with other settings."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"--resume: {path} cannot be read ({type(e).__name__}); it is damaged: start again without --resume "
+                   "in another --output-dir")
+    if not isinstance(state, dict) or state.get("method", method) != method:
+        common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a {method}.py run")
+    old, new = state.get("args", {}), run_args(args)
+    if changed := [k for k in old if k not in RESUMABLE and old[k] != new.get(k)]:
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
+        common.die(f"--resume: the run was started with {', '.join(flag(k, old[k]) for k in changed)}, this command "
+                   f"says {', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own settings")
+    return state
+
+
+def fit(load, what):
+    """Load a checkpoint's tensors into the model; a mismatch is a foreign checkpoint, one line."""
+    try:
+        load()
+    except (KeyError, RuntimeError, ValueError) as e:
+        common.die(f"--resume: the checkpoint does not fit {what} ({type(e).__name__}): pass the --output-dir of a run "
+                   "of this model and settings")
+
+
+def resume_lr(opt, lr, state, log, sched=None):
+    """A new --lr on --resume: the optimizer's groups (and a LambdaLR's base) take it from the resumed step on,
+    and the log says so. The same lr as the run's: nothing to do."""
+    if lr == state["args"].get("lr", lr):
+        return
+    for i, g in enumerate(opt.param_groups):
+        g["initial_lr"] = lr
+        g["lr"] = lr * (sched.lr_lambdas[i](sched.last_epoch) if sched else 1)
+    if sched:
+        sched.base_lrs = [lr] * len(opt.param_groups)
+    log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
+
+
+class StopOnSignal(contextlib.AbstractContextManager):
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption): training stops at the next step boundary,
+    saves its state and exits with 128 + the signal number; a second signal exits at once (every save is
+    atomic, so that loses nothing already saved). The previous handlers come back on exit."""
+
+    def __enter__(self):
+        self.signum, self.now = 0, False  # now: exit at the first signal (training has ended)
+        self.old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in self.old:
+            signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum or self.now:
+            os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at once)\n".encode())
+
+    def __call__(self, device, world):
+        """True on every rank once any rank has had a signal (ranks must leave the loop at the same step)."""
+        if world > 1:
+            t = torch.tensor(self.signum, device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            self.signum = int(t)
+        return bool(self.signum)
+
+    def exit(self, step, out_dir):
+        print(f"stopped at step {step} ({signal.Signals(self.signum).name}): the training state is in "
+              f"{os.path.join(out_dir, CKPT)}; run the same command with --resume to continue", flush=True)
+        sys.exit(128 + self.signum)
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):
+    """The small files sentence-transformers reads beside a plain HF model (its classic layout, which v2 to v6
+    load), so that SentenceTransformer(folder) encodes as we evaluate: Transformer (no truncation below
+    max_len) -> Pooling (pooling: "cls" or "mean") [-> Dense, the linear projection `dense`]. No normalisation:
+    cosine similarity does not need it."""
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")] if dense is not None else [])
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+                              for i, (path, kind) in enumerate(modules)],
+             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
+             "1_Pooling/config.json": {"word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
+                                       "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+                                       "pooling_mode_mean_sqrt_len_tokens": False}}
+    if dense is not None:
+        files["2_Dense/config.json"] = {"in_features": dense.in_features, "out_features": dense.out_features,
+                                        "bias": dense.bias is not None,
+                                        "activation_function": "torch.nn.modules.linear.Identity"}
+        from safetensors.torch import save_file
+        os.makedirs(os.path.join(folder, "2_Dense"))
+        save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in dense.state_dict().items()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
