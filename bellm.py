@@ -55,6 +55,9 @@ p.add_argument("--batch-size", type=common.POS_INT, default=64,
 p.add_argument("--grad-accum", type=common.POS_INT, default=1,
                help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="run a step's texts in length groups, each padded only to its own longest: the same loss and "
+               "gradients for the cost of the real tokens (--no-length-grouping: one forward, padded to the longest)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 2e-4 (paper); with --resume: the "
                "run's own, unless given")
 p.add_argument("--max-len", type=common.POS_INT, default=64,
@@ -119,6 +122,8 @@ def load_decoder(name, bi_layers, bi_strategy, device):
     tok = common.load_pretrained(AutoTokenizer, name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dec = common.load_pretrained(AutoModel, name, dtype=dtype)
+    if device.type == "cpu":  # same attention; PyTorch's CPU SDPA backward with a mask is slow (bench/length_groups.py)
+        dec.set_attn_implementation("eager")
     if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "rotary_emb", "norm")):
         common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, layers, rotary_emb "
                    "and norm: pass a LLaMA / Mistral / Qwen2-style model")
@@ -417,7 +422,8 @@ def main():
         texts = [s for r in batch for s in (r if kind == "nli" else r[:2])]  # NLI: 3 texts a row, C-STS: 2
         b = common.tokenize(tok, *prompted(tok, {**meta, "max_len": a.max_len}, texts, conditions), device)
         with common.autocast(device, a.bf16):
-            h = ddp(b["input_ids"], b["attention_mask"]).float()  # (B·3, H) or (B·2, H)
+            run = lambda b: ddp(b["input_ids"], b["attention_mask"])  # noqa: E731
+            h = (common.by_length(run, b) if a.length_grouping else run(b)).float()  # (B·3, H) or (B·2, H)
         h = h.view(len(batch), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
         cols = [common.gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
         if kind == "nli":

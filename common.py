@@ -218,6 +218,53 @@ def tokenize(tokenizer, sentences, max_len, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+GROUP_COST = 64  # a forward pass's fixed cost, in token slots (bench/length_groups.py measures it)
+
+
+def length_groups(lengths, cost=GROUP_COST):
+    """Rows sorted by length, cut into groups where cutting pays: the cuts minimise Σ_groups (rows x longest +
+    cost), i.e. padded token slots plus a fixed cost per forward pass (dynamic programming, O(n²)).
+    lengths: real tokens per row -> list of groups of row indices, shortest group first."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: cheapest split of order[:j]
+    for j in range(1, len(order) + 1):
+        for i in range(j):  # last group = order[i:j], padded to its longest, lengths[order[j-1]]
+            c = best[i] + (j - i) * lengths[order[j - 1]] + cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def by_length(forward, batch, cost=GROUP_COST):
+    """forward(batch) computed on length groups of the batch's rows, each padded only to its own longest,
+    and put back in row order: the same rows and the same result as forward(batch) (up to float rounding)
+    for the cost of the real tokens. batch: dict of (N, L) tensors with an attention_mask, padded on
+    either side; forward's outputs: (N, ...) tensors, or tuples / lists of them (nested; None kept)."""
+    mask = batch["attention_mask"]  # (N, L)
+    lengths = mask.sum(1).tolist()
+    groups = length_groups(lengths, cost)
+    if len(groups) == 1:
+        return forward(batch)
+    left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
+    parts = []
+    for g in groups:
+        idx, L = torch.tensor(g, device=mask.device), max(lengths[i] for i in g)
+        parts.append(forward({k: v[idx, -L:] if left else v[idx, :L] for k, v in batch.items()}))  # (n_g, L_g)
+    inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()  # grouped row -> row
+
+    def merge(outs):  # the groups' outputs -> one output in row order
+        if outs[0] is None:
+            return None
+        if isinstance(outs[0], torch.Tensor):
+            return torch.cat(outs)[inv]
+        return type(outs[0])(merge(list(o)) for o in zip(*outs))
+    return merge(parts)
+
+
 @torch.no_grad()
 def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=128):
     """(N, H) embeddings in the order given. Every sentence is tokenised once, then batched by token

@@ -49,6 +49,9 @@ p.add_argument("--batch-size", type=common.POS_INT, default=64,
 p.add_argument("--grad-accum", type=common.POS_INT, default=1,
                help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="run a step's texts in length groups, each padded only to its own longest: the same loss and "
+               "gradients for the cost of the real tokens (--no-length-grouping: one forward, padded to the longest)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 1.3e-6 (authors' value: small, because "
                "the towers are ALREADY fine-tuned sentence encoders); with --distill 1e-5 (authors' supplementary); "
                "with --resume: the run's own, unless given")
@@ -370,6 +373,8 @@ def main():
         if rank == 0:
             log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
 
+    group = common.by_length if a.length_grouping else lambda run, batch: run(batch)
+
     def micro_step(sents, R):
         """One micro-batch of B sentences on this rank -> (loss over the global batch of world·B, its terms)."""
         batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
@@ -378,10 +383,11 @@ def main():
             if distill:  # MSE between the student's CLS and the teacher twin's embedding, same text
                 with torch.no_grad():
                     target = teacher(sents).to(device)  # (B, H)
-                loss = F.mse_loss(common.gather(ddp(**batch).last_hidden_state[:, 0].float()), common.gather(target))
+                cls = group(lambda b: ddp(**b).last_hidden_state[:, 0], batch)  # (B, H)
+                loss = F.mse_loss(common.gather(cls.float()), common.gather(target))
                 terms = {}
             else:  # two dropout views of every sentence in one forward pass: (2B, L)
-                h, hP, c = ddp({k: torch.cat([v, v]) for k, v in batch.items()})  # per tower (2B, H)
+                h, hP, c = group(ddp, {k: torch.cat([v, v]) for k, v in batch.items()})  # per tower (2B, H)
                 # global batch: per tower, [view 1 of all ranks; view 2 of all ranks], (2·world·B, H)
                 glob = lambda zs: [torch.cat([common.gather(z[:B]), common.gather(z[B:])]) for z in zs]  # noqa: E731
                 loss, terms = jtcse_loss(glob(h), glob(hP), None if c is None else glob(c), R, a)

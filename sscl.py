@@ -41,6 +41,9 @@ p.add_argument("--batch-size", type=common.POS_INT, default=64,
 p.add_argument("--grad-accum", type=common.POS_INT, default=1,
                help="micro-batches of --batch-size per optimisation step; "
                "each micro-batch only sees its own in-batch negatives (accumulation does not enlarge the pool)")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="run a step's texts in length groups, each padded only to its own longest: the same loss and "
+               "gradients for the cost of the real tokens (--no-length-grouping: one forward, padded to the longest)")
 p.add_argument("--lr", type=common.POS_FLOAT, default=None, help="default 3e-5 (paper; 1e-5 for large models); "
                "with --resume: the run's own, unless given")
 p.add_argument("--max-len", type=common.POS_INT, default=32, help="paper: 32 tokens")
@@ -264,8 +267,9 @@ def main():
         batch = common.tokenize(tokenizer, sents, a.max_len, device)  # (B, L)
         if not a.no_aug:  # two dropout views of every sentence in one forward pass: (2B, L)
             batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-        with common.autocast(device, a.bf16):
-            z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with --no-aug; per M: the same
+        run = lambda b: model(b, layers)  # noqa: E731
+        with common.autocast(device, a.bf16):  # (2B, D), or (B, D) with --no-aug; per M: the same
+            z, z_layers = common.by_length(run, batch) if a.length_grouping else run(batch)
         B = len(sents)  # the loss in fp32, outside autocast
         h, h_pos = z[:B].float(), (z if a.no_aug else z[B:]).float()  # SSCL-BERT: the positive is h itself
         h_negs = [zm[:B].float() for zm in z_layers]  # layer-M representations of view 1, the anchor's own pass

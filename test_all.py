@@ -1686,3 +1686,141 @@ def test_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokenizer_dir,
         out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok, ["a man", "a dog"] * 40, 8,
                                        "cpu", 16)
         assert out.shape == (80, 2) and ("encoding" in err.getvalue()) == shown, (tty, quiet, err.getvalue()[:200])
+
+
+# ---------------------------------------------------------------- length-grouped steps ----------
+def test_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
+    import itertools
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths, cost = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))], rng.choice([0, 8, 64, 1000])
+        groups = common.length_groups(lengths, cost)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row, once
+        s, n = sorted(lengths), len(lengths)
+        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))  # every cut of the
+                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))  # sorted rows
+        assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == brute
+    assert len(common.length_groups([5, 9, 5, 9], 0)) == 2 and len(common.length_groups([5, 9, 5, 9], 1000)) == 1
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
+    lengths = [3, 7, 1, 7, 5, 2]
+    L = max(lengths)
+    ids = torch.arange(1, 6 * L + 1).view(6, L)
+    mask = torch.tensor([[1] * n + [0] * (L - n) if side == "right" else [0] * (L - n) + [1] * n for n in lengths])
+    calls = []
+
+    def forward(b):  # (n, L_g) -> the row's real ids summed, nested outputs, a None
+        calls.append(b["input_ids"].shape)
+        assert b["attention_mask"].shape[1] == int(b["attention_mask"].sum(1).max())  # padded to its own longest
+        s = (b["input_ids"] * b["attention_mask"]).sum(1)
+        return s, [s * 2, (s, s + 1)], None
+    want = forward({"input_ids": ids, "attention_mask": mask})
+    calls.clear()
+    got = common.by_length(forward, {"input_ids": ids, "attention_mask": mask}, cost=0)
+    assert len(calls) == 5  # cost 0: one group per distinct length (1, 2, 3, 5, 7)
+    assert got[2] is None and torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    assert torch.equal(got[1][1][1], want[1][1][1])
+
+
+def same_step(params, loss_of):
+    """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each tensor's largest).
+    The models run in float64: in float32 the two orders of summation differ by rounding, which the identical
+    dropout-free views amplify (the positive pair's terms cancel; up to 2.5e-4 of the largest gradient of the
+    projection); in float64 that rounding is ~1e-12, so what is left to fail here is a different computation."""
+    out = []
+    for grouped in (True, False):
+        for q in params:
+            q.grad = None
+        loss = loss_of(grouped)
+        loss.backward()
+        out.append((loss.item(), [q.grad.clone() for q in params if q.grad is not None]))
+    (l1, g1), (l0, g0) = out
+    assert abs(l1 - l0) <= 1e-5 and len(g1) == len(g0) > len(params) / 2
+    for a, b in zip(g1, g0):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12  # (+: the key biases' zero gradients)
+
+
+def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
+    return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
+
+
+@pytest.mark.parametrize("pooler", ["cls", "avg"])
+def test_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
+    from transformers import AutoTokenizer
+    tok, B = AutoTokenizer.from_pretrained(bert_nodrop_dir), 8
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler, proj_dim=16).train().double()
+    batch = common.tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
+    batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
+
+    def loss_of(grouped):
+        run = lambda b: enc(b, (1, 3))  # noqa: E731
+        z, zs = common.by_length(run, batch, cost=0) if grouped else run(batch)
+        return sscl.sscl_loss(z[:B], z[B:], [m[:B] for m in zs], 0.05)
+    same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
+
+
+def test_grouped_jtcse_step_equals_padded_step(jt_env):
+    d, tok = jt_env
+    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+              for t in ("a", "b")]
+    twin, B = jtcse.Twin(towers, 2).train().double(), 6
+    batch = jt_batch_of(tok, uneven(random.Random(2), B))
+    batch = {k: torch.cat([v, v]) for k, v in batch.items()}
+    a = jtcse.p.parse_args([])
+
+    def loss_of(grouped):
+        h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
+        return jtcse.jtcse_loss(h, hP, c, 1, a)[0]
+    same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
+    target = torch.randn(2 * B, 32, dtype=torch.float64)  # distillation: one tower's CLS against a fixed target
+    cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
+    same_step(list(towers[0].parameters()),
+              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch), target))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", bl_CPU)
+    dec.double()
+    for k, mode in ((1, "parallel"), (2, "sequential")):
+        net = bellm.BeLLM(dec, k, mode, "convert").train()
+        b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)  # 6 triplets, (18, L)
+
+        def loss_of(grouped):
+            run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
+            h = (common.by_length(run, b, cost=0) if grouped else run(b)).view(6, 3, -1)
+            return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+        same_step(list(dec.parameters()), loss_of)
+
+
+def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_dir, train_txt, sts_dir, tok_dir,
+                                                                     jt_env, tmp_path, capsys, monkeypatch):
+    """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged losses of
+    --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
+    d, _ = jt_env
+    for t in ("a", "b"):
+        m = BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        m.save_pretrained(tmp_path / t), PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(tmp_path / t)
+    scripts = {
+        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3, eval_steps=100),
+        jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt", "--data-dir",
+                sts_dir, "--output-dir", "OUT", "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
+                "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3, "--no-add-sick", "--no-final-eval"],
+        bellm: ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path), "--data-dir",
+                bl_sts_dir(tmp_path), "--output-dir", "OUT", "--batch-size", 4, "--max-steps", 3, "--eval-steps", 100,
+                "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0, "--no-final-eval",
+                "--no-eval-first"]}
+    groups, length_groups = [], common.length_groups
+    monkeypatch.setattr(common, "length_groups", lambda lengths, cost: groups.append(1) or length_groups(lengths, 0))
+    for module, args in scripts.items():
+        logged = []
+        for flag in ("--length-grouping", "--no-length-grouping"):
+            out = tmp_path / f"{module.__name__}{flag}"
+            code, stdout, err = main_of(module, capsys, monkeypatch, *[out if x == "OUT" else x for x in args], flag)
+            assert code == 0, err[-2000:]
+            logged.append([float(x) for x in losses(stdout)])
+        assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__  # the grouped path ran, every step
+        assert logged[0] == pytest.approx(logged[1], abs=2e-4), module.__name__
+        groups.clear()
