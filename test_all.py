@@ -431,16 +431,19 @@ SENTEVAL_TRANSFER = {  # SentEval itself (SimCSE's copy, SimCSE's batcher), all-
 
 
 def test_senteval_transfer_parity_minilm_avg(tmp_path):
-    """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25."""
-    minilm = MODELS / "minilm"
+    """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on four of the
+    seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair features (MRPC). MR and SUBJ
+    repeat CR's protocol; SST-2 (train/dev/test) is two thirds of the encoding (70k phrases) and its protocol is
+    checked against SentEval's code above; all seven: the README's command."""
+    minilm, tasks = MODELS / "minilm", ["CR", "MPQA", "TREC", "MRPC"]
     need(minilm / "model.safetensors", REAL_STS / "downstream" / "MR")
     out = tmp_path / "r.json"
-    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--tasks", "transfer",
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--tasks", ",".join(tasks),
                "--transfer-mode", "fasttest", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())},
-               timeout=1800)  # about 6 minutes on an idle 2-core CPU, over 10 on a busy one
+               timeout=1800)
     assert proc.returncode == 0, proc.stderr
     got = {t: v["acc"] for t, v in json.loads(out.read_text())["transfer"].items()}
-    assert got == pytest.approx(SENTEVAL_TRANSFER["fasttest"], abs=0.25)
+    assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
 
 
 # ---------------------------------------------------------------- SSCL ---------------------------

@@ -1,6 +1,7 @@
 """Training-step tokens/s of bellm.py on SmolLM2-135M, K = 0 vs K = 1 (parallel, eq. 5), alternating in one
 process on the same batch of 16 SNLI triplets (48 prompted texts, --max-len 32), LoRA r 32 on all linear layers,
-forward + eq. 6 + backward + AdamW step, like one step of the quick run. Median of 5 timed steps per K after
+forward + eq. 6 + backward + AdamW step, like one step of the quick run, as one padded forward
+(--no-length-grouping; bench/length_groups.py compares that with length groups). Median of 5 timed steps per K after
 one warm-up step each.
 
   python bench/bellm_speed.py            # fp32
