@@ -73,6 +73,10 @@ p.add_argument("--quiet", action="store_true", help="no progress bars (shown onl
 p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA), for training and the "
                "dev evaluations: faster on CPUs with bf16 instructions; dev scores move by ~0.1")
+p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="the base LLM's weights (LoRA and "
+               "AdamW stay float32): default bfloat16 on CUDA (the paper's setting), float32 on CPU")
+p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None, help="gradient checkpointing "
+               "(each layer's activations are recomputed in the backward pass): default on with CUDA, off on CPU")
 # --- bellm ---
 p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1,
                help="K: how many last layers are bidirectional (paper: 1; "
@@ -115,12 +119,12 @@ def check_prompt(prompt, conditional):
 
 
 # ================================================================ model (patch) =================
-def load_decoder(name, bi_layers, bi_strategy, device):
-    """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in fp32 on CPU / bf16 on CUDA; for
-    bi_strategy 'add', K copies of the last K layers are attached as `dec.bellm_added`."""
+def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
+    """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU, bf16 on CUDA);
+    for bi_strategy 'add', K copies of the last K layers are attached as `dec.bellm_added`."""
     from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     dec = common.load_pretrained(AutoModel, name, dtype=dtype)
     if device.type == "cpu":  # same attention; PyTorch's CPU SDPA backward with a mask is slow (bench/length_groups.py)
         dec.set_attn_implementation("eager")
@@ -172,6 +176,20 @@ def forward(dec, input_ids, attention_mask, bi_layers, bi_mode, bi_strategy, all
     return (dec.norm(h), hs) if all_hidden else dec.norm(h)
 
 
+def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
+    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW moments in fp32,
+    activations kept for the backward). Activations, bytes a token a layer (counted with saved-tensor hooks on
+    LLaMA configs; RMSNorm and the LoRA path keep fp32 copies, so bf16 does not halve them):
+    A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes).
+    With checkpointing: each layer keeps only its input (s·H) and one layer is recomputed at a time."""
+    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
+    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size + 28 * r \
+        + c.num_attention_heads * longest * (4 if s == 4 else 6)
+    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
+    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
+    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
+
+
 def last_token(h, attention_mask):
     """h (b, L, H) -> (b, H) at the last real token, for left or right padding."""
     idx = (attention_mask * torch.arange(attention_mask.shape[1], device=h.device)).argmax(1)  # (b,)
@@ -217,7 +235,8 @@ def load_encoder(run_dir, meta, device):
     """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len]; run_dir None
     (or a folder without adapter) = zero-shot, no LoRA."""
     cfg = {"bi_strategy": "convert", **meta}
-    tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device)
+    dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained (runs before: default)
+    tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
     cfg.setdefault("max_len", dec.config.max_position_embeddings)  # evaluation does not cut sentences
     if run_dir and os.path.isfile(os.path.join(run_dir, "adapter_config.json")):
         from peft import PeftModel
@@ -354,15 +373,17 @@ def main():
 
     # ---------------------------------------------------------------- model (patch) + LoRA
     from peft import LoraConfig, get_peft_model
-    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device)
-    if device.type == "cuda":  # bf16 weights + gradient checkpointing: LLaMA-2-7B fits one 80 GB GPU
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
+    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
+    if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (README)
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP-safe
     model = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                                            target_modules="all-linear"))  # every Linear; AutoModel has no head
     net = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)  # every LoRA parameter is used in every step,
     ddp = net if world == 1 else torch.nn.parallel.DistributedDataParallel(net)  # so DDP needs no unused-param scan
     meta = dict(method="bellm", base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
-                bi_strategy=a.bi_strategy, prompt=a.prompt,
+                bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings)  # for evaluation, which does not cut sentences
     encode = make_encoder(dec, tok, meta, device, a.bf16)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -373,6 +394,16 @@ def main():
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, {total} steps of {per_step} "
         f"rows ({world} process(es) x {a.batch_size} x {a.grad_accum} accumulated), lr {lr:g}, device {device}"
         + (f" ({common.bf16_note(device)})" if a.bf16 else ""))
+    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes of most activations
+    longest = a.max_len + len(tok(fill(a.prompt, "", ""))["input_ids"])  # a prompted training text, at most
+    texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
+    est = [memory_estimate(dec, sum(q.numel() for q in params), s, texts * longest, longest, a.lora_r,
+                           c) for c in (False, True)]
+    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
+    w, o, act = est[grad_ckpt]
+    log(f"memory (estimate, README): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations {per_tok[0]:,.0f} "
+        f"KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB for {texts} x {longest} tokens "
+        f"{'with' if grad_ckpt else 'without'} checkpointing; {w + o + act:.2f} GiB in all")
 
     def dev_score():
         model.eval()

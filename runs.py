@@ -227,7 +227,7 @@ def read_meta(run_dir):
 # settings that may change on --resume; any other difference is refused, listing the flags
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval", "data_dir",
              "output_dir", "bf16", "tasks", "eval_first", "quiet",
-             "length_grouping"}
+             "length_grouping", "grad_ckpt"}
 
 
 def run_args(args):

@@ -1827,3 +1827,92 @@ def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_
         assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__  # the grouped path ran, every step
         assert logged[0] == pytest.approx(logged[1], abs=2e-4), module.__name__
         groups.clear()
+
+
+# ---------------------------------------------------------------- the GPU configuration, on CPU --------
+def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, capsys, monkeypatch):
+    """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite losses close to
+    the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16) prints the run's final table."""
+    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    logs = {}
+    for name, extra in (("fp32", []), ("gpu", ["--dtype", "bfloat16", "--grad-ckpt", "--bf16"])):
+        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train, "--data-dir", data,
+                                 "--output-dir", tmp_path / name, "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
+                                 "--log-steps", 1, "--bi-layers", 1, "--lora-r", 4, "--lora-dropout", 0, "--tasks",
+                                 "STS-B", *extra)
+        assert code == 0, err[-2000:]
+        logs[name] = [float(x) for x in losses(out)]
+    assert "with checkpointing" in out and "memory (estimate" in out
+    assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
+    assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)  # bf16 rounding, not a different computation
+    assert json.load(open(tmp_path / "gpu" / "sentemb.json"))["dtype"] == "bfloat16"
+    e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks", "STS-B", "--bf16")
+    assert e.returncode == 0, e.stderr
+    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # the adapter saved and reloaded onto a bf16 base
+
+
+def test_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
+    net = bellm.BeLLM(dec.double(), 1, "parallel", "convert").train()
+    b = bl_batch(tok, SENTS[:6])
+
+    def loss_of(ckpt):
+        (dec.gradient_checkpointing_enable if ckpt else dec.gradient_checkpointing_disable)(
+            **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if ckpt else {}))
+        sizes = []  # what autograd keeps for the backward: far less when the layers are checkpointed
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            h = net(b["input_ids"], b["attention_mask"]).view(2, 3, -1)
+        kept[ckpt] = sum(sizes)
+        return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+    kept = {}
+    same_step(list(dec.parameters()), loss_of)
+    assert kept[True] < kept[False] / 3
+
+
+def test_memory_estimate_counts_the_saved_activations(tmp_path):
+    """The start-up estimate against the bytes autograd actually saves (saved-tensor hooks), on a LLaMA config
+    that is none of those the coefficients were counted on; weights and LoRA states exactly."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaModel
+    for dtype, s in ((torch.float32, 4), (torch.bfloat16, 2)):
+        torch.manual_seed(0)
+        dec = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                                     num_attention_heads=6, num_key_value_heads=2)).to(dtype)
+        dec.set_attn_implementation("eager")
+        lora = get_peft_model(dec, LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")).train()
+        n_lora = sum(q.numel() for q in lora.parameters() if q.requires_grad)
+        ids, am = torch.randint(0, 100, (6, 20)), torch.ones(6, 20, dtype=torch.long)
+        seen, saved = {q.untyped_storage().data_ptr() for q in lora.parameters()}, [0]
+
+        def pack(t):  # every tensor kept for the backward, once, weights excluded
+            if (k := t.untyped_storage().data_ptr()) not in seen:
+                seen.add(k)
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
+        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
+        assert o * 2**30 == 16 * n_lora
+        assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
+
+
+def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir, jt_env, tmp_path,
+                                                            capsys, monkeypatch):
+    """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a saved model."""
+    d, _ = jt_env
+    scripts = {
+        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3, eval_steps=2),
+        jtcse: ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir", sts_dir,
+                "--output-dir", "OUT", "--batch-size", 8, "--max-len", 16, "--max-steps", 3, "--eval-steps", 2,
+                "--log-steps", 1, "--lr", 1e-3, "--no-add-sick", "--no-final-eval", "--seed", 1]}
+    for module, args in scripts.items():
+        logged = []
+        for extra in ([], ["--bf16"]):
+            out = tmp_path / f"{module.__name__}{len(extra)}"
+            code, stdout, err = main_of(module, capsys, monkeypatch, *[out if x == "OUT" else x for x in args], *extra)
+            assert code == 0, err[-2000:]
+            logged.append([float(x) for x in losses(stdout)])
+            assert (out / "sentemb.json").is_file()
+        assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
+        assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), module.__name__
