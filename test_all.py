@@ -691,6 +691,15 @@ def jt_train(jt_env, out, capsys, monkeypatch, *extra):
                 "--eval-steps", "2", "--lr", "1e-3", "--no-add-sick", "--no-final-eval", *extra)[1]
 
 
+def jt_nodrop(jt_env, out):
+    """Towers a and b of jt_env with dropout off, saved under out/a and out/b; -> [BertModel a, b]."""
+    d, _ = jt_env
+    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) for t in "ab"]
+    for t, m in zip("ab", towers):
+        m.save_pretrained(out / t), PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t)
+    return towers
+
+
 def jt_batch_of(tok, sents):
     return dict(tok(sents, padding=True, return_tensors="pt"))
 
@@ -899,9 +908,7 @@ def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path):
     """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all terms, the
     same R) and the updated towers of 1 rank x 8 x 2. Dropout is off so that both see the same computation."""
     d, _ = jt_env
-    for name in ("a", "b"):  # the towers without dropout
-        m = BertModel.from_pretrained(d / name, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        m.save_pretrained(tmp_path / name), PreTrainedTokenizerFast.from_pretrained(d / name).save_pretrained(tmp_path / name)
+    jt_nodrop(jt_env, tmp_path)  # the towers without dropout
     args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt",  # noqa: E731
                             "--data-dir", sts_dir, "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
                             "--max-len", 16, "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
@@ -1764,10 +1771,9 @@ def test_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
     same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
 
 
-def test_grouped_jtcse_step_equals_padded_step(jt_env):
-    d, tok = jt_env
-    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-              for t in ("a", "b")]
+def test_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
+    _, tok = jt_env
+    towers = jt_nodrop(jt_env, tmp_path)
     twin, B = jtcse.Twin(towers, 2).train().double(), 6
     batch = jt_batch_of(tok, uneven(random.Random(2), B))
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}
@@ -1803,9 +1809,7 @@ def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_
     """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged losses of
     --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
     d, _ = jt_env
-    for t in ("a", "b"):
-        m = BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        m.save_pretrained(tmp_path / t), PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(tmp_path / t)
+    jt_nodrop(jt_env, tmp_path)
     scripts = {
         sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3, eval_steps=100),
         jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt", "--data-dir",
@@ -1900,19 +1904,17 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
 def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir, jt_env, tmp_path,
                                                             capsys, monkeypatch):
     """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a saved model."""
-    d, _ = jt_env
-    scripts = {
-        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3, eval_steps=2),
-        jtcse: ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir", sts_dir,
-                "--output-dir", "OUT", "--batch-size", 8, "--max-len", 16, "--max-steps", 3, "--eval-steps", 2,
-                "--log-steps", 1, "--lr", 1e-3, "--no-add-sick", "--no-final-eval", "--seed", 1]}
-    for module, args in scripts.items():
+    def sscl_run(out, *extra):
+        code, stdout, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
+                                                                         "--no-final-eval", *extra, steps=3))
+        assert code == 0, err[-2000:]
+        return stdout
+    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch, "--log-steps", "1", *extra)  # noqa: E731
+    for name, train in (("sscl", sscl_run), ("jtcse", jt_run_)):
         logged = []
         for extra in ([], ["--bf16"]):
-            out = tmp_path / f"{module.__name__}{len(extra)}"
-            code, stdout, err = main_of(module, capsys, monkeypatch, *[out if x == "OUT" else x for x in args], *extra)
-            assert code == 0, err[-2000:]
-            logged.append([float(x) for x in losses(stdout)])
+            out = tmp_path / f"{name}{len(extra)}"
+            logged.append([float(x) for x in losses(train(out, *extra))])
             assert (out / "sentemb.json").is_file()
         assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
-        assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), module.__name__
+        assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
