@@ -141,6 +141,15 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     return tok, dec.to(device)
 
 
+def cast_frozen_linears(dec, dtype=torch.bfloat16):
+    """Under bf16 autocast with float32 base weights: store each frozen Linear in bf16 once. Autocast casts them at
+    every forward pass (it caches the casts of trainable weights only), so the numbers are the same, and the time
+    of the casts and half those weights' memory are saved. Norms and embeddings stay float32, as autocast runs them."""
+    for m in dec.modules():
+        if isinstance(m, torch.nn.Linear) and not any(q.requires_grad for q in m.parameters()):
+            m.to(dtype)
+
+
 def attn_mask(attention_mask, causal, dtype):
     """(b, L) 1 = real token -> (b, 1, L, L) additive mask, 0 where query i may read key j."""
     L = attention_mask.shape[1]
@@ -380,6 +389,8 @@ def main():
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP-safe
     model = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                                            target_modules="all-linear"))  # every Linear; AutoModel has no head
+    if a.bf16 or device.type == "cuda":  # autocast on: cast the frozen base Linears once, not at every pass
+        cast_frozen_linears(dec)
     net = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)  # every LoRA parameter is used in every step,
     ddp = net if world == 1 else torch.nn.parallel.DistributedDataParallel(net)  # so DDP needs no unused-param scan
     meta = dict(method="bellm", base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,

@@ -1855,6 +1855,29 @@ def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, cap
     assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # the adapter saved and reloaded onto a bf16 base
 
 
+def test_frozen_linears_cast_once_give_what_autocast_computes(tok_dir, tmp_path):
+    """bellm.cast_frozen_linears under bf16 autocast: the same loss and LoRA gradients, bit for bit, as letting
+    autocast cast the float32 weights at every pass; embeddings and norms stay float32."""
+    from peft import LoraConfig, get_peft_model
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
+    b = bl_batch(tok, SENTS[:6])
+    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear",
+                                          init_lora_weights=False)).train()  # B != 0: the LoRA path counts
+    cast = copy.deepcopy(peft)
+    bellm.cast_frozen_linears(cast.base_model.model)
+    assert cast.base_model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    assert cast.base_model.model.embed_tokens.weight.dtype == cast.base_model.model.norm.weight.dtype == torch.float32
+    out = []
+    for m in (peft, cast):
+        torch.manual_seed(1)  # the same LoRA dropout masks
+        with common.autocast(bl_CPU, True):
+            h = bellm.BeLLM(m.base_model.model, 1, "parallel", "convert")(b["input_ids"], b["attention_mask"])
+        loss = bellm.bellm_loss(*h.float().view(2, 3, -1).unbind(1), 0.05)
+        loss.backward()
+        out.append([loss] + [q.grad for q in m.parameters() if q.requires_grad])
+    assert len(out[0]) > 10 and all(torch.equal(x, y) for x, y in zip(*out))
+
+
 def test_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
     net = bellm.BeLLM(dec.double(), 1, "parallel", "convert").train()

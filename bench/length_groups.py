@@ -7,9 +7,11 @@ one step each, on the same batch; 1 warm-up round, then median of --reps rounds.
   python bench/length_groups.py sscl [--bf16]     # MiniLM, 64 wiki1m sentences x 2 views, max_len 32, layer 5
   python bench/length_groups.py jtcse             # two MiniLM towers, 64 sentences x 2 views, max_len 32
   python bench/length_groups.py bellm [--bf16]    # SmolLM2-135M, 16 SNLI triplets, max_len 32, K = 1, LoRA r 32
+  python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16   # what bellm.py --bf16 does
   (MINILM, SMOLLM: model names or folders; WIKI, NLI: the data files; --costs 16,64,256 --reps 5)
 """
 import argparse
+import copy
 import csv
 import os
 import statistics
@@ -32,6 +34,8 @@ p.add_argument("--costs", default=str(common.GROUP_COST), help="GROUP_COST value
 p.add_argument("--reps", type=int, default=5)
 p.add_argument("--attn", default="eager", help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
                "(bellm.py uses eager on CPU)")
+p.add_argument("--frozen", default="float32", help="bellm: dtype(s) of the frozen base Linears to compare; with "
+               "--bf16, bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead of at every pass")
 a = p.parse_args()
 common.seed_everything(42)
 dev = torch.device("cpu")
@@ -40,11 +44,16 @@ if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
     tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1, "convert", dev)
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear"))
-    net = bellm.BeLLM(dec, 1, "parallel", "convert")
+    models = {f: model if i == 0 else copy.deepcopy(model) for i, f in enumerate(a.frozen.split(","))}
+    forwards = {}
+    for f, m in models.items():  # f: the dtype of the frozen base Linears
+        if f == "bfloat16":
+            bellm.cast_frozen_linears(m.base_model.model)
+        forwards[f] = (lambda net: lambda b: net(b["input_ids"], b["attention_mask"]))(
+            bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
     with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:  # SimCSE's NLI csv format
         texts = [s for r in list(csv.reader(f))[1:17] for s in r]  # 16 triplets: 48 texts
     batch = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts), dev)
-    run = lambda b: net(b["input_ids"], b["attention_mask"])  # noqa: E731
 
     def loss_of(h):  # eq. 6 over (anchor, entailment, contradiction) rows
         h = h.float()
@@ -57,7 +66,7 @@ else:
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (128, L)
     if a.method == "sscl":
         model = sscl.SentenceEncoder(AutoModel.from_pretrained(MINILM), "cls")
-        run = lambda b: model(b, (5,))  # noqa: E731
+        forwards = {None: lambda b: model(b, (5,))}
 
         def loss_of(out):
             z, (zm,) = out
@@ -65,38 +74,40 @@ else:
     else:
         model = jtcse.Twin([BertModel.from_pretrained(MINILM), BertModel.from_pretrained(MINILM)], 2)
         args = jtcse.p.parse_args([])
-        run = model
+        forwards = {None: model}
 
         def loss_of(out):
             return jtcse.jtcse_loss(*[None if z is None else [t.float() for t in z] for z in out], 1, args)[0]
-model.train()
-opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-9)  # a step's cost, ~no change
+    models = {None: model}
+params = [q for m in models.values() for q in m.train().parameters() if q.requires_grad]
+opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
 
 lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn.split(",") if a.method == "bellm" else [None]
-configs = [(c, at) for at in attns for c in [None] + [int(c) for c in a.costs.split(",")]]  # None: one padded forward
-slots = {c: len(lengths) * max(lengths) if c is None else
-         sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c)) for c, _ in configs}
-times = {c: [] for c in configs}
+configs = [(c, at, f) for f in forwards for at in attns for c in [None] + [int(c) for c in a.costs.split(",")]]
+slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
+         sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c)) for c, _, _ in configs}
+times = {k: [] for k in configs}
 for rep in range(a.reps + 1):
-    for c, at in configs:
+    for c, at, f in configs:
         if at:
-            dec.set_attn_implementation(at)
+            models[f].base_model.model.set_attn_implementation(at)
         t = time.perf_counter()
         with common.autocast(dev, a.bf16):
-            out = run(batch) if c is None else common.by_length(run, batch, c)
+            out = forwards[f](batch) if c is None else common.by_length(forwards[f], batch, c)
         loss_of(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rep:
-            times[c, at].append(time.perf_counter() - t)
+            times[c, at, f].append(time.perf_counter() - t)
 print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads, {len(lengths)} texts, "
       f"{real} real tokens, median of {a.reps} steps")
 base = statistics.median(times[configs[0]])
-for c, at in configs:
-    m = statistics.median(times[c, at])
+for c, at, f in configs:
+    m = statistics.median(times[c, at, f])
     name = ("padded (--no-length-grouping)" if c is None else
-            f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups") + (f", {at}" if at else "")
-    print(f"{name:<52} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
+            f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups") + (f", {at}" if at else "") \
+        + (f", frozen {f}" if f else "")
+    print(f"{name:<68} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
           f"{real / m:7.0f} real tok/s  x{base / m:.2f}")
