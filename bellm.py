@@ -33,6 +33,7 @@ import transformers
 from scipy.stats import spearmanr
 
 import common
+import figures
 import runs
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3
@@ -40,8 +41,9 @@ warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", F
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general ---
-p.add_argument("--model", default="meta-llama/Llama-2-7b-hf", help="hub name or local folder of a decoder LLM "
-               "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B)")
+p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="hub name or local folder of a "
+               "decoder LLM (LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); --dependency takes several, and also "
+               "bellm.py run folders and BERT-like encoders")
 p.add_argument("--train", default=None, help="csv with sent0,sent1,hard_neg (SimCSE's nli_for_simcse.csv, the "
                "default) or a C-STS csv with sentence1,sentence2,condition,label")
 p.add_argument("--data-dir", default=None, help="STS data (else $SENTEMB_DATA)")
@@ -78,9 +80,9 @@ p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="t
 p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None, help="gradient checkpointing "
                "(each layer's activations are recomputed in the backward pass): default on with CUDA, off on CPU")
 # --- bellm ---
-p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1,
+p.add_argument("--bi-layers", type=common.NONNEG_INT, nargs="+", default=[1],
                help="K: how many last layers are bidirectional (paper: 1; "
-               "0 = the plain causal LLM)")
+               "0 = the plain causal LLM); --dependency takes several, e.g. 0 1")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
                help="parallel = eq. 5 (causal stack and bidirectional layers both read x, outputs summed; the "
                     "authors' code); sequential = BiLLM (the last K layers bidirectional in place)")
@@ -98,6 +100,11 @@ p.add_argument("--csts", default=None, help="C-STS csv (sentence1,sentence2,cond
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="print loss and speed every N steps")
 p.add_argument("--degradation", action="store_true", help="no training: STS score of the causal LLM cut after "
                "each layer k = 1..n (Fig. 4), from one pass with all hidden states")
+p.add_argument("--dependency", action="store_true", help="no training: for each --model, the mean Spearman "
+               "correlation between the pivot token's final hidden state (the pooled last token; CLS for a BERT) "
+               "and each token of the sentence, over STS-B test sentences (Fig. 2, Fig. 5)")
+p.add_argument("--plot", default=None, metavar="FILE.png", help="with --degradation or --dependency: draw Fig. 4 "
+               "or Fig. 2/5 into this PNG; needs matplotlib")
 p.add_argument("--tasks", default=",".join(common.TASKS), help="tasks of the final table and of --degradation")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="7-task table of the best checkpoint at the end")
@@ -243,6 +250,11 @@ def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
 def load_encoder(run_dir, meta, device):
     """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len]; run_dir None
     (or a folder without adapter) = zero-shot, no LoRA."""
+    return make_encoder(*load_run(run_dir, meta, device), device)
+
+
+def load_run(run_dir, meta, device):
+    """The decoder of a run (base + LoRA adapter, in eval mode), its tokenizer and its config dict."""
     cfg = {"bi_strategy": "convert", **meta}
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained (runs before: default)
     tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
@@ -253,7 +265,7 @@ def load_encoder(run_dir, meta, device):
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
     if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
         print("note: the prompt has {condition} (C-STS) and these sentences have none: it is left empty")
-    return make_encoder(dec.eval(), tok, cfg, device)
+    return dec.eval(), tok, cfg
 
 
 # ================================================================ data ==========================
@@ -334,7 +346,95 @@ def degradation(a, tok, dec, device, data, tasks):
     for k in range(1, n + 1):
         curve[k] = r = common.evaluate(encode_k(k), data, tasks)
         print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items()) + f"  avg {np.mean([*r.values()]):.2f}")
+    if a.plot:
+        avg = [float(np.mean([*curve[k].values()])) for k in curve]
+        top = int(np.argmax(avg))  # the turning point: after it, deeper layers lose STS quality
+        series = {t: (list(curve), [curve[k][t] for k in curve]) for t in tasks}
+        if len(tasks) > 1:
+            series["avg."] = (list(curve), avg)
+        figures.draw(a.plot, [dict(kind="lines", title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
+                                   xlabel="layer k", ylabel="Spearman × 100", series=series,
+                                   marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
+                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} (STS test sets)", ncols=1)
     return curve
+
+
+# ================================================================ dependency (Fig. 2, Fig. 5) ====
+def spearman_to_pivot(h, pivot):
+    """Spearman's rho over the H hidden dimensions between each token and the pivot token, i.e. Pearson of
+    ranks. h: (b, L, H), pivot: (b,) -> (b, L). Ranks of continuous values: ties have probability zero."""
+    r = h.double().argsort(-1).argsort(-1).double()  # (b, L, H) ranks 0..H-1
+    r = F.normalize(r - r.mean(-1, keepdim=True), dim=-1)
+    return (r * r[torch.arange(len(r)), pivot][:, None]).sum(-1)
+
+
+@torch.no_grad()
+def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=32):
+    """Per text: the mean Spearman rho between the pivot's final hidden state (the last real token, or CLS when
+    pivot_last is False) and that of each token of the sentence (the tokens whose characters lie in the
+    sentence's span of the text; special and prompt tokens excluded, the pivot excluded)."""
+    out = [None] * len(texts)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    for i in common.progress(range(0, len(order), batch_size), "dependency", unit="batch"):
+        idx = order[i:i + batch_size]
+        enc = tok([texts[j] for j in idx], padding=True, return_offsets_mapping=True, return_special_tokens_mask=True,
+                  return_tensors="pt")
+        am = enc["attention_mask"]  # (b, L)
+        with common.autocast(device):
+            h = hidden(enc["input_ids"].to(device), am.to(device)).float().cpu()  # (b, L, H)
+        pivot = ((am * torch.arange(am.shape[1])).argmax(1) if pivot_last else torch.zeros(len(idx), dtype=torch.long))
+        start, end = torch.tensor([spans[j] for j in idx]).T[:, :, None]  # (b, 1) each
+        off = enc["offset_mapping"]  # (b, L, 2) character spans
+        keep = am.bool() & ~enc["special_tokens_mask"].bool() & (off[..., 0] < end) & (off[..., 1] > start)
+        keep[torch.arange(len(idx)), pivot] = False
+        rho = spearman_to_pivot(h, pivot)
+        for j, row, k in zip(idx, rho, keep):
+            out[j] = row[k].mean().item() if k.any() else float("nan")  # a one-token sentence has no other token
+    return out
+
+
+def dependency(a, device, data):
+    """For each --model (a decoder at each --bi-layers K, a bellm.py run folder, or a BERT-like encoder), the
+    distribution over STS-B test sentences of the pivot's mean Spearman rho with the sentence's tokens."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
+    res = {}
+    for name in a.model:
+        meta, short = runs.read_meta(name) if os.path.isdir(name) else None, os.path.basename(os.path.normpath(name))
+        if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
+            dec, tok, cfg = load_run(name, meta, device)
+            configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
+        elif common.load_pretrained(AutoConfig, name).model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            bert = common.load_pretrained(AutoModel, name).to(device).eval()  # pivot = CLS, bare sentence
+            tok = common.load_pretrained(AutoTokenizer, name)
+            res[f"{short} (CLS)"] = dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am)
+                                                      .last_hidden_state, tok, sents, [(0, len(s)) for s in sents],
+                                                      False, device)
+            continue
+        else:  # a causal LLM, zero-shot, at each K
+            check_prompt(a.prompt, False)
+            configs = [(f"{short} (K={k})", *load_decoder(name, k, a.bi_strategy, device)[::-1],
+                        dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy, prompt=a.prompt))
+                       for k in a.bi_layers]
+        for label, dec, tok, cfg in configs:
+            net = BeLLM(dec.eval(), cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
+            lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))  # the sentence's first character
+            res[label] = dependency_scores(lambda ids, am: forward(net.dec, ids, am, *net.bi), tok,
+                                           [fill(cfg["prompt"], s) for s in sents],
+                                           [(lead, lead + len(s)) for s in sents], True, device)
+    print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's tokens, "
+          f"{len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} (runs: their own)")
+    print(f"{'model':<48} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}")
+    for label, v in res.items():
+        v = np.array([x for x in v if x == x])  # drop NaN (one-token sentences)
+        print(f"{label:<48} {v.mean():7.4f} " + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75])))
+    if a.plot:
+        figures.draw(a.plot, [dict(kind="boxes", title="Fig. 2 / Fig. 5: dependency of the pivot token", groups={
+            k: [x for x in v if x == x] for k, v in res.items()}, rotate=20, xlabel="model (pivot: last token; CLS)",
+            ylabel="mean Spearman rho, pivot vs. sentence tokens")],
+            f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
+    return res
 
 
 # ================================================================ main ==========================
@@ -353,11 +453,19 @@ def main():
     # ---------------------------------------------------------------- seeding
     common.seed_everything(a.seed)  # the same initial weights (and LoRA dropout stream) on every rank
 
-    if a.degradation:
+    if a.degradation or a.dependency:  # the analyses: no training
+        figures.check(a.plot)
+        if a.dependency:
+            return dependency(a, device, common.check_sts(data, ["STS-B"]))
         check_prompt(a.prompt, False)
-        tok, dec = load_decoder(a.model, 0, "convert", device)
+        tok, dec = load_decoder(a.model[0], 0, "convert", device)
         degradation(a, tok, dec.eval(), device, data, tasks)
         return
+    if a.plot:
+        common.die("--plot draws an analysis: add --degradation or --dependency (no training)")
+    if len(a.model) > 1 or len(a.bi_layers) > 1:
+        common.die("--model and --bi-layers take one value for training (several only with --dependency)")
+    a.model, a.bi_layers = a.model[0], a.bi_layers[0]
 
     # ---------------------------------------------------------------- data
     kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))

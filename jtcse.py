@@ -23,12 +23,14 @@ import contextlib
 import os
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
 from transformers import AutoConfig, AutoTokenizer, BertModel
 
 import common
+import figures
 import runs
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +85,10 @@ p.add_argument("--distill", default=None, metavar="TEACHER_DIR", help="JTCSE D: 
                "(initialised from --model-a) to match a trained twin's embeddings with MSE, then save it alone")
 p.add_argument("--analyze", nargs="?", const="", default=None, metavar="TWIN_DIR", help="print E_CLS (eq. 6) "
                "per layer on STS-B test for --model-a alone and the twin (TWIN_DIR's towers, else --model-a/-b) "
-               "with and without cross-attention, then exit")
+               "with and without cross-attention, and the cosines of STS-B test pairs by gold score (Fig. 5) "
+               "for each tower and the twin; no training")
+p.add_argument("--plot", default=None, metavar="FILE.png", help="with --analyze: draw E_CLS per layer and Fig. 5 "
+               "into this PNG; needs matplotlib")
 common.show_ranges(p)
 
 
@@ -240,6 +245,7 @@ def jtcse_loss(h, hP, c, R, a):
 def analyze(a, device):
     """eq. 6: E_CLS = ‖ctx_cls‖₂ / ‖ctx_−‖_F per layer (ctx = attention context SA·V or SA·V_other,
     ctx_− = every other real token), mean over STS-B test sentences."""
+    figures.check(a.plot)
     twin_names = [os.path.join(a.analyze, "tower_a"), os.path.join(a.analyze, "tower_b")] if a.analyze \
         else [a.model_a, a.model_b]
     towers, tokenizer = load_towers(twin_names)
@@ -267,6 +273,24 @@ def analyze(a, device):
     print(f"{'layer':>5} " + " ".join(f"{col:>8}" for col in E))
     for j in range(n):
         print(f"{j + 1:5d} " + " ".join(f"{E[col][j] / len(sents):8.4f}" for col in E))
+    # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, grouped by gold score
+    encoders = {"tower I": [towers[0]], "tower II": [towers[1]], "twin (I + II)": towers}
+    emb = {name: dict(zip(sents, make_encode(ts, tokenizer, a.max_len, device)(sents))) for name, ts in encoders.items()}
+    bins = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.01)]  # gold score groups; 5.0 joins the last
+    cos = {name: {b: [F.cosine_similarity(e[r[0]], e[r[1]], dim=0).item() for r in rows if b[0] <= r[2] < b[1]]
+                  for b in bins} for name, e in emb.items()}
+    print("Fig. 5: mean cos of STS-B test pairs by gold score (pairs in the group)")
+    print(f"{'gold':>8} " + " ".join(f"{name:>14}" for name in cos))
+    for b in bins:
+        print(f"{f'{b[0]}-{min(b[1], 5):g}':>8} " + " ".join(f"{np.mean(c[b]):14.4f}" for c in cos.values())
+              + f"  ({len(cos['tower I'][b])})")
+    if a.plot:
+        panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer", ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
+                       series={col: (range(1, n + 1), (E[col] / len(sents)).tolist()) for col in E})]
+        panels += [dict(kind="boxes", title=f"Fig. 5: {name}", xlabel="gold similarity score (STS-B test)",
+                        ylabel="cosine similarity of the pair", groups={f"{lo}-{min(hi, 5):g}": c[lo, hi]
+                                                                         for lo, hi in bins}) for name, c in cos.items()]
+        figures.draw(a.plot, panels, "JTCSE: attention to CLS and similarity distributions, STS-B test")
 
 
 # ---------------------------------------------------------------- training ----------------------
@@ -277,6 +301,8 @@ def main():
     rank, world, device = common.init_distributed()  # under torchrun: one process per GPU
     if a.analyze is not None:
         return analyze(a, device)
+    if a.plot:
+        common.die("--plot draws the analysis: add --analyze (no training)")
     distill = a.distill is not None
     if a.batch_size * world < 2 and not distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")

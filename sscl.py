@@ -24,11 +24,13 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 import common
+import figures
 import runs
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general ---
-p.add_argument("--model", default="bert-base-uncased", help="hub name or local folder (paper: bert-base-uncased)")
+p.add_argument("--model", nargs="+", default=["bert-base-uncased"], help="hub name or local folder (paper: "
+               "bert-base-uncased); --analyze takes several, to compare them")
 p.add_argument("--train", default=None, help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
 p.add_argument("--data-dir", default=None, help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--output-dir", default="runs/sscl", help="the best checkpoint (STS-B dev) is saved here")
@@ -70,8 +72,12 @@ p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0,
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
 p.add_argument("--loss-mix", action="store_true", help="authors' code: mean of the SSCL loss and the plain "
                "SimCSE loss (the paper describes the SSCL loss alone)")
-p.add_argument("--analyze", action="store_true", help="print the over-smoothing diagnostics of --model on "
-               "STS-B test (eq. 1 token-wise and eq. 2 inter-layer similarity) and exit")
+p.add_argument("--analyze", action="store_true", help="no training: the over-smoothing diagnostics of each --model "
+               "on STS-B test (eq. 1 token-wise and eq. 2 inter-layer similarity, per layer)")
+p.add_argument("--plot", default=None, metavar="FILE.png", help="with --analyze: draw Fig. 1 and Fig. 4 (and Fig. 5 "
+               "with --sentence) into this PNG; needs matplotlib")
+p.add_argument("--sentence", default=None, help="with --analyze: also the token-by-token cosine matrix of this "
+               "sentence at the last layer (Fig. 5)")
 common.show_ranges(p)
 
 
@@ -147,14 +153,13 @@ def sscl_loss(h, h_pos, h_negs, temp):
 
 # ---------------------------------------------------------------- analysis ----------------------
 @torch.no_grad()
-def analyze(a, device):
-    """Over-smoothing diagnostics on STS-B test sentences, per layer l = 0 (embeddings) .. n:
-    eq. 1 token-wise similarity: mean over sentences of the mean cos(h_i^l, h_j^l) over real tokens i ≠ j;
-    eq. 2 inter-layer similarity: mean over sentences of cos(s^l, s^(l+1)), s^l the pooled sentence vector."""
-    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
-    bert = common.load_pretrained(AutoModel, a.model).to(device).eval()
-    rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
-    sents = sorted({s for r in rows for s in r[:2]})
+def over_smoothing(name, a, sents, device):
+    """Per layer l = 0 (embeddings) .. n, means over the sentences:
+    eq. 1 token-wise similarity: the mean cos(h_i^l, h_j^l) over real tokens i ≠ j of a sentence;
+    eq. 2 inter-layer similarity: cos(s^l, s^(l+1)), s^l the pooled sentence vector (--pooler).
+    With --sentence: also that sentence's last-layer token-by-token cosine matrix (Fig. 5) and its tokens."""
+    tokenizer = common.load_pretrained(AutoTokenizer, name)
+    bert = common.load_pretrained(AutoModel, name).to(device).eval()
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
@@ -171,11 +176,42 @@ def analyze(a, device):
             pooled.append(h[:, 0] if a.pooler == "cls" else (h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True))
         for l in range(n):
             layer_sim[l] += F.cosine_similarity(pooled[l], pooled[l + 1], dim=-1).sum().cpu()
-    print(f"over-smoothing of {a.model} on {len(sents)} STS-B test sentences ({a.pooler} pooling)")
-    print(f"{'layer':>5} {'token-wise sim (eq. 1)':>23} {'sim to next layer (eq. 2)':>26}")
-    for l in range(n + 1):
-        nxt = f"{layer_sim[l] / len(sents):26.4f}" if l < n else f"{'':>26}"
-        print(f"{l:5d} {tok_sim[l] / len(sents):23.4f} {nxt}")
+    heat = None
+    if a.sentence:  # Fig. 5: (L, L) cosines of the last layer's tokens, special tokens included
+        batch = common.tokenize(tokenizer, [a.sentence], a.max_len, device)
+        h = F.normalize(bert(**batch).last_hidden_state[0].float(), dim=-1)  # (L, H)
+        heat = ((h @ h.T).cpu().numpy(), tokenizer.convert_ids_to_tokens(batch["input_ids"][0]))
+    return (tok_sim / len(sents)).tolist(), (layer_sim / len(sents)).tolist(), heat
+
+
+def analyze(a, device):
+    """Prints eqs. 1-2 per layer for each --model; --plot draws Fig. 1 (eq. 2) and Fig. 4 (eq. 1) with one line
+    per model, and with --sentence a Fig. 5 heat map per model."""
+    figures.check(a.plot)
+    rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
+    sents = sorted({s for r in rows for s in r[:2]})
+    res = {name: over_smoothing(name, a, sents, device) for name in a.model}
+    for name, (tok_sim, layer_sim, heat) in res.items():
+        print(f"over-smoothing of {name} on {len(sents)} STS-B test sentences ({a.pooler} pooling)")
+        print(f"{'layer':>5} {'token-wise sim (eq. 1)':>23} {'sim to next layer (eq. 2)':>26}")
+        for l, t in enumerate(tok_sim):
+            print(f"{l:5d} {t:23.4f} " + (f"{layer_sim[l]:26.4f}" if l < len(layer_sim) else ""))
+        if heat:
+            print(f"Fig. 5, last-layer token cosines of {a.sentence!r}: mean off-diagonal "
+                  f"{(heat[0].sum() - heat[0].trace()) / (len(heat[1]) ** 2 - len(heat[1])):.4f}")
+    if a.plot:
+        short = [os.path.basename(os.path.normpath(m)) for m in a.model]
+        label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
+        panels = [dict(kind="lines", title="Fig. 1: similarity of adjacent layers (eq. 2)", xlabel="layer l",
+                       ylabel=f"cos(s^l, s^(l+1)), {a.pooler} pooling", series={
+                           label[m]: (range(len(r[1])), r[1]) for m, r in res.items()}),
+                  dict(kind="lines", title="Fig. 4: token-wise similarity (eq. 1)", xlabel="layer l (0 = embeddings)",
+                       ylabel="mean cos(h_i, h_j), i ≠ j", series={
+                           label[m]: (range(len(r[0])), r[0]) for m, r in res.items()})]
+        panels += [dict(kind="heat", title=f"Fig. 5: {label[m]}, last layer", matrix=r[2][0], labels=r[2][1],
+                        vmin=-1, vmax=1, cbar="cosine", xlabel="token", ylabel="token")
+                   for m, r in res.items() if r[2]]
+        figures.draw(a.plot, panels, f"Over-smoothing on STS-B test ({len(sents)} sentences)")
 
 
 # ---------------------------------------------------------------- training ----------------------
@@ -186,6 +222,11 @@ def main():
     rank, world, device = common.init_distributed()
     if a.analyze:
         return analyze(a, device)
+    if a.plot or a.sentence:
+        common.die("--plot and --sentence draw the analysis: add --analyze (no training)")
+    if len(a.model) > 1:
+        common.die(f"--model got {len(a.model)} models: training takes one (several only with --analyze)")
+    a.model = a.model[0]
     if a.batch_size * world < 2:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
     config = common.load_pretrained(AutoConfig, a.model)

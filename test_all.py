@@ -1141,7 +1141,7 @@ def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
     dec.eval()
     data = common.senteval_dir(str(bl_sts_dir(tmp_path)))
-    a = Namespace(prompt=bellm.PROMPT, max_len=64)
+    a = Namespace(prompt=bellm.PROMPT, max_len=64, plot=None)
     curve = bellm.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
     meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT, max_len=64)
     normal = common.evaluate(bellm.make_encoder(dec, tok, meta, bl_CPU), data, ["STS-B"])
@@ -1941,3 +1941,108 @@ def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, trai
             assert (out / "sentemb.json").is_file()
         assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
         assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
+
+
+# ---------------------------------------------------------------- figures, dependency, seeds ----------
+def png_size(path):
+    """(width, height) of a valid PNG, read from its header; fails on anything else."""
+    head = Path(path).read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
+    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the stock model's
+    last hidden state, pivot = last token) on bare sentences, and a BERT (pivot = CLS); and with the prompt, the
+    tokens scored are exactly the sentence's."""
+    from scipy.stats import spearmanr
+    from transformers import AutoModel, AutoTokenizer
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
+    dec.eval()
+    sents = SENTS[:5]
+    with torch.no_grad():
+        got = bellm.dependency_scores(lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
+                                      [(0, len(s)) for s in sents], True, bl_CPU)
+        for s, g in zip(sents, got):
+            ids = tok(s, return_tensors="pt")["input_ids"]
+            h = dec(input_ids=ids).last_hidden_state[0]  # stock model, one sentence, no padding
+            want = np.mean([spearmanr(h[-1], h[j]).statistic for j in range(len(h) - 1)])
+            assert g == pytest.approx(want, abs=1e-9)
+        btok, bert = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
+        got = bellm.dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok,
+                                      sents, [(0, len(s)) for s in sents], False, bl_CPU)
+        for s, g in zip(sents, got):
+            h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
+            assert g == pytest.approx(np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)]), abs=1e-9)
+    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token id from a random
+    # table, so the expected score is computable from the sentence tokenised alone (a leading space, as in the
+    # prompt; a token that is only that space belongs to the prompt)
+    table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
+    texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
+    lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
+    got = bellm.dependency_scores(lambda ids, am: table[ids], tok, texts, [(lead, lead + len(s)) for s in sents],
+                                  True, bl_CPU)
+    for t, s, g in zip(texts, sents, got):
+        pivot = tok(t)["input_ids"][-1]
+        ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"] if tok.decode([j]).strip()]  # not ' '
+        assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic for j in ids]), abs=1e-9)
+
+
+def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
+    """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops before the work."""
+    sts = write_sts(tmp_path / "sts")
+    dec = bl_make_model(tok_dir, tmp_path)
+    d, _ = jt_env
+    cases = {
+        "sscl": ("sscl.py", "--analyze", "--model", bert_dir, d / "a", "--sentence", "a man is playing a guitar",
+                 "--max-len", 16),
+        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b", "--num-cael", 2, "--max-len", 16),
+        "degradation": ("bellm.py", "--degradation", "--model", dec, "--tasks", "STS-B,SICK-R"),
+        "dependency": ("bellm.py", "--dependency", "--model", dec, bert_dir, "--bi-layers", 0, 1),
+    }
+    sizes = {}
+    for name, (script, *args) in cases.items():
+        out = tmp_path / f"{name}.png"
+        proc = run(script, *args, "--data-dir", sts, "--plot", out)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sizes[name] = png_size(out)
+        assert 20_000 < out.stat().st_size < 200_000, name
+        if name == "dependency":  # one box a configuration: K = 0, K = 1, the BERT
+            assert len(re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+", proc.stdout, re.M)) == 3, proc.stdout
+    assert sizes["sscl"] == (1620, 1260)  # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
+    assert sizes["jtcse"] == (1620, 1260) and sizes["degradation"] == sizes["dependency"] == (810, 630)
+    for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]), ("bellm.py", ["--dependency", "--model", dec])):
+        proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
+        assert_bad_input(proc, "--plot", "create it")
+        assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
+    assert_bad_input(run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png"), "--plot", "--analyze")
+
+
+def test_seed_summary_equals_numpy_and_scipy(tmp_path):
+    from scipy.stats import ttest_rel
+    import seeds
+    rng = np.random.default_rng(0)
+    A, B = rng.uniform(60, 90, (4, 7)), rng.uniform(60, 90, (4, 7))
+    files = {}
+    for g, M in (("a", A), ("b", B)):
+        files[g] = []
+        for i, row in enumerate(M):
+            f = tmp_path / f"{g}{i}.json"
+            f.write_text(json.dumps({"model": "m", "results": dict(zip(common.TASKS, row.tolist())), "align": row[0] / 100}))
+            files[g].append(str(f))
+    cols, stats = seeds.table({"runs": [seeds.scores(f) for f in files["a"]]})
+    assert cols == common.TASKS + ["STS Avg.", "align"]
+    for j, t in enumerate(common.TASKS):
+        assert stats["runs"][t][:2] == pytest.approx((A[:, j].mean(), A[:, j].std(ddof=1)))
+    assert stats["runs"]["STS Avg."][0] == pytest.approx(A.mean())
+    proc = run("seeds.py", *files["a"], "--against", *files["b"])
+    assert proc.returncode == 0, proc.stderr
+    t_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("t ")][0]
+    p_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("p ")][0]
+    for j in range(7):
+        want = ttest_rel(A[:, j], B[:, j])
+        assert float(t_row[j]) == pytest.approx(want.statistic, abs=1e-3)
+        assert float(p_row[j]) == pytest.approx(want.pvalue, abs=1e-4)
+    assert_bad_input(run("seeds.py", *files["a"], "--against", *files["b"][:2]), "--against", "paired")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert_bad_input(run("seeds.py", str(tmp_path / "bad.json")), "eval_sts.py --json")

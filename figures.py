@@ -1,0 +1,82 @@
+"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given. matplotlib (headless, Agg)
+is imported here and only when a figure is drawn, so the scripts run without it. A figure is a list of panels,
+each a dict: kind "lines" (series {label: (xs, ys)}, optional marks [(x, y, text)]), "boxes" (groups {label:
+values}), or "heat" (a matrix with its row/column labels); every panel has a title and axis labels."""
+import os
+
+import common
+
+
+def check(path):
+    """Before the analysis runs (so that a bad path costs nothing): a .png name in a writable folder, matplotlib."""
+    if path is None:
+        return
+    if not path.lower().endswith(".png"):
+        common.die(f"--plot '{path}': give a file name ending in .png")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        common.die(f"--plot '{path}': folder '{folder}' does not exist or is not writable: create it first")
+    pyplot()
+
+
+def pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        common.die("--plot needs matplotlib: pip install matplotlib (the version in requirements.txt)")
+    return plt
+
+
+def _lines(ax, pn):
+    for label, (xs, ys) in pn["series"].items():
+        ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    for x, y, text in pn.get("marks", []):
+        ax.annotate(text, (x, y), xytext=(0, 14), textcoords="offset points", ha="center", fontsize=8,
+                    arrowprops=dict(arrowstyle="->", lw=0.8))
+    if pn.get("integer_x", True):  # layers
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _boxes(ax, pn):
+    labels = list(pn["groups"])
+    ax.boxplot([pn["groups"][k] for k in labels], showmeans=True, meanprops=dict(markersize=4))
+    ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8, rotation=pn.get("rotate", 0))
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _heat(ax, pn):
+    im = ax.imshow(pn["matrix"], cmap="viridis", vmin=pn.get("vmin"), vmax=pn.get("vmax"))
+    ax.set_xticks(range(len(pn["labels"])), pn["labels"], rotation=90, fontsize=7)
+    ax.set_yticks(range(len(pn["labels"])), pn["labels"], fontsize=7)
+    ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=pn.get("cbar", ""))
+
+
+DRAW = {"lines": _lines, "boxes": _boxes, "heat": _heat}
+
+
+def draw(path, panels, title, ncols=2):
+    """Panels on a grid of ncols columns, saved as a 150-dpi PNG at path."""
+    plt = pyplot()
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, pn in zip(axes.flat, panels):
+        DRAW[pn["kind"]](ax, pn)
+        ax.set_title(pn["title"], fontsize=10)
+        ax.set_xlabel(pn.get("xlabel", ""))
+        ax.set_ylabel(pn.get("ylabel", ""))
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=150)
+    except OSError as e:
+        common.die(f"--plot '{path}': cannot write it ({e.strerror}): pass a path in a writable folder")
+    plt.close(fig)
+    print(f"figure written: {path}")

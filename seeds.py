@@ -1,0 +1,80 @@
+"""Results over seeds, in the papers' form: per task the mean ± standard deviation of several runs (BeLLM
+Table 1: five runs; SSCL Table 2: three; JTCSE Fig. 6: seeds 1-5), and with --against a paired t-test between
+two groups of runs (scipy.stats.ttest_rel; run i of one group paired with run i of the other, in the order the
+files are given, so give them seed by seed). Input: eval_sts.py --json files.
+
+  for s in 1 2 3; do
+    python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt --layer 5 --max-steps 100 \\
+        --eval-steps 50 --seed $s --output-dir runs/sscl_s$s --no-final-eval
+    python eval_sts.py --model runs/sscl_s$s --json runs/sscl_s$s.json
+  done                                                     # and the same with --layer 0 into runs/simcse_s$s
+  python seeds.py runs/sscl_s1.json runs/sscl_s2.json runs/sscl_s3.json \\
+      --against runs/simcse_s1.json runs/simcse_s2.json runs/simcse_s3.json
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+from scipy.stats import ttest_rel
+
+import common
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("runs", nargs="+", metavar="RUN.json", help="eval_sts.py --json files, one a run (seed)")
+p.add_argument("--against", nargs="+", default=None, metavar="RUN.json", help="a second group, as many files, "
+               "paired with the first in the given order: adds its mean ± std and a paired t-test per column")
+
+
+def scores(path):
+    """{column: score} of one eval_sts.py --json file: STS tasks (Spearman × 100), transfer tasks (test accuracy),
+    each family's Avg. when it has all of its tasks, alignment and uniformity when present."""
+    try:
+        out = json.loads(common.read_text(path))
+        sts, transfer = out.get("results", {}), {t: v["acc"] for t, v in out.get("transfer", {}).items()}
+    except (ValueError, AttributeError, KeyError, TypeError):
+        common.die(f"'{path}' is not an eval_sts.py --json result: write one with eval_sts.py --json FILE")
+    row = dict(sts)
+    if len(sts) == len(common.TASKS):
+        row["STS Avg."] = float(np.mean(list(sts.values())))
+    row.update(transfer)
+    if len(transfer) == 7:
+        row["transfer Avg."] = float(np.mean(list(transfer.values())))
+    row.update({k: out[k] for k in ("align", "uniform") if k in out})
+    return row
+
+
+def table(groups):
+    """groups: {name: [row, ...]} -> {name: {column: (mean, sample std, n)}} over the columns every run has."""
+    cols = [c for c in next(iter(groups.values()))[0] if all(c in r for rows in groups.values() for r in rows)]
+    return cols, {g: {c: (np.mean([r[c] for r in rows]), np.std([r[c] for r in rows], ddof=1) if len(rows) > 1
+                          else float("nan"), len(rows)) for c in cols} for g, rows in groups.items()}
+
+
+def main():
+    a = p.parse_args()
+    for path in a.runs + (a.against or []):
+        if not os.path.isfile(path):
+            common.die(f"'{path}' does not exist: pass eval_sts.py --json files")
+    if a.against and len(a.against) != len(a.runs):
+        common.die(f"--against has {len(a.against)} files for {len(a.runs)} runs: a paired test needs one per run")
+    groups = {"runs": [scores(f) for f in a.runs]}
+    if a.against:
+        groups["against"] = [scores(f) for f in a.against]
+    cols, stats = table(groups)
+    if not cols:
+        common.die("the files share no task: evaluate every run on the same --tasks")
+    print(f"{'':<10}" + "".join(f"{c:>16}" for c in cols))
+    for g, st in stats.items():
+        print(f"{g + ' (' + str(len(groups[g])) + ')':<10}" + "".join(f"{st[c][0]:>8.2f} ± {st[c][1]:<5.2f}" for c in cols))
+    if a.against:  # paired over runs: run i of each group shares its seed
+        tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]]) for c in cols}
+        print(f"{'t':<10}" + "".join(f"{tests[c].statistic:>16.3f}" for c in cols))
+        print(f"{'p':<10}" + "".join(f"{tests[c].pvalue:>16.4f}" for c in cols))
+    print(f"mean ± sample std (ddof 1) over runs; files: {', '.join(a.runs)}"
+          + (f"; against: {', '.join(a.against)} (paired t-test, two-sided)" if a.against else ""))
+    return stats
+
+
+if __name__ == "__main__":
+    main()
