@@ -319,124 +319,6 @@ def cosent_loss(a, b, labels, scale=20.0):
     return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
 
 
-# ================================================================ degradation (Fig. 4) ==========
-def degradation(a, tok, dec, device, data, tasks):
-    """STS score of the causal LLM cut after layer k, for every k: one pass keeps all hidden states and the
-    final norm is applied to each (h_k -> norm(h_k), last token)."""
-    memo = {}
-
-    @torch.no_grad()
-    def embed_all(batch):  # (b, n, H)
-        _, hs = forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel", "convert", True)
-        return torch.stack([last_token(dec.norm(hk), batch["attention_mask"]) for hk in hs[1:]], 1)
-
-    def encode_k(k):
-        def encode(sentences):
-            if missing := [s for s in dict.fromkeys(sentences) if s not in memo]:
-                texts, max_len = prompted(tok, {"prompt": a.prompt, "max_len": dec.config.max_position_embeddings},
-                                          missing)  # evaluation does not cut sentences
-                with common.autocast(device):
-                    memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts, max_len, device, 64)))
-            return torch.stack([memo[s][k - 1] for s in sentences])
-        return encode
-
-    n = len(dec.layers)
-    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), prompt {a.prompt!r}")
-    curve = {}
-    for k in range(1, n + 1):
-        curve[k] = r = common.evaluate(encode_k(k), data, tasks)
-        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items()) + f"  avg {np.mean([*r.values()]):.2f}")
-    if a.plot:
-        avg = [float(np.mean([*curve[k].values()])) for k in curve]
-        top = int(np.argmax(avg))  # the turning point: after it, deeper layers lose STS quality
-        series = {t: (list(curve), [curve[k][t] for k in curve]) for t in tasks}
-        if len(tasks) > 1:
-            series["avg."] = (list(curve), avg)
-        figures.draw(a.plot, [dict(kind="lines", title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
-                                   xlabel="layer k", ylabel="Spearman × 100", series=series,
-                                   marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
-                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} (STS test sets)", ncols=1)
-    return curve
-
-
-# ================================================================ dependency (Fig. 2, Fig. 5) ====
-def spearman_to_pivot(h, pivot):
-    """Spearman's rho over the H hidden dimensions between each token and the pivot token, i.e. Pearson of
-    ranks. h: (b, L, H), pivot: (b,) -> (b, L). Ranks of continuous values: ties have probability zero."""
-    r = h.double().argsort(-1).argsort(-1).double()  # (b, L, H) ranks 0..H-1
-    r = F.normalize(r - r.mean(-1, keepdim=True), dim=-1)
-    return (r * r[torch.arange(len(r)), pivot][:, None]).sum(-1)
-
-
-@torch.no_grad()
-def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=32):
-    """Per text: the mean Spearman rho between the pivot's final hidden state (the last real token, or CLS when
-    pivot_last is False) and that of each token of the sentence (the tokens whose characters lie in the
-    sentence's span of the text; special and prompt tokens excluded, the pivot excluded)."""
-    out = [None] * len(texts)
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    for i in common.progress(range(0, len(order), batch_size), "dependency", unit="batch"):
-        idx = order[i:i + batch_size]
-        enc = tok([texts[j] for j in idx], padding=True, return_offsets_mapping=True, return_special_tokens_mask=True,
-                  return_tensors="pt")
-        am = enc["attention_mask"]  # (b, L)
-        with common.autocast(device):
-            h = hidden(enc["input_ids"].to(device), am.to(device)).float().cpu()  # (b, L, H)
-        pivot = ((am * torch.arange(am.shape[1])).argmax(1) if pivot_last else torch.zeros(len(idx), dtype=torch.long))
-        start, end = torch.tensor([spans[j] for j in idx]).T[:, :, None]  # (b, 1) each
-        off = enc["offset_mapping"]  # (b, L, 2) character spans
-        keep = am.bool() & ~enc["special_tokens_mask"].bool() & (off[..., 0] < end) & (off[..., 1] > start)
-        keep[torch.arange(len(idx)), pivot] = False
-        rho = spearman_to_pivot(h, pivot)
-        for j, row, k in zip(idx, rho, keep):
-            out[j] = row[k].mean().item() if k.any() else float("nan")  # a one-token sentence has no other token
-    return out
-
-
-def dependency(a, device, data):
-    """For each --model (a decoder at each --bi-layers K, a bellm.py run folder, or a BERT-like encoder), the
-    distribution over STS-B test sentences of the pivot's mean Spearman rho with the sentence's tokens."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
-    res = {}
-    for name in a.model:
-        meta, short = runs.read_meta(name) if os.path.isdir(name) else None, os.path.basename(os.path.normpath(name))
-        if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_run(name, meta, device)
-            configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
-        elif common.load_pretrained(AutoConfig, name).model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-            bert = common.load_pretrained(AutoModel, name).to(device).eval()  # pivot = CLS, bare sentence
-            tok = common.load_pretrained(AutoTokenizer, name)
-            res[f"{short} (CLS)"] = dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am)
-                                                      .last_hidden_state, tok, sents, [(0, len(s)) for s in sents],
-                                                      False, device)
-            continue
-        else:  # a causal LLM, zero-shot, at each K
-            check_prompt(a.prompt, False)
-            configs = [(f"{short} (K={k})", *load_decoder(name, k, a.bi_strategy, device)[::-1],
-                        dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy, prompt=a.prompt))
-                       for k in a.bi_layers]
-        for label, dec, tok, cfg in configs:
-            net = BeLLM(dec.eval(), cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
-            lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))  # the sentence's first character
-            res[label] = dependency_scores(lambda ids, am: forward(net.dec, ids, am, *net.bi), tok,
-                                           [fill(cfg["prompt"], s) for s in sents],
-                                           [(lead, lead + len(s)) for s in sents], True, device)
-    print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's tokens, "
-          f"{len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} (runs: their own)")
-    print(f"{'model':<48} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}")
-    for label, v in res.items():
-        v = np.array([x for x in v if x == x])  # drop NaN (one-token sentences)
-        print(f"{label:<48} {v.mean():7.4f} " + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75])))
-    if a.plot:
-        figures.draw(a.plot, [dict(kind="boxes", title="Fig. 2 / Fig. 5: dependency of the pivot token", groups={
-            k: [x for x in v if x == x] for k, v in res.items()}, rotate=20, xlabel="model (pivot: last token; CLS)",
-            ylabel="mean Spearman rho, pivot vs. sentence tokens")],
-            f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
-    return res
-
-
 # ================================================================ main ==========================
 def main():
     a = p.parse_args()
@@ -455,11 +337,12 @@ def main():
 
     if a.degradation or a.dependency:  # the analyses: no training
         figures.check(a.plot)
+        import bellm_analysis  # the paper's figures, in their own file
         if a.dependency:
-            return dependency(a, device, common.check_sts(data, ["STS-B"]))
+            return bellm_analysis.dependency(a, device, common.check_sts(data, ["STS-B"]))
         check_prompt(a.prompt, False)
         tok, dec = load_decoder(a.model[0], 0, "convert", device)
-        degradation(a, tok, dec.eval(), device, data, tasks)
+        bellm_analysis.degradation(a, tok, dec.eval(), device, data, tasks)
         return
     if a.plot:
         common.die("--plot draws an analysis: add --degradation or --dependency (no training)")

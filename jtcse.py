@@ -275,7 +275,8 @@ def analyze(a, device):
         print(f"{j + 1:5d} " + " ".join(f"{E[col][j] / len(sents):8.4f}" for col in E))
     # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, grouped by gold score
     encoders = {"tower I": [towers[0]], "tower II": [towers[1]], "twin (I + II)": towers}
-    emb = {name: dict(zip(sents, make_encode(ts, tokenizer, a.max_len, device)(sents))) for name, ts in encoders.items()}
+    emb = {name: dict(zip(sents, make_encode(ts, tokenizer, a.max_len, device)(sents)))
+           for name, ts in encoders.items()}
     bins = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.01)]  # gold score groups; 5.0 joins the last
     cos = {name: {b: [F.cosine_similarity(e[r[0]], e[r[1]], dim=0).item() for r in rows if b[0] <= r[2] < b[1]]
                   for b in bins} for name, e in emb.items()}
@@ -285,11 +286,12 @@ def analyze(a, device):
         print(f"{f'{b[0]}-{min(b[1], 5):g}':>8} " + " ".join(f"{np.mean(c[b]):14.4f}" for c in cos.values())
               + f"  ({len(cos['tower I'][b])})")
     if a.plot:
-        panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer", ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
+        panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer",
+                       ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
                        series={col: (range(1, n + 1), (E[col] / len(sents)).tolist()) for col in E})]
         panels += [dict(kind="boxes", title=f"Fig. 5: {name}", xlabel="gold similarity score (STS-B test)",
-                        ylabel="cosine similarity of the pair", groups={f"{lo}-{min(hi, 5):g}": c[lo, hi]
-                                                                         for lo, hi in bins}) for name, c in cos.items()]
+                        ylabel="cosine similarity of the pair",
+                        groups={f"{lo}-{min(hi, 5):g}": c[lo, hi] for lo, hi in bins}) for name, c in cos.items()]
         figures.draw(a.plot, panels, "JTCSE: attention to CLS and similarity distributions, STS-B test")
 
 

@@ -66,7 +66,8 @@ def main():
         common.die("the files share no task: evaluate every run on the same --tasks")
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in cols))
     for g, st in stats.items():
-        print(f"{g + ' (' + str(len(groups[g])) + ')':<10}" + "".join(f"{st[c][0]:>8.2f} ± {st[c][1]:<5.2f}" for c in cols))
+        name = f"{g} ({len(groups[g])})"
+        print(f"{name:<10}" + "".join(f"{st[c][0]:>8.2f} ± {st[c][1]:<5.2f}" for c in cols))
     if a.against:  # paired over runs: run i of each group shares its seed
         tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]]) for c in cols}
         print(f"{'t':<10}" + "".join(f"{tests[c].statistic:>16.3f}" for c in cols))

@@ -167,7 +167,7 @@ def over_smoothing(name, a, sents, device):
         with common.autocast(device):
             hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
         mask = batch["attention_mask"].float()  # (b, L)
-        pair = mask.unsqueeze(1) * mask.unsqueeze(2) * (1 - torch.eye(mask.shape[1], device=device))  # (b, L, L), i ≠ j
+        pair = mask.unsqueeze(1) * mask.unsqueeze(2) * (1 - torch.eye(mask.shape[1], device=device))  # (b, L, L) i≠j
         pooled = []
         for l, h in enumerate(hs):
             h = F.normalize(h.float(), dim=-1)

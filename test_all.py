@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, BertConfig, BertModel, PreTrainedTokenizerFast
 
 import bellm
+import bellm_analysis
 import common
 import runs
 import eval_sts
@@ -1142,7 +1143,7 @@ def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
     dec.eval()
     data = common.senteval_dir(str(bl_sts_dir(tmp_path)))
     a = Namespace(prompt=bellm.PROMPT, max_len=64, plot=None)
-    curve = bellm.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
+    curve = bellm_analysis.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
     meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT, max_len=64)
     normal = common.evaluate(bellm.make_encoder(dec, tok, meta, bl_CPU), data, ["STS-B"])
     assert len(curve) == 4 and curve[4] == pytest.approx(normal, abs=1e-6)
@@ -1961,27 +1962,29 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
     dec.eval()
     sents = SENTS[:5]
     with torch.no_grad():
-        got = bellm.dependency_scores(lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
-                                      [(0, len(s)) for s in sents], True, bl_CPU)
+        spans = [(0, len(s)) for s in sents]
+        got = bellm_analysis.dependency_scores(lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"),
+                                               tok, sents, spans, True, bl_CPU)
         for s, g in zip(sents, got):
             ids = tok(s, return_tensors="pt")["input_ids"]
             h = dec(input_ids=ids).last_hidden_state[0]  # stock model, one sentence, no padding
             want = np.mean([spearmanr(h[-1], h[j]).statistic for j in range(len(h) - 1)])
             assert g == pytest.approx(want, abs=1e-9)
         btok, bert = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
-        got = bellm.dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok,
-                                      sents, [(0, len(s)) for s in sents], False, bl_CPU)
+        got = bellm_analysis.dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
+                                               btok, sents, spans, False, bl_CPU)
         for s, g in zip(sents, got):
             h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
-            assert g == pytest.approx(np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)]), abs=1e-9)
+            want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
+            assert g == pytest.approx(want, abs=1e-9)
     # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token id from a random
     # table, so the expected score is computable from the sentence tokenised alone (a leading space, as in the
     # prompt; a token that is only that space belongs to the prompt)
     table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
     texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
     lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
-    got = bellm.dependency_scores(lambda ids, am: table[ids], tok, texts, [(lead, lead + len(s)) for s in sents],
-                                  True, bl_CPU)
+    got = bellm_analysis.dependency_scores(lambda ids, am: table[ids], tok, texts,
+                                           [(lead, lead + len(s)) for s in sents], True, bl_CPU)
     for t, s, g in zip(texts, sents, got):
         pivot = tok(t)["input_ids"][-1]
         ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"] if tok.decode([j]).strip()]  # not ' '
@@ -1996,7 +1999,8 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     cases = {
         "sscl": ("sscl.py", "--analyze", "--model", bert_dir, d / "a", "--sentence", "a man is playing a guitar",
                  "--max-len", 16),
-        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b", "--num-cael", 2, "--max-len", 16),
+        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b", "--num-cael", 2,
+                  "--max-len", 16),
         "degradation": ("bellm.py", "--degradation", "--model", dec, "--tasks", "STS-B,SICK-R"),
         "dependency": ("bellm.py", "--dependency", "--model", dec, bert_dir, "--bi-layers", 0, 1),
     }
@@ -2011,7 +2015,8 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
             assert len(re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+", proc.stdout, re.M)) == 3, proc.stdout
     assert sizes["sscl"] == (1620, 1260)  # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
     assert sizes["jtcse"] == (1620, 1260) and sizes["degradation"] == sizes["dependency"] == (810, 630)
-    for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]), ("bellm.py", ["--dependency", "--model", dec])):
+    for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]),
+                         ("bellm.py", ["--dependency", "--model", dec])):
         proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
         assert_bad_input(proc, "--plot", "create it")
         assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
@@ -2028,7 +2033,8 @@ def test_seed_summary_equals_numpy_and_scipy(tmp_path):
         files[g] = []
         for i, row in enumerate(M):
             f = tmp_path / f"{g}{i}.json"
-            f.write_text(json.dumps({"model": "m", "results": dict(zip(common.TASKS, row.tolist())), "align": row[0] / 100}))
+            result = {"model": "m", "results": dict(zip(common.TASKS, row.tolist())), "align": row[0] / 100}
+            f.write_text(json.dumps(result))
             files[g].append(str(f))
     cols, stats = seeds.table({"runs": [seeds.scores(f) for f in files["a"]]})
     assert cols == common.TASKS + ["STS Avg.", "align"]
