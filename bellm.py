@@ -13,7 +13,9 @@ Note: with last-token pooling, K = 1 in sequential mode cannot change the embedd
       --train snli_devtest.csv --batch-size 16 --max-len 32 --lr 5e-4 --max-steps 100 --eval-steps 50 \\
       --no-eval-first --no-final-eval          # README's CPU run: STS-B dev 83.11, 22 min on 2 cores
   torchrun --nproc_per_node 4 bellm.py --batch-size 16 --output-dir runs/bellm-7b   # paper: 4 GPUs x 16 (GPU)
-  python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B     # Fig. 4
+  python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B --plot fig4.png
+  python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \
+      sentence-transformers/all-MiniLM-L6-v2 --bi-layers 0 1 --plot fig5.png      # Fig. 2/5 (README, "Figures")
 """
 import argparse
 import contextlib

@@ -16,7 +16,8 @@ no cross-attention; `--distill` compresses the twin into one tower ("JTCSE D", Â
   OMP_NUM_THREADS=1 python jtcse.py --distill runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \\
       --train wiki1m_head.txt --no-add-sick --max-len 32 --max-steps 30 --eval-steps 10 \\
       --output-dir runs/jtcse_d_minilm                # JTCSE D: 7 min
-  python jtcse.py --analyze runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2   # E_CLS, eq. 6
+  python jtcse.py --analyze runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \
+      --plot fig.png                                  # E_CLS (eq. 6) and Fig. 5 (README, "Figures")
 """
 import argparse
 import contextlib

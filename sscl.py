@@ -11,7 +11,8 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   python sscl.py --layer 10,11               # Progressive SSCL, the paper's best (77.90) (GPU)
   python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm  # README's quick run: 6 min, 2 cores
-  python sscl.py --analyze --model runs/sscl_minilm                          # over-smoothing, eqs. 1-2
+  python sscl.py --analyze --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse_s1 runs/sscl_s1 \
+      --sentence "A man is playing a guitar." --plot fig.png   # eqs. 1-2, Fig. 1/4/5 (README, "Figures")
 """
 import argparse
 import contextlib
