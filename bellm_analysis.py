@@ -54,25 +54,29 @@ def degradation(a, tok, dec, device, data, tasks):
         figures.draw(a.plot, [dict(kind="lines", title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
                                    xlabel="layer k", ylabel="Spearman × 100", series=series,
                                    marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
-                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} (STS test sets)", ncols=1)
+                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} ({', '.join(tasks)} test)",
+                     ncols=1)
     return curve
 
 
 # ================================================================ dependency (Fig. 2, Fig. 5) ====
-def spearman_to_pivot(h, pivot):
-    """Spearman's rho over the H hidden dimensions between each token and the pivot token, i.e. Pearson of
-    ranks. h: (b, L, H), pivot: (b,) -> (b, L). Ranks of continuous values: ties have probability zero."""
+def spearman_to_pivot(h, pivot, shift=0):
+    """Spearman's rho over the H hidden dimensions between each token of row i and the pivot token of row
+    i - shift (shift 0: its own), i.e. Pearson of ranks. h: (b, L, H), pivot: (b,) -> (b, L). Ranks of
+    continuous values: ties have probability zero."""
     r = h.double().argsort(-1).argsort(-1).double()  # (b, L, H) ranks 0..H-1
     r = F.normalize(r - r.mean(-1, keepdim=True), dim=-1)
-    return (r * r[torch.arange(len(r)), pivot][:, None]).sum(-1)
+    return (r * r[torch.arange(len(r)), pivot].roll(shift, 0)[:, None]).sum(-1)
 
 
 @torch.no_grad()
 def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=32):
     """Per text: the mean Spearman rho between the pivot's final hidden state (the last real token, or CLS when
     pivot_last is False) and that of each token of the sentence (the tokens whose characters lie in the
-    sentence's span of the text; special and prompt tokens excluded, the pivot excluded)."""
-    out = [None] * len(texts)
+    sentence's span of the text; special and prompt tokens excluded, the pivot excluded). Also a control: the
+    same pivot against the tokens of another sentence (the next one in its batch), which it cannot depend on;
+    what the two share comes from a direction common to all token states. Returns (scores, controls)."""
+    out, control = [None] * len(texts), [None] * len(texts)
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     for i in common.progress(range(0, len(order), batch_size), "dependency", unit="batch"):
         idx = order[i:i + batch_size]
@@ -86,10 +90,12 @@ def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=
         off = enc["offset_mapping"]  # (b, L, 2) character spans
         keep = am.bool() & ~enc["special_tokens_mask"].bool() & (off[..., 0] < end) & (off[..., 1] > start)
         keep[torch.arange(len(idx)), pivot] = False
-        rho = spearman_to_pivot(h, pivot)
-        for j, row, k in zip(idx, rho, keep):
+        rho, other = spearman_to_pivot(h, pivot), spearman_to_pivot(h, pivot, 1).roll(-1, 0)  # (b, L) each
+        keep_next = keep.roll(-1, 0)  # other[i]: the pivot of row i against the tokens of row i + 1
+        for j, row, k, row2, k2 in zip(idx, rho, keep, other, keep_next):
             out[j] = row[k].mean().item() if k.any() else float("nan")  # a one-token sentence has no other token
-    return out
+            control[j] = row2[k2].mean().item() if k2.any() and len(idx) > 1 else float("nan")
+    return out, control
 
 
 def dependency(a, device, data):
@@ -124,13 +130,17 @@ def dependency(a, device, data):
                                            [(lead, lead + len(s)) for s in sents], True, device)
     print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's tokens, "
           f"{len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} (runs: their own)")
-    print(f"{'model':<48} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}")
-    for label, v in res.items():
-        v = np.array([x for x in v if x == x])  # drop NaN (one-token sentences)
-        print(f"{label:<48} {v.mean():7.4f} " + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75])))
+    print(f"{'model':<40} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}   control: another sentence's tokens")
+    valid = {k: (np.array([x for x in v if x == x]), np.array([x for x in c if x == x])) for k, (v, c) in res.items()}
+    for label, (v, c) in valid.items():  # NaN dropped: one-token sentences
+        print(f"{label:<40} {v.mean():7.4f} " + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75]))
+              + f"   {c.mean():7.4f}  (difference {v.mean() - c.mean():+.4f})")
     if a.plot:
-        figures.draw(a.plot, [dict(kind="boxes", title="Fig. 2 / Fig. 5: dependency of the pivot token", groups={
-            k: [x for x in v if x == x] for k, v in res.items()}, rotate=20, xlabel="model (pivot: last token; CLS)",
-            ylabel="mean Spearman rho, pivot vs. sentence tokens")],
-            f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
+        marks = [(i + 1, c.mean(), "control: another sentence's tokens (mean)")
+                 for i, (_, c) in enumerate(valid.values())]
+        figures.draw(a.plot, [dict(kind="boxes", title="Fig. 2 / Fig. 5: dependency of the pivot token",
+                                   groups={k: v for k, (v, _) in valid.items()}, marks=marks, rotate=20,
+                                   xlabel="model (pivot: last token; CLS)",
+                                   ylabel="mean Spearman rho, pivot vs. sentence tokens")],
+                     f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
     return res

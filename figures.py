@@ -33,7 +33,7 @@ def _lines(ax, pn):
     for label, (xs, ys) in pn["series"].items():
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
     for x, y, text in pn.get("marks", []):
-        ax.annotate(text, (x, y), xytext=(0, 14), textcoords="offset points", ha="center", fontsize=8,
+        ax.annotate(text, (x, y), xytext=(-14, -34), textcoords="offset points", ha="right", fontsize=8,
                     arrowprops=dict(arrowstyle="->", lw=0.8))
     if pn.get("integer_x", True):  # layers
         from matplotlib.ticker import MaxNLocator
@@ -45,6 +45,10 @@ def _lines(ax, pn):
 def _boxes(ax, pn):
     labels = list(pn["groups"])
     ax.boxplot([pn["groups"][k] for k in labels], showmeans=True, meanprops=dict(markersize=4))
+    for i, (x, y, text) in enumerate(pn.get("marks", [])):  # one marker a box, one legend entry
+        ax.plot(x, y, "rx", markersize=9, label=text if i == 0 else None)
+    if pn.get("marks"):
+        ax.legend(fontsize=8)
     ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8, rotation=pn.get("rotate", 0))
     ax.grid(axis="y", alpha=0.3)
 

@@ -1963,16 +1963,19 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
     sents = SENTS[:5]
     with torch.no_grad():
         spans = [(0, len(s)) for s in sents]
-        got = bellm_analysis.dependency_scores(lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"),
-                                               tok, sents, spans, True, bl_CPU)
-        for s, g in zip(sents, got):
-            ids = tok(s, return_tensors="pt")["input_ids"]
-            h = dec(input_ids=ids).last_hidden_state[0]  # stock model, one sentence, no padding
-            want = np.mean([spearmanr(h[-1], h[j]).statistic for j in range(len(h) - 1)])
-            assert g == pytest.approx(want, abs=1e-9)
+        got, control = bellm_analysis.dependency_scores(
+            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents, spans, True, bl_CPU)
+        hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0] for s in sents}
+        for s, g in zip(sents, got):  # stock model, one sentence at a time, no padding
+            h = hs[s]
+            assert g == pytest.approx(np.mean([spearmanr(h[-1], h[j]).statistic for j in range(len(h) - 1)]), abs=1e-9)
+        by_len = sorted(sents, key=len)  # the control: the pivot against the next sentence's tokens (one batch)
+        for s, nxt in zip(by_len, by_len[1:] + by_len[:1]):
+            want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic for j in range(len(hs[nxt]) - 1)])
+            assert control[sents.index(s)] == pytest.approx(want, abs=1e-9)
         btok, bert = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
-        got = bellm_analysis.dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
-                                               btok, sents, spans, False, bl_CPU)
+        got, _ = bellm_analysis.dependency_scores(
+            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents, spans, False, bl_CPU)
         for s, g in zip(sents, got):
             h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
             want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
@@ -1983,8 +1986,8 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
     table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
     texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
     lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
-    got = bellm_analysis.dependency_scores(lambda ids, am: table[ids], tok, texts,
-                                           [(lead, lead + len(s)) for s in sents], True, bl_CPU)
+    got, _ = bellm_analysis.dependency_scores(lambda ids, am: table[ids], tok, texts,
+                                              [(lead, lead + len(s)) for s in sents], True, bl_CPU)
     for t, s, g in zip(texts, sents, got):
         pivot = tok(t)["input_ids"][-1]
         ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"] if tok.decode([j]).strip()]  # not ' '
@@ -2012,7 +2015,8 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
         sizes[name] = png_size(out)
         assert 20_000 < out.stat().st_size < 200_000, name
         if name == "dependency":  # one box a configuration: K = 0, K = 1, the BERT
-            assert len(re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+", proc.stdout, re.M)) == 3, proc.stdout
+            rows = re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+ .*\(difference [-+]\d", proc.stdout, re.M)
+            assert len(rows) == 3, proc.stdout
     assert sizes["sscl"] == (1620, 1260)  # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
     assert sizes["jtcse"] == (1620, 1260) and sizes["degradation"] == sizes["dependency"] == (810, 630)
     for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]),
