@@ -332,13 +332,16 @@ def main():
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
+    if a.degradation or a.dependency:
+        figures.check(a.plot)  # a bad --plot path stops before the data is looked for
+    elif a.plot:
+        common.die("--plot draws an analysis: add --degradation or --dependency (no training)")
     data = common.senteval_dir(a.data_dir)
 
     # ---------------------------------------------------------------- seeding
     common.seed_everything(a.seed)  # the same initial weights (and LoRA dropout stream) on every rank
 
     if a.degradation or a.dependency:  # the analyses: no training
-        figures.check(a.plot)
         import bellm_analysis  # the paper's figures, in their own file
         if a.dependency:
             return bellm_analysis.dependency(a, device, common.check_sts(data, ["STS-B"]))
@@ -346,8 +349,6 @@ def main():
         tok, dec = load_decoder(a.model[0], 0, "convert", device)
         bellm_analysis.degradation(a, tok, dec.eval(), device, data, tasks)
         return
-    if a.plot:
-        common.die("--plot draws an analysis: add --degradation or --dependency (no training)")
     if len(a.model) > 1 or len(a.bi_layers) > 1:
         common.die("--model and --bi-layers take one value for training (several only with --dependency)")
     a.model, a.bi_layers = a.model[0], a.bi_layers[0]
