@@ -275,12 +275,14 @@ def analyze(a, device):
     for j in range(n):
         print(f"{j + 1:5d} " + " ".join(f"{E[col][j] / len(sents):8.4f}" for col in E))
     # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, grouped by gold score
-    encoders = {"tower I": [towers[0]], "tower II": [towers[1]], "twin (I + II)": towers}
-    emb = {name: dict(zip(sents, make_encode(ts, tokenizer, a.max_len, device)(sents)))
-           for name, ts in encoders.items()}
+    e1, e2 = (make_encode([t], tokenizer, a.max_len, device)(sents) for t in towers)  # (N, H) each
+    emb = {"tower I": e1, "tower II": e2, "twin (I + II)": e1 + e2}  # the twin's embedding: CLS(I) + CLS(II)
+    at = {s: i for i, s in enumerate(sents)}
+    i, j = torch.tensor([[at[r[0]], at[r[1]]] for r in rows]).T  # (P,) each: the pairs' sentences
+    gold = torch.tensor([r[2] for r in rows])  # (P,)
     bins = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.01)]  # gold score groups; 5.0 joins the last
-    cos = {name: {b: [F.cosine_similarity(e[r[0]], e[r[1]], dim=0).item() for r in rows if b[0] <= r[2] < b[1]]
-                  for b in bins} for name, e in emb.items()}
+    cos = {name: F.cosine_similarity(e[i].float(), e[j].float()).cpu() for name, e in emb.items()}  # (P,)
+    cos = {name: {b: c[(gold >= b[0]) & (gold < b[1])].tolist() for b in bins} for name, c in cos.items()}
     print("Fig. 5: mean cos of STS-B test pairs by gold score (pairs in the group)")
     print(f"{'gold':>8} " + " ".join(f"{name:>14}" for name in cos))
     for b in bins:
