@@ -79,7 +79,11 @@ p.add_argument("--add-sick", action=argparse.BooleanOptionalAction, default=True
 p.add_argument("--no-nce", action="store_true", help="drop L_NCE, eq. 11 (Table X ablation)")
 p.add_argument("--no-icnce", action="store_true", help="drop L_ICNCE, eq. 12 (Table X ablation)")
 p.add_argument("--no-ictm", action="store_true", help="drop L_ICTM, eqs. 13-14 (Table X ablation)")
-p.add_argument("--tmc-half", action="store_true", help="authors' code: divide the modulus ratio of eq. 13 by 2")
+p.add_argument("--objective", default="paper", choices=["paper", "authors"],
+               help="paper (default): eqs. 11-12 as B x B InfoNCE (anchors view 1, candidates "
+               "view 2), eq. 13 with the cosine clamped at 1e-4; authors: the authors' code "
+               "(model_dual.py): 2B x 2B InfoNCE with both views as anchors, the modulus ratio "
+               "halved, the raw cosine in the log")
 p.add_argument("--distill", default=None, metavar="TEACHER_DIR", help="JTCSE D: train one fresh tower "
                "(initialised from --model-a) to match a trained twin's embeddings with MSE, then save it alone")
 p.add_argument("--analyze", nargs="?", const="", default=None, metavar="TWIN_DIR", help="print E_CLS (eq. 6) "
@@ -207,35 +211,64 @@ def nce(z, z_pos, temp):
     return F.cross_entropy(sim, torch.arange(len(z), device=z.device))
 
 
+def nce_authors(z, z_other, temp):
+    """NOTE(authors' code), model_dual.py `unsup_infonce_loss` (z_other = z, eq. 11) and `icnce`
+    (eq. 12); README JTCSE details 4-5. z, z_other: (2B, H), rows [view 1; view 2] (theirs
+    interleaved: the same loss). Every row is an anchor; its positive is the other view of its
+    sentence in z_other, its negatives every other row of z_other but the same one (masked):
+    2B − 2 negatives where eqs. 11-12 as we read them have B − 1."""
+    n = len(z)
+    sim = F.normalize(z, dim=-1) @ F.normalize(z_other, dim=-1).T / temp  # (2B, 2B) cosines / τ
+    same = torch.eye(n, dtype=torch.bool, device=z.device)
+    sim = sim.masked_fill(same, float("-inf"))  # the same row of z_other is no candidate
+    return F.cross_entropy(sim, (torch.arange(n, device=z.device) + n // 2) % n)  # the other view
+
+
 def modulus_ratio(a, b):
     """‖a − b‖ / (‖a‖ + ‖b‖) per row; = √(1+k²−2kt)/(1+k), k = ‖b‖/‖a‖, t = cos(a, b) (eq. 5 form)."""
     return (a - b).norm(dim=-1) / (a.norm(dim=-1) + b.norm(dim=-1))
 
 
-def tmc(h, h_pos, hP, hP_pos, half=False, eps=1e-4):
+def tmc(h, h_pos, hP, hP_pos, eps=1e-4):
     """eq. 13, towers i ≠ j: -log(cos(h_i, h_j⁺)) · ‖h_i^P − h_j^{P+}‖ / (‖h_i^P‖ + ‖h_j^{P+}‖), mean over
-    the batch. h: (B, H) CLS, hP: (B, H) pooler. The cosine is clamped at eps before the log.
-    NOTE(authors' code): the cosine of a negative pair is replaced by the constant 1e-4, and the ratio is
-    further divided by 2 (half=True)."""
+    the batch. h: (B, H) CLS, hP: (B, H) pooler. The cosine is clamped at eps before the log, so
+    that a non-positive cosine gives a finite loss and no gradient (README JTCSE detail 8)."""
     cos = F.cosine_similarity(h, h_pos, dim=-1).clamp(min=eps)
-    return (-cos.log() * modulus_ratio(hP, hP_pos) / (2 if half else 1)).mean()
+    return (-cos.log() * modulus_ratio(hP, hP_pos)).mean()
+
+
+def tmc_authors(h, h_pos, hP, hP_pos):
+    """NOTE(authors' code), model_dual.py `LTN_loss` (README JTCSE details 7-8): a negative
+    cosine is replaced by the constant 1e-4 (no gradient), any other goes into the log as it is,
+    and the modulus ratio is divided by a further 2. Shapes as tmc."""
+    cos = F.cosine_similarity(h, h_pos, dim=-1)
+    cos = torch.where(cos < 0, torch.full_like(cos, 1e-4), cos)
+    return (-cos.log() * modulus_ratio(hP, hP_pos) / 2).mean()
 
 
 def jtcse_loss(h, hP, c, R, a):
     """h, hP, c: per tower (2B, H), rows [view 1; view 2] (two dropout passes); c None without CAELs.
-    R ∈ {0, 1}. -> (eq. 15 total, {term: value})."""
+    R ∈ {0, 1}. a.objective: 'paper' (nce, tmc) or 'authors' (nce_authors, tmc_authors).
+    -> (eq. 15 total, {term: value})."""
     B = len(h[0]) // 2
+    authors = a.objective == "authors"
+
+    def L(x, y):  # InfoNCE, anchors from x, candidates from y: (2B, H) each
+        return nce_authors(x, y, a.temp) if authors else nce(x[:B], y[B:], a.temp)
+
+    def TMC(i, j):  # eq. 13: tower i's view 1 against tower j's view 2
+        return (tmc_authors if authors else tmc)(h[i][:B], h[j][B:], hP[i][:B], hP[j][B:])
+
     terms = {}
-    if not a.no_nce:  # eq. 11, per tower: view 1 against view 2
-        terms["nce"] = nce(h[0][:B], h[0][B:], a.temp) + nce(h[1][:B], h[1][B:], a.temp)
+    if not a.no_nce:  # eq. 11, per tower: its views against each other
+        terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
     if not a.no_icnce:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
-        i, j = (0, 1) if R == 1 else (1, 0)
-        terms["icnce"] = nce(h[i][:B], h[j][B:], a.temp)
+        i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
+        terms["icnce"] = L(h[i], h[j])
         if c is not None:
-            terms["icnce"] = terms["icnce"] + nce(c[i][:B], c[j][B:], a.temp)
+            terms["icnce"] = terms["icnce"] + L(c[i], c[j])
     if not a.no_ictm:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
-        terms["ictm"] = (tmc(h[0][:B], h[1][B:], hP[0][:B], hP[1][B:], a.tmc_half)
-                         + tmc(h[1][:B], h[0][B:], hP[1][:B], hP[0][B:], a.tmc_half))
+        terms["ictm"] = TMC(0, 1) + TMC(1, 0)
     return sum(terms.values()), terms  # eq. 15
 
 
@@ -253,6 +286,9 @@ def main():
     distill = a.distill is not None
     if a.batch_size * world < 2 and not distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences in the batch")
+    if distill and a.objective != "paper":
+        common.die("--objective chooses the twin's loss; --distill trains with MSE: "
+                   "drop --objective")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop at least one of them")
     if distill and (teacher_meta := runs.read_meta(a.distill)) is None:
@@ -275,7 +311,7 @@ def main():
     # seeding: one generator for the data order, one for R (eq. 12), both the same on every rank (so R is
     # the same on all ranks in a step); torch's global RNG drives dropout
     common.seed_everything(a.seed)
-    r_gen = torch.Generator().manual_seed(a.seed)
+    r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     if distill:  # JTCSE D: the student is one fresh tower, the teacher the frozen twin (CLS(I) + CLS(II))
         teacher_towers, tokenizer = load_towers([os.path.join(a.distill, t) for t in teacher_meta["towers"]])
         (student,), student_tok = load_towers([a.model_a])
@@ -299,7 +335,8 @@ def main():
     # NOTE(authors' code): plain AdamW at a constant learning rate, no schedule and no warm-up
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, fused=True)  # one kernel
     save_towers = [model[0]] if distill else list(model.towers)
-    eval_len = save_towers[0].config.max_position_embeddings  # evaluation does not truncate (SimCSE, SentEval)
+    # no truncation at evaluation (SimCSE, SentEval); NOTE(authors' code): 64 tokens (detail 12)
+    eval_len = save_towers[0].config.max_position_embeddings
     encode = make_encode(save_towers, tokenizer, eval_len, device)
     step, best = 0, -float("inf")
     log = print if rank == 0 else (lambda *_, **__: None)
@@ -333,6 +370,7 @@ def main():
             best = dev  # both towers (or the student), sentemb.json and the training state: replaced as one
             runs.save_best(a.output_dir, save_model, training_state(), list(model.parameters()), method="jtcse",
                              towers=names, max_len=eval_len, stsb_dev=dev, step=step, teacher=a.distill,
+                             objective=None if distill else a.objective,
                              num_cael=None if distill else model.n // model.k if model.k else 0)
         elif rank == 0:
             runs.save_state(training_state(), a.output_dir, list(model.parameters()))
@@ -364,7 +402,8 @@ def main():
                 terms = {}
             else:  # two dropout views of every sentence in one forward pass: (2B, L)
                 h, hP, c = group(ddp, {k: torch.cat([v, v]) for k, v in batch.items()})  # per tower (2B, H)
-                # global batch: per tower, [view 1 of all ranks; view 2 of all ranks], (2·world·B, H)
+                # global batch, per tower: [view 1, all ranks; view 2, all ranks]: (2·world·B, H);
+                # NOTE(authors' code): one GPU only; both objectives are gathered (JTCSE detail 13)
                 glob = lambda zs: [torch.cat([common.gather(z[:B]), common.gather(z[B:])]) for z in zs]  # noqa: E731
                 loss, terms = jtcse_loss(glob(h), glob(hP), None if c is None else glob(c), R, a)
         # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
@@ -373,7 +412,7 @@ def main():
 
     model.train()
     with runs.StopOnSignal() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary, saved
-        if step == 0:
+        if step == 0:  # NOTE(authors' code): their first evaluation is at step 100 (detail 12)
             evaluate_and_save()
         t0, seen = time.perf_counter(), 0
         while step < total and not stop(device, world):

@@ -246,7 +246,10 @@ def load_state(path, method, args, device):
     if not isinstance(state, dict) or state.get("method", method) != method:
         common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a {method}.py run")
     old, new = state.get("args", {}), run_args(args)
-    if changed := [k for k in old if k not in RESUMABLE and old[k] != new.get(k)]:
+    # a flag that no longer exists is ignored where the run left it off (e.g. the former --loss-mix)
+    changed = [k for k in old if k not in RESUMABLE and old[k] != new.get(k)
+               and (k in new or old[k])]
+    if changed:
         flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
         common.die(f"--resume: the run was started with {', '.join(flag(k, old[k]) for k in changed)}, this command "
                    f"says {', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own settings")

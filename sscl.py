@@ -63,16 +63,21 @@ p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=Tr
 # --- SSCL ---
 p.add_argument("--layer", default="11", help="intermediate layer(s) M whose representation is a negative: "
                "hidden_states[M], 1..num_layers-1; 0 = plain SimCSE; '10,11' = Progressive SSCL (paper: 11)")
+# NOTE(authors' code): their example script trains with avg pooling (README SSCL detail 6)
 p.add_argument("--pooler", default="cls", choices=["cls", "avg"],
-               help="cls: CLS + MLP head in training, raw CLS at evaluation (SimCSE); avg: masked mean")
+               help="cls: CLS + MLP head in training, raw CLS at evaluation (SimCSE); "
+               "avg: masked mean (the authors' example script)")
 p.add_argument("--no-aug", action="store_true", help="SSCL-BERT (Table 2): the positive is the sentence's own "
                "representation, no dropout view; only the negatives shape the space")
 p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0,
                help="linear projection of the sentence vector to this size, "
                "kept at evaluation (Table 5: 128/256); 0 = none")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="temperature tau (Table 6; paper: 0.05)")
-p.add_argument("--loss-mix", action="store_true", help="authors' code: mean of the SSCL loss and the plain "
-               "SimCSE loss (the paper describes the SSCL loss alone)")
+p.add_argument("--objective", default="paper", choices=["paper", "authors"],
+               help="paper (default): eq. 4, B extra negatives per layer M (view 1's layer-M "
+               "vectors), gathered over all GPUs; authors: the authors' code (sscl/models.py): "
+               "both views' layer-M vectors (2B per layer), the loss averaged with plain SimCSE's, "
+               "layer-M vectors not gathered under torchrun")
 p.add_argument("--analyze", action="store_true", help="no training: the over-smoothing diagnostics of each --model "
                "on STS-B test (eq. 1 token-wise and eq. 2 inter-layer similarity, per layer)")
 p.add_argument("--plot", default=None, metavar="FILE.png", help="with --analyze: draw Fig. 1 and Fig. 4 (and Fig. 5 "
@@ -83,7 +88,10 @@ common.show_ranges(p)
 
 
 def parse_layers(spec, num_layers):
-    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE). Bad values stop with one line."""
+    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE). Bad values stop with one line.
+    NOTE(authors' code): `--hard_negative_layers N` takes the top N intermediate layers,
+    hidden_states[-2] down to [-1-N] (their default 2 = '10,11' on BERT-base); here any list
+    (README SSCL detail 4)."""
     try:
         layers = sorted({int(x) for x in spec.split(",")})
     except ValueError:
@@ -150,6 +158,14 @@ def sscl_loss(h, h_pos, h_negs, temp):
     h = F.normalize(h, dim=-1)
     logits = torch.cat([h @ F.normalize(z, dim=-1).T for z in [h_pos, *h_negs]], dim=1) / temp  # (B, B·(1+|M|))
     return F.cross_entropy(logits, torch.arange(len(h), device=h.device))
+
+
+def sscl_loss_authors(h, h_pos, h_negs, temp):
+    """NOTE(authors' code), sscl/models.py `cl_forward` + `construct_negtives` (README SSCL
+    details 2-3): h_negs holds the layer-M vectors of BOTH dropout views, [n1_M, n2_M for every M]
+    (2B extra negatives per layer), and the SSCL loss is averaged with the plain SimCSE loss.
+    Without layers: SimCSE's loss."""
+    return (sscl_loss(h, h_pos, h_negs, temp) + sscl_loss(h, h_pos, [], temp)) / 2
 
 
 # ---------------------------------------------------------------- analysis ----------------------
@@ -235,6 +251,9 @@ def main():
         common.die(f"'{a.model}' is a {config.model_type} model, not a bidirectional encoder: SSCL trains BERT-like "
                    "models (bert, roberta, ...); pass one as --model")
     layers = parse_layers(a.layer, config.num_hidden_layers)
+    if a.objective == "authors" and a.no_aug:
+        common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
+                   "dropout views): use it with --objective paper")
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
@@ -288,7 +307,8 @@ def main():
         if rank == 0 and dev is not None and dev > best:
             best = dev
             runs.save_best(a.output_dir, save_model, training_state(), params, method="sscl", pooler=a.pooler,
-                             proj_dim=a.proj_dim, max_len=eval_len, layers=layers, stsb_dev=dev, step=step)
+                             proj_dim=a.proj_dim, max_len=eval_len, layers=layers,
+                             objective=a.objective, stsb_dev=dev, step=step)
         elif rank == 0:
             runs.save_state(training_state(), a.output_dir, params)
         if world > 1:
@@ -298,6 +318,7 @@ def main():
         dev = None
         if rank == 0:
             encoder.eval()
+            # NOTE(authors' code): their example selects on the transfer dev average (detail 8)
             dev = common.evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
             encoder.train()
         save(dev)
@@ -314,12 +335,17 @@ def main():
             z, z_layers = common.by_length(run, batch) if a.length_grouping else run(batch)
         B = len(sents)  # the loss in fp32, outside autocast
         h, h_pos = z[:B].float(), (z if a.no_aug else z[B:]).float()  # SSCL-BERT: the positive is h itself
-        h_negs = [zm[:B].float() for zm in z_layers]  # layer-M representations of view 1, the anchor's own pass
-        h, h_pos, h_negs = common.gather(h), common.gather(h_pos), [common.gather(n) for n in h_negs]
-        loss = sscl_loss(h, h_pos, h_negs, a.temp)
-        if a.loss_mix and h_negs:  # NOTE(authors' code): averaged with the plain SimCSE loss
-            loss = (loss + sscl_loss(h, h_pos, [], a.temp)) / 2
-        # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
+        h, h_pos = common.gather(h), common.gather(h_pos)  # (world·B, D): the global batch
+        # NOTE(authors' code): README SSCL details 2, 3, 5, which --objective authors switches
+        if a.objective == "paper":  # view 1's layer-M vectors (the anchor's pass), all ranks
+            negs = [common.gather(zm[:B].float()) for zm in z_layers]  # per M: (world·B, D)
+            loss = sscl_loss(h, h_pos, negs, a.temp)
+        else:  # both views' layer-M vectors, this rank's only; averaged with SimCSE's loss
+            negs = [v.float() for zm in z_layers for v in (zm[:B], zm[B:])]  # per M: 2 × (B, D)
+            loss = sscl_loss_authors(h, h_pos, negs, a.temp)
+        # paper: every rank holds the same global loss; DDP averages gradients over ranks, hence
+        # × world (authors: each rank's loss has its own negatives; their Trainer does not scale
+        # by world, which AdamW cancels up to its eps)
         (loss * world / a.grad_accum).backward()
         return loss
 

@@ -471,6 +471,40 @@ def test_sscl_loss_equals_transcription():
         assert sscl.sscl_loss(h, h_pos, negs, tau).item() == pytest.approx(want, rel=1e-9)
 
 
+def sscl_authors_by_hand(z1, z2, negs, temp):
+    """A transcription of the authors' arithmetic (nuochenpku/SSCL, sscl/models.py): `cl_forward` builds
+    cos_sim = Similarity(z1, z2) and r_loss = CrossEntropy(cos_sim, arange); `construct_negtives` appends,
+    for every negative layer, Similarity(z1, n1) and Similarity(z1, n2) as columns and takes the
+    CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2 (do_neg), else r_loss.
+    negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) / temp."""
+    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0), dim=-1) / temp  # noqa: E731
+    labels = torch.arange(len(z1))
+    cos_sim = sim(z1, z2)
+    r_loss = torch.nn.CrossEntropyLoss()(cos_sim, labels)
+    if not negs:
+        return r_loss
+    for n1, n2 in negs:
+        cos_sim = torch.cat((cos_sim, sim(z1, n1)), dim=-1)
+        cos_sim = torch.cat((cos_sim, sim(z1, n2)), dim=-1)
+    return (torch.nn.CrossEntropyLoss()(cos_sim, labels) + r_loss) / 2
+
+
+def test_sscl_authors_objective_equals_their_code():
+    """--objective authors: both views' layer-M vectors and the mean with SimCSE's loss, as their code
+    computes it (float64, <= 1e-10); and it is not the paper's objective."""
+    torch.manual_seed(0)
+    B, D, tau = 6, 9, 0.05
+    z1, z2 = torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64)
+    layers = [(torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64))
+              for _ in range(2)]
+    for negs in ([], layers[:1], layers):
+        ours = sscl.sscl_loss_authors(z1, z2, [n for pair in negs for n in pair], tau)
+        assert abs(ours.item() - sscl_authors_by_hand(z1, z2, negs, tau).item()) <= 1e-10
+        if negs:  # the paper's objective (view 1's negatives alone, no mean) differs
+            paper = sscl.sscl_loss(z1, z2, [n1 for n1, _ in negs], tau).item()
+            assert abs(paper - ours.item()) > 1e-3
+
+
 def test_layer_zero_is_simcse():
     """--layer 0 adds no negative, and the loss is SimCSE's (its Similarity + CrossEntropy, written out)."""
     import sscl
@@ -536,7 +570,7 @@ def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
 
 def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r", "--no-aug", "--pooler", "avg",
-                                     "--loss-mix", "--no-final-eval"))
+                                     "--no-final-eval"))
     assert proc.returncode == 0, proc.stderr
     an = run("sscl.py", "--analyze", "--model", tmp_path / "r", "--data-dir", sts_dir)
     assert an.returncode == 0, an.stderr
@@ -614,6 +648,35 @@ def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, 
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["encoder"]
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodrop_dir, train_txt,
+                                                                      sts_dir, tmp_path):
+    """--objective authors under torchrun: rank 0's loss has the global batch's last-layer views
+    (gathered) and its own layer-M vectors of both views only (the authors' construct_negtives), as
+    their code computes it from the same pooled vectors; the run folder records the objective."""
+    from transformers import AutoModel, AutoTokenizer
+    B, layers = 4, [1, 3]
+    out = tmp_path / "two"
+    two = torchrun("sscl.py", 2, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",
+                                            "--batch-size", B, "--pooler", "avg", "--objective",
+                                            "authors", steps=1, eval_steps=100, layer="1,3"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((out / common.META).read_text())["objective"] == "authors"
+    sents = common.read_sentences(train_txt)
+    order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()  # no dropout
+    tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
+    with torch.no_grad():
+        per_rank = [enc(common.tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
+                                        torch.device("cpu")), layers) for r in range(2)]
+    z = torch.cat([z for z, _ in per_rank]).double()  # gathered: (2B, D); both views equal
+    own = [m.double() for m in per_rank[0][1]]  # rank 0's layer-M vectors, (B, D) per M
+    want = sscl_authors_by_hand(z, z, [(m, m) for m in own], 0.05).item()
+    assert float(losses(two.stdout)[0]) == pytest.approx(want, abs=2e-4)
+    gathered = sscl_authors_by_hand(z, z, [(m, m) for m in [torch.cat([r[1][i] for r in per_rank])
+                                                          .double() for i in range(2)]], 0.05).item()
+    assert abs(gathered - want) > 1e-3  # gathering the negatives too would have given another loss
 
 
 # ================================================================ JTCSE (jtcse.py) ===============
@@ -781,9 +844,8 @@ def test_each_loss_term_equals_its_equation():
     h[1][B:] = h[0][:B] + 0.3 * torch.randn(B, H)  # some positive cosines, some clamped negatives elsewhere
     z, zp = torch.randn(B, H), torch.randn(B, H)
     torch.testing.assert_close(jtcse.nce(z, zp, 0.05), nce_by_hand(z, zp), atol=1e-4, rtol=1e-5)  # eq. 11
-    for half in (False, True):  # eq. 13, with and without the authors' /2
-        torch.testing.assert_close(jtcse.tmc(z, zp, h[0][:B], h[1][:B], half),
-                                   tmc_by_hand(z, zp, h[0][:B], h[1][:B], half), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(jtcse.tmc(z, zp, h[0][:B], h[1][:B]),  # eq. 13
+                               tmc_by_hand(z, zp, h[0][:B], h[1][:B]), atol=1e-5, rtol=1e-5)
     a = jtcse.p.parse_args([])
     for R in (0, 1):
         loss, t = jtcse.jtcse_loss(h, hP, c, R, a)
@@ -803,6 +865,123 @@ def test_each_loss_term_equals_its_equation():
     torch.testing.assert_close(r0, jtcse.nce(h[1][:B], h[0][B:], 0.05) + jtcse.nce(c[1][:B], c[0][B:], 0.05))
     _, t = jtcse.jtcse_loss(h, hP, None, 1, jtcse.p.parse_args(["--no-icnce"]))
     assert set(t) == {"nce", "ictm"}
+
+
+def interleave(z):
+    """Ours: (2B, H) rows [view 1; view 2]. The authors' batches: rows [s0 v1, s0 v2, s1 v1, ...]."""
+    B = len(z) // 2
+    return torch.stack([z[:B], z[B:]], 1).reshape(z.shape)
+
+
+def authors_unsup_infonce_loss(y_pred, temp=0.05):  # tianyuzong/JTCSE, model_dual.py, transcribed
+    y_true = torch.arange(y_pred.shape[0])
+    y_true = (y_true - y_true % 2 * 2) + 1
+    sim = F.cosine_similarity(y_pred.unsqueeze(1), y_pred.unsqueeze(0), dim=-1)
+    sim = sim - torch.eye(y_pred.shape[0], dtype=sim.dtype) * 1e12
+    return torch.mean(F.cross_entropy(sim / temp, y_true))
+
+
+def authors_icnce(y_pred_1, y_pred_2, temp=0.05):  # model_dual.py, transcribed
+    y_true = torch.arange(y_pred_1.shape[0])
+    y_true = (y_true - y_true % 2 * 2) + 1
+    sim = F.cosine_similarity(y_pred_1.unsqueeze(1), y_pred_2.unsqueeze(0), dim=-1)
+    sim = sim - torch.eye(y_pred_1.shape[0], dtype=sim.dtype) * 1e12
+    return torch.mean(F.cross_entropy(sim / temp, y_true))
+
+
+def authors_LTN_loss(y_pred_L, y_pred_a_L, y_pred_P, y_pred_a_P):  # model_dual.py, transcribed
+    y_true = torch.arange(y_pred_L.shape[0])
+    y_true = (y_true - y_true % 2 * 2) + 1
+    sim = F.cosine_similarity(y_pred_L.unsqueeze(1), y_pred_a_L.unsqueeze(0), dim=-1)
+    loss_temp = 0.0
+    for i in range(y_pred_L.shape[0]):
+        if i % 2 == 0:
+            sim_temp = sim[i][y_true[i]]
+            if sim_temp < 0.0:
+                sim_temp = torch.tensor(0.0001, dtype=sim.dtype)
+            sim_temp = -1.0 * torch.log(sim_temp)
+            M_long = torch.norm(y_pred_P[i] - y_pred_a_P[i + 1], p=2) / (
+                torch.norm(y_pred_P[i], p=2) + torch.norm(y_pred_a_P[i + 1], p=2)) / 2.0
+            loss_temp += sim_temp * M_long
+    return loss_temp / (y_pred_L.shape[0] / 2)
+
+
+def test_jtcse_authors_objective_equals_their_code():
+    """--objective authors = train_jtcse_bert.py's L_nce + L_icnce + L_ictm (model_dual.py's
+    unsup_infonce_loss, icnce, LTN_loss, transcribed above, on the authors' interleaved rows), float64,
+    <= 1e-10, for both directions (their random_data = 1 - R), with some positive-pair cosines negative
+    and one in [0, 1e-4), where the paper's clamp and their raw log differ."""
+    torch.manual_seed(0)
+    B, H = 6, 16
+    d64 = dict(dtype=torch.float64)
+    h, hP, c = ([torch.randn(2 * B, H, **d64) for _ in range(2)] for _ in range(3))
+    h[1][B:] = h[0][:B] + 0.3 * torch.randn(B, H, **d64)  # positive cosines for most pairs...
+    h[1][B + 1] = -h[0][1]  # ...a negative one, and one of 5e-5 (tower I view 1 vs tower II view 2)
+    w = torch.randn(H, **d64)
+    u = h[0][2] / h[0][2].norm()
+    w = w - (w @ u) * u
+    h[1][B + 2] = w + 5e-5 * w.norm() * u
+    assert 0 < F.cosine_similarity(h[0][2], h[1][B + 2], dim=0) < 1e-4
+    a = jtcse.p.parse_args(["--objective", "authors"])
+    for R in (0, 1):
+        loss, t = jtcse.jtcse_loss(h, hP, c, R, a)
+        hI, hII, PI, PII, cI, cII = map(interleave, (h[0], h[1], hP[0], hP[1], c[0], c[1]))
+        L_nce = authors_unsup_infonce_loss(hI) + authors_unsup_infonce_loss(hII)
+        if 1 - R == 0:  # their random_data == 0: tower I anchors
+            L_icnce = authors_icnce(cI, cII) + authors_icnce(hI, hII)
+        else:
+            L_icnce = authors_icnce(cII, cI) + authors_icnce(hII, hI)
+        L_ictm = authors_LTN_loss(hI, hII, PI, PII) + authors_LTN_loss(hII, hI, PII, PI)
+        for got, want in ((t["nce"], L_nce), (t["icnce"], L_icnce), (t["ictm"], L_ictm),
+                          (loss, L_nce + L_icnce + L_ictm)):
+            assert abs(got.item() - want.item()) <= 1e-10, (got.item(), want.item())
+        paper = jtcse.jtcse_loss(h, hP, c, R, jtcse.p.parse_args([]))[1]
+        assert all(abs(paper[k].item() - t[k].item()) > 1e-3 for k in t)  # every term differs
+    # the cosine in [0, 1e-4): their raw log, our clamp; a negative one: the constant 1e-4 in both
+    x, y, P, Q = h[0][:B], h[1][B:], hP[0][:B], hP[1][B:]
+    for i, same in ((1, True), (2, False)):
+        ours = jtcse.tmc(x[i:i + 1], y[i:i + 1], P[i:i + 1], Q[i:i + 1])
+        theirs = 2 * jtcse.tmc_authors(x[i:i + 1], y[i:i + 1], P[i:i + 1], Q[i:i + 1])
+        assert (abs(ours.item() - theirs.item()) < 1e-12) == same
+
+
+def jtcse_loss_before(h, hP, c, R, a):
+    """jtcse.py's jtcse_loss (with nce and tmc) as it was before --objective, verbatim: the paper
+    objective must still compute exactly this."""
+    def nce(z, z_pos, temp):
+        sim = F.normalize(z, dim=-1) @ F.normalize(z_pos, dim=-1).T / temp
+        return F.cross_entropy(sim, torch.arange(len(z), device=z.device))
+
+    def tmc(h, h_pos, hP, hP_pos, half=False, eps=1e-4):
+        cos = F.cosine_similarity(h, h_pos, dim=-1).clamp(min=eps)
+        return (-cos.log() * jtcse.modulus_ratio(hP, hP_pos) / (2 if half else 1)).mean()
+
+    B = len(h[0]) // 2
+    terms = {}
+    if not a.no_nce:
+        terms["nce"] = nce(h[0][:B], h[0][B:], a.temp) + nce(h[1][:B], h[1][B:], a.temp)
+    if not a.no_icnce:
+        i, j = (0, 1) if R == 1 else (1, 0)
+        terms["icnce"] = nce(h[i][:B], h[j][B:], a.temp)
+        if c is not None:
+            terms["icnce"] = terms["icnce"] + nce(c[i][:B], c[j][B:], a.temp)
+    if not a.no_ictm:
+        terms["ictm"] = (tmc(h[0][:B], h[1][B:], hP[0][:B], hP[1][B:])
+                         + tmc(h[1][:B], h[0][B:], hP[1][:B], hP[0][B:]))
+    return sum(terms.values()), terms
+
+
+def test_jtcse_paper_objective_is_unchanged_bit_for_bit():
+    torch.manual_seed(3)
+    B, H = 8, 24
+    h, hP, c = ([torch.randn(2 * B, H) for _ in range(2)] for _ in range(3))
+    for flags in ([], ["--no-nce"], ["--no-icnce"], ["--no-ictm"], ["--temp", "0.1"]):
+        a = jtcse.p.parse_args(flags)
+        for R, cc in ((0, c), (1, c), (1, None)):
+            loss, terms = jtcse.jtcse_loss(h, hP, cc, R, a)
+            loss0, terms0 = jtcse_loss_before(h, hP, cc, R, a)
+            assert torch.equal(loss, loss0) and terms.keys() == terms0.keys()
+            assert all(torch.equal(terms[k], terms0[k]) for k in terms)
 
 
 def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
@@ -905,15 +1084,17 @@ def test_bad_input_in_a_real_process(jt_env):
     assert [line for line in r.stderr.splitlines() if line.strip()][-1].startswith("error: ")
 
 
-def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path):
+@pytest.mark.parametrize("objective", ["paper", "authors"])
+def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
     """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all terms, the
-    same R) and the updated towers of 1 rank x 8 x 2. Dropout is off so that both see the same computation."""
+    same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is off so that both
+    see the same computation."""
     d, _ = jt_env
     jt_nodrop(jt_env, tmp_path)  # the towers without dropout
     args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt",  # noqa: E731
                             "--data-dir", sts_dir, "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
                             "--max-len", 16, "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
-                            "--no-add-sick", "--no-final-eval"]
+                            "--no-add-sick", "--no-final-eval", "--objective", objective]
     one = run("jtcse.py", *args(tmp_path / "one", 8))
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
@@ -1565,6 +1746,10 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
      lambda c: fake_state(c.run / runs.CKPT, "jtcse")),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"), ["--layer 2", "--layer 1"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
+     ["--objective paper", "--objective authors"], None),
+    ("sscl", lambda c: SSCL(c, "--objective", "authors", "--no-aug"), ["--no-aug", "--objective paper"], None),
+    ("sscl", lambda c: SSCL(c, "--objective", "theirs"), ["--objective", "invalid choice"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"], lambda c: (c.run / common.META).unlink()),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
@@ -1574,6 +1759,10 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
+    ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"), ["--distill", "drop --objective"],
+     None),
+    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
+     ["--objective paper", "--objective authors"], lambda c: fake_state(c.run / runs.CKPT, "jtcse", objective="paper")),
     ("bellm", lambda c: BL(c, "--lora-r", "0"), ["--lora-r", ">= 1"], None),
     ("bellm", lambda c: BL(c, "--lora-dropout", "2"), ["--lora-dropout", "probability"], None),
     ("bellm", lambda c: BL(c, "--lr", "0"), ["--lr", "> 0"], None),
