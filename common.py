@@ -148,6 +148,21 @@ def train_file(path, hub_name):
         f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
 
 
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation of
+    range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the last
+    incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that takes."""
+    if n < per_step:
+        die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
 def read_text(path):
     """A whole UTF-8 text file, newlines translated as open() in text mode does; anything else is a bad
     input naming the file and the line."""
@@ -192,6 +207,43 @@ STEPS = _typed(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1")
 SEED = _typed(int, lambda v: 0 <= v < 2**32, "an integer in 0..2**32-1")
 POS_FLOAT = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 PROB = _typed(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+
+
+def training_flags(p, output_dir, lr, max_len, batch_size, eval_steps, lr_note=""):
+    """The flags every training script shares, with the same meaning; the script passes its paper's
+    values as the defaults (and adds --model and --train, which differ)."""
+    p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+    p.add_argument("--output-dir", default=output_dir, help="the run folder: best model, state")
+    p.add_argument("--epochs", type=POS_INT, default=1, help="paper: 1")
+    p.add_argument("--max-steps", type=STEPS, default=-1, help="N steps (-1: the epochs)")
+    p.add_argument("--batch-size", type=POS_INT, default=batch_size, help=f"rows a step and "
+                   f"GPU (paper: {batch_size}); torchrun: in-batch negatives from all GPUs")
+    p.add_argument("--grad-accum", type=POS_INT, default=1, help="micro-batches a step, each "
+                   "with only its own in-batch negatives")
+    p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+                   help="a step's texts in length groups: the same loss, the real tokens' cost")
+    p.add_argument("--lr", type=POS_FLOAT, default=lr, help=f"paper: {lr:g}{lr_note}; "
+                   "--resume: the run's own unless given")
+    p.add_argument("--max-len", type=POS_INT, default=max_len,
+                   help=f"training tokens a sentence (paper: {max_len})")
+    p.add_argument("--eval-steps", type=POS_INT, default=eval_steps, help="dev every N steps")
+    p.add_argument("--seed", type=SEED, default=42)
+    p.add_argument("--log-steps", type=POS_INT, default=10, help="the loss every N steps")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+    p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="the 7 STS tasks of the best checkpoint at the end")
+
+
+def parse(p):
+    """The command line; --quiet silences our progress bars, Hugging Face's are always off."""
+    a = p.parse_args()
+    global QUIET
+    QUIET = a.quiet
+    import transformers
+    transformers.logging.disable_progress_bar()
+    return a
 
 
 def show_ranges(parser):
@@ -361,6 +413,11 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
                 gold += [r[2] for r in chunk]
         results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
     return results
+
+
+def stsb_dev(encode, data):
+    """STS-B dev, Spearman x 100: the score that selects the checkpoint during training."""
+    return evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
 
 
 def format_table(results):

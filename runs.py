@@ -5,11 +5,13 @@ boundary on SIGINT/SIGTERM, and the sentence-transformers files beside a saved m
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 
 import common
@@ -313,6 +315,146 @@ class StopOnSignal(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         for s, h in self.old.items():
             signal.signal(s, h)
+
+
+# ---------------------------------------------------------------- the training harness ----------
+def given(option):
+    """Whether the command line names this option (as `--lr 1e-5` or `--lr=1e-5`)."""
+    return any(x == option or x.startswith(option + "=") for x in sys.argv[1:])
+
+
+class Run:
+    """What a training script does besides its method, one call each, shared by sscl.py, jtcse.py and
+    bellm.py: processes (torchrun), the run folder (lock, --resume checks), logging from rank 0,
+    micro-batches, resuming, the NaN guard, evaluation on rank 0, atomic saves of the best model and the
+    training state, and stopping at a step boundary on SIGINT/SIGTERM (saved, exit 128 + signal)."""
+
+    def __init__(self, args, method):
+        self.args, self.method = args, method
+        self.rank, self.world, self.device = common.init_distributed()  # torchrun: one process per GPU
+        self.state, self.step, self.best, self._lr, self._stop = None, 0, -float("inf"), None, None
+
+    def open(self, inputs):
+        """Lock --output-dir (refusing to overwrite an input model or another run) and, with --resume,
+        read its training state (same script, same settings). -> the learning rate: the resumed run's
+        unless the command line gives --lr."""
+        path = open_run(self.args.output_dir, self.args.resume, inputs, self.rank)
+        if self.args.resume:
+            self.state = load_state(path, self.method, self.args, self.device)
+            self.step, self.best = self.state["step"], self.state["best"]
+        resumed = self.state and not given("--lr")
+        self._lr = self.state["args"]["lr"] if resumed else self.args.lr
+        return self._lr
+
+    def log(self, msg):
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def wrap(self, module):
+        """The module DDP runs under torchrun (gradients averaged over the ranks); itself on one process."""
+        return module if self.world == 1 else torch.nn.parallel.DistributedDataParallel(module)
+
+    def rows(self, step_rows, k, batch_size):
+        """This rank's rows of micro-batch k (a step's rows hold every rank's micro-batches)."""
+        start = (k * self.world + self.rank) * batch_size
+        return step_rows[start:start + batch_size]
+
+    def sync(self, ddp, k, grad_accum):
+        """Gradients are all-reduced once, after the last micro-batch of a step."""
+        last = self.world == 1 or k == grad_accum - 1
+        return contextlib.nullcontext() if last else ddp.no_sync()
+
+    def resume(self, what, **objects):
+        """With --resume, each object (model, optimiser, scheduler: load_state_dict; a torch.Generator:
+        set_state) takes its saved state, as do torch's, Python's and NumPy's RNGs; a new --lr applies
+        from here. From now on SIGINT/SIGTERM stop the run at the next step boundary, saved. what: named
+        in the error line of a checkpoint that does not fit."""
+        if self.state:
+            def load():
+                for name, obj in objects.items():
+                    if isinstance(obj, torch.Generator):
+                        obj.set_state(self.state[name])
+                    else:
+                        obj.load_state_dict(self.state[name])
+            fit(load, what)
+            rng = self.state["rng"]
+            if isinstance(rng, (tuple, list)):  # torch, Python and NumPy
+                torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
+            else:  # runs saved before the other two were recorded
+                torch.set_rng_state(rng)
+            if "opt" in objects:
+                resume_lr(objects["opt"], self._lr, self.state, self.log, objects.get("sched"))
+        self._stop = StopOnSignal().__enter__()
+
+    def steps(self, total):
+        """Step numbers, each = the optimisation steps done: 0 for a new run (the model as loaded), then
+        1..total; a resumed run continues after its saved step. run.step follows."""
+        self._clock = (time.perf_counter(), self.step)
+        for step in range(self.step + 1 if self.state else 0, total + 1):
+            self.step = step
+            yield step
+
+    def check_finite(self, loss):
+        """The NaN guard, before opt.step(): the weights and the run folder are still the last good ones."""
+        if not torch.isfinite(loss):
+            common.die(f"loss became {loss.item()} at step {self.step}: resume with a lower --lr "
+                       f"(now {self._lr:g}; --resume --lr ...) or check the data; "
+                       f"the run in {self.args.output_dir} is kept")
+
+    def log_step(self, text, rows, unit="sent", tokens=None):
+        """'step N  <text>  sent/s X [tok/s Y]': rows (real tokens) per second of all ranks since the last
+        such line or evaluation."""
+        t0, s0 = self._clock
+        dt = time.perf_counter() - t0
+        line = f"step {self.step:>5}  {text}  {unit}/s {rows * (self.step - s0) / dt:.2f}"
+        if tokens is not None:
+            n = torch.tensor(float(tokens), device=self.device)
+            if self.world > 1:
+                torch.distributed.all_reduce(n)
+            line += f"  tok/s {n.item() / dt:.0f}"
+        self.log(line)
+        self._clock = (time.perf_counter(), self.step)
+
+    def evaluate(self, model, score, *args):
+        """score(*args) on rank 0, the model in eval mode (None on the other ranks); not counted as
+        training time."""
+        if self.rank != 0:
+            return None
+        model.eval()
+        dev = score(*args)
+        model.train()
+        return dev
+
+    def save(self, state, params, dev=None, write=None, metric="stsb_dev", **meta):
+        """Rank 0 writes the training state (state + method, args, step, best, RNGs) to checkpoint.pt and,
+        when dev is a new best, the model too (write(folder), and sentemb.json = meta), atomically, as
+        one; weights that are no longer finite are never saved. All ranks wait. With dev: a log line."""
+        if self.rank == 0:
+            new_best = dev is not None and dev > self.best
+            self.best = dev if new_best else self.best
+            full = {**state, "method": self.method, "args": {**run_args(self.args), "lr": self._lr},
+                    "step": self.step, "best": self.best,
+                    "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+            if new_best:
+                save_best(self.args.output_dir, write, full, params, method=self.method, **meta)
+            else:
+                save_state(full, self.args.output_dir, params)
+            if dev is not None:
+                self.log(f"step {self.step:>5}  {metric} {dev:.2f}  (best {self.best:.2f})")
+        if self.world > 1:
+            torch.distributed.barrier()
+        self._clock = (time.perf_counter(), self.step)
+
+    def stopping(self):
+        """True on every rank once any rank has had SIGINT/SIGTERM: save this step and leave the loop."""
+        return self._stop(self.device, self.world)
+
+    def end(self):
+        """After the loop: a stop by signal exits (128 + signal) with the --resume hint; otherwise a signal
+        now ends the process at once (nothing is left to save)."""
+        if self._stop.signum:
+            self._stop.exit(self.step, self.args.output_dir)
+        self._stop.now = True
 
 
 def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):

@@ -1,0 +1,84 @@
+"""SSCL's analyses, no training (run them as `sscl.py --analyze`): for each --model, eq. 1 token-wise
+similarity and eq. 2 inter-layer similarity per layer on the STS-B test sentences (Fig. 1, Fig. 4), and
+with --sentence the last layer's token-by-token cosines of one sentence (Fig. 5); --plot draws them.
+
+  python sscl.py --analyze --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse runs/sscl \\
+      --sentence "A man is playing a guitar." --plot fig.png
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+import common
+import figures
+
+
+@torch.no_grad()
+def over_smoothing(name, a, sents, device):
+    """Per layer l = 0 (embeddings) .. n, means over the sentences:
+    eq. 1 token-wise similarity: the mean cos(h_i^l, h_j^l) over real tokens i ≠ j of a sentence;
+    eq. 2 inter-layer similarity: cos(s^l, s^(l+1)), s^l the pooled sentence vector (--pooler).
+    With --sentence: also that sentence's last-layer token-by-token cosine matrix (Fig. 5) and its
+    tokens."""
+    tokenizer = common.load_pretrained(AutoTokenizer, name)
+    bert = common.load_pretrained(AutoModel, name).to(device).eval()
+    n = bert.config.num_hidden_layers
+    tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
+    for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
+        batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
+        with common.autocast(device):
+            hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
+        mask = batch["attention_mask"].float()  # (b, L)
+        off_diagonal = 1 - torch.eye(mask.shape[1], device=device)
+        pair = mask.unsqueeze(1) * mask.unsqueeze(2) * off_diagonal  # (b, L, L): real tokens, i ≠ j
+        pooled = []
+        for l, h in enumerate(hs):
+            h = F.normalize(h.float(), dim=-1)
+            cos = h @ h.transpose(1, 2)  # (b, L, L)
+            tok_sim[l] += ((cos * pair).sum((1, 2)) / pair.sum((1, 2)).clamp(min=1)).sum().cpu()
+            if a.pooler == "cls":
+                pooled.append(h[:, 0])
+            else:
+                pooled.append((h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True))
+        for l in range(n):
+            layer_sim[l] += F.cosine_similarity(pooled[l], pooled[l + 1], dim=-1).sum().cpu()
+    heat = None
+    if a.sentence:  # Fig. 5: (L, L) cosines of the last layer's tokens, special tokens included
+        batch = common.tokenize(tokenizer, [a.sentence], a.max_len, device)
+        h = F.normalize(bert(**batch).last_hidden_state[0].float(), dim=-1)  # (L, H)
+        heat = ((h @ h.T).cpu().numpy(), tokenizer.convert_ids_to_tokens(batch["input_ids"][0]))
+    return (tok_sim / len(sents)).tolist(), (layer_sim / len(sents)).tolist(), heat
+
+
+def analyze(a, device):
+    """Prints eqs. 1-2 per layer for each --model; --plot draws Fig. 1 (eq. 2) and Fig. 4 (eq. 1)
+    with one line per model, and with --sentence a Fig. 5 heat map per model."""
+    figures.check(a.plot)
+    rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
+    sents = sorted({s for r in rows for s in r[:2]})
+    res = {name: over_smoothing(name, a, sents, device) for name in a.model}
+    for name, (tok_sim, layer_sim, heat) in res.items():
+        print(f"over-smoothing of {name} on {len(sents)} STS-B test sentences ({a.pooler} pooling)")
+        print(f"{'layer':>5} {'token-wise sim (eq. 1)':>23} {'sim to next layer (eq. 2)':>26}")
+        for l, t in enumerate(tok_sim):
+            print(f"{l:5d} {t:23.4f} " + (f"{layer_sim[l]:26.4f}" if l < len(layer_sim) else ""))
+        if heat:
+            m, k = heat[0], len(heat[1])
+            print(f"Fig. 5, last-layer token cosines of {a.sentence!r}: mean off-diagonal "
+                  f"{(m.sum() - m.trace()) / (k ** 2 - k):.4f}")
+    if not a.plot:
+        return
+    short = [os.path.basename(os.path.normpath(m)) for m in a.model]
+    label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
+    panels = [dict(kind="lines", title="Fig. 1: similarity of adjacent layers (eq. 2)",
+                   xlabel="layer l", ylabel=f"cos(s^l, s^(l+1)), {a.pooler} pooling",
+                   series={label[m]: (range(len(r[1])), r[1]) for m, r in res.items()}),
+              dict(kind="lines", title="Fig. 4: token-wise similarity (eq. 1)",
+                   xlabel="layer l (0 = embeddings)", ylabel="mean cos(h_i, h_j), i ≠ j",
+                   series={label[m]: (range(len(r[0])), r[0]) for m, r in res.items()})]
+    panels += [dict(kind="heat", title=f"Fig. 5: {label[m]}, last layer", matrix=r[2][0],
+                    labels=r[2][1], vmin=-1, vmax=1, cbar="cosine", xlabel="token", ylabel="token")
+               for m, r in res.items() if r[2]]
+    figures.draw(a.plot, panels, f"Over-smoothing on STS-B test ({len(sents)} sentences)")
