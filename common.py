@@ -317,6 +317,11 @@ def by_length(forward, batch, cost=GROUP_COST):
     return merge(parts)
 
 
+def run_batch(forward, batch, grouped=True):
+    """forward(batch), in length groups when grouped (by_length): the same outputs either way."""
+    return by_length(forward, batch) if grouped else forward(batch)
+
+
 @torch.no_grad()
 def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=128):
     """(N, H) embeddings in the order given. Every sentence is tokenised once, then batched by token

@@ -118,10 +118,8 @@ def train_step(model, tokenizer, sentences, layers, a, world, device):
     if not a.no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
     with common.autocast(device, a.bf16):  # (2B, D), or (B, D) with --no-aug; per M: the same
-        if a.length_grouping:  # the same outputs as one padded pass, for the real tokens' cost
-            z, z_layers = common.by_length(functools.partial(model, layers=layers), batch)
-        else:
-            z, z_layers = model(batch, layers)
+        z, z_layers = common.run_batch(functools.partial(model, layers=layers), batch,
+                                       a.length_grouping)  # in length groups: the same outputs
     B = len(sentences)  # the loss in fp32, outside autocast
     h, h_pos = z[:B].float(), (z if a.no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
     h, h_pos = common.gather(h), common.gather(h_pos)  # (world·B, D): the global batch
