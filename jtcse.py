@@ -101,7 +101,7 @@ def load_towers(names):
     if any(t.get_vocab() != toks[0].get_vocab() for t in toks):
         common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: both towers read one tokenised "
                    "batch, so pass two models that share a vocabulary")
-    towers = [common.load_pretrained(BertModel, n) for n in names]
+    towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]  # the pooler feeds eq. 13
     shape = lambda c: (c.num_hidden_layers, c.hidden_size, c.num_attention_heads)  # noqa: E731
     if any(shape(t.config) != shape(towers[0].config) for t in towers):
         common.die(f"towers differ in (layers, hidden, heads): {[shape(t.config) for t in towers]}; "
@@ -193,10 +193,13 @@ def make_encode(towers, tokenizer, max_len, device):
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
-    towers = [BertModel.from_pretrained(os.path.join(run_dir, t)).to(device).eval() for t in meta["towers"]]
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(run_dir, meta["towers"][0]))
-    return make_encode(towers, tokenizer, meta["max_len"], device)
+    """eval_sts.py's entry point for a run folder of this script (twin or distilled tower; runs.read_meta has
+    checked its files)."""
+    towers = [common.load_pretrained(BertModel, os.path.join(run_dir, t), strict=True).to(device).eval()
+              for t in meta["towers"]]
+    tokenizer = common.load_pretrained(AutoTokenizer, os.path.join(run_dir, meta["towers"][0]))
+    max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir, "sentemb.json's max_len")
+    return make_encode(towers, tokenizer, max_len, device)
 
 
 # ---------------------------------------------------------------- loss --------------------------
@@ -292,10 +295,12 @@ def main():
     for tower in (model if distill else model.towers):  # BERT's pooler feeds only eq. 13: frozen when unused
         if (distill or a.no_ictm) and tower.pooler is not None:  # (DDP needs every trainable parameter used)
             tower.pooler.requires_grad_(False)
+    common.check_max_len(a.max_len, (model[0] if distill else model.towers[0]).config, a.model_a)
     net = model[0] if distill else model  # what one forward pass runs: the student, or the twin
     ddp = net if world == 1 else torch.nn.parallel.DistributedDataParallel(net)
     steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
+    runs.complete(state, total, a.output_dir)  # --resume of a finished run: says so, exit 0
     # NOTE(authors' code): plain AdamW at a constant learning rate, no schedule and no warm-up
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, fused=True)  # one kernel
     save_towers = [model[0]] if distill else list(model.towers)

@@ -135,11 +135,13 @@ def make_encode(encoder, tokenizer, max_len, device):
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script."""
-    encoder = SentenceEncoder(AutoModel.from_pretrained(run_dir), meta["pooler"], meta["proj_dim"])
+    """eval_sts.py's entry point for a run folder of this script (runs.read_meta has checked its files)."""
+    bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
+    encoder = SentenceEncoder(bert, meta["pooler"], meta["proj_dim"])
     if meta["proj_dim"]:
-        encoder.proj.load_state_dict(torch.load(os.path.join(run_dir, "proj.pt"), map_location="cpu"))
-    return make_encode(encoder.to(device).eval(), AutoTokenizer.from_pretrained(run_dir), meta["max_len"], device)
+        runs.load_weights(encoder.proj, os.path.join(run_dir, "proj.pt"))
+    max_len = common.check_max_len(meta["max_len"], bert.config, run_dir, "sentemb.json's max_len")
+    return make_encode(encoder.to(device).eval(), common.load_pretrained(AutoTokenizer, run_dir), max_len, device)
 
 
 # ---------------------------------------------------------------- loss --------------------------
@@ -161,6 +163,7 @@ def over_smoothing(name, a, sents, device):
     With --sentence: also that sentence's last-layer token-by-token cosine matrix (Fig. 5) and its tokens."""
     tokenizer = common.load_pretrained(AutoTokenizer, name)
     bert = common.load_pretrained(AutoModel, name).to(device).eval()
+    common.check_max_len(a.max_len, bert.config, name)
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
@@ -235,6 +238,7 @@ def main():
         common.die(f"'{a.model}' is a {config.model_type} model, not a bidirectional encoder: SSCL trains BERT-like "
                    "models (bert, roberta, ...); pass one as --model")
     layers = parse_layers(a.layer, config.num_hidden_layers)
+    common.check_max_len(a.max_len, config, a.model)
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * world * a.grad_accum  # sentences per optimisation step, all ranks together
@@ -253,6 +257,7 @@ def main():
     model = encoder if world == 1 else torch.nn.parallel.DistributedDataParallel(encoder)
     steps_per_epoch = len(sentences) // per_step  # the last incomplete step is dropped
     total = a.epochs * steps_per_epoch if a.max_steps < 0 else a.max_steps
+    runs.complete(state, total, a.output_dir)  # --resume of a finished run: says so, exit 0
     params = [q for q in encoder.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)  # linear decay, as SimCSE's Trainer
