@@ -251,8 +251,9 @@ def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
 
 
 def load_encoder(run_dir, meta, device):
-    """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len]; run_dir None =
-    zero-shot, no LoRA (a run folder without its adapter is refused by runs.read_meta, never run as the base)."""
+    """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len];
+    run_dir None = zero-shot, no LoRA (a run folder without its adapter is refused by
+    runs.read_meta, never run as the base model)."""
     return make_encoder(*load_run(run_dir, meta, device), device)
 
 
@@ -262,7 +263,7 @@ def load_run(run_dir, meta, device):
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained (runs before: default)
     tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
     cfg.setdefault("max_len", dec.config.max_position_embeddings)  # evaluation does not cut sentences
-    if run_dir:  # wraps the LoRA layers into dec in place; a missing or damaged adapter file stops here
+    if run_dir:  # wraps the LoRA layers into dec in place; a damaged adapter file stops here
         runs.load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
     if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
@@ -282,7 +283,7 @@ def read_csv(path):
     """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition, label); an empty
     or missing cell is a bad input naming its line."""
     text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field may be as long as the file
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
     reader = csv.DictReader(io.StringIO(text))
     cols = set(reader.fieldnames or [])
     if {"sent0", "sent1", "hard_neg"} <= cols:
@@ -297,8 +298,8 @@ def read_csv(path):
         if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
             common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or delete the row")
         try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),) if kind == "csts" else
-                        tuple(r[c] for c in need))
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
         except ValueError:
             common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; C-STS labels are 1-5")
     if not rows:
@@ -388,7 +389,8 @@ def main():
     from peft import LoraConfig, get_peft_model
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
-    common.check_max_len(a.max_len, dec.config, a.model, extra=len(tok(fill(a.prompt, "", ""))["input_ids"]))
+    prompt_len = len(tok(fill(a.prompt, "", ""))["input_ids"])
+    common.check_max_len(a.max_len, dec.config, a.model, extra=prompt_len)
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
     if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (README)
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP-safe

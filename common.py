@@ -152,8 +152,9 @@ def train_file(path, hub_name):
 
 
 def read_text(path):
-    """A whole UTF-8 text file, newlines translated as open() in text mode does, without the byte-order mark
-    that spreadsheet programs write first; anything else is a bad input naming the file and the line."""
+    """A whole UTF-8 text file, newlines translated as open() in text mode does, without the
+    byte-order mark that spreadsheet programs write first; anything else is a bad input naming the
+    file and the line."""
     try:
         with open(path, "rb") as f:
             raw = f.read().removeprefix(codecs.BOM_UTF8)
@@ -206,20 +207,22 @@ def show_ranges(parser):
 
 
 def load_pretrained(cls, name, **kw):
-    """cls.from_pretrained(name), or one line naming the broken file and what to do (runs.load_pretrained:
-    the one place where models and run folders are read)."""
+    """cls.from_pretrained(name), or one line naming the broken file and what to do
+    (runs.load_pretrained: the one place where models and run folders are read)."""
     import runs
     return runs.load_pretrained(cls, name, **kw)
 
 
 def check_max_len(max_len, config, name, flag="--max-len", extra=0):
-    """A token limit must fit the model's position embeddings (config.json's max_position_embeddings),
-    or the first longer sentence would crash inside the model. extra: tokens added around the sentence."""
+    """A token limit must fit the model's position embeddings (max_position_embeddings), or the
+    first longer sentence would crash inside the model. extra: tokens added around the sentence."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions and max_len + extra > positions:
         plus = f" plus the prompt's {extra} tokens" if extra else ""
-        die(f"{flag} {max_len}{plus} is more than the {positions} positions of '{name}' (max_position_embeddings "
-            f"in its config.json): pass {flag} {positions - extra} or less")
+        fix = f"pass {flag} {positions - extra} or less" if flag.startswith("--") else \
+            f"set it to {positions - extra} or less"
+        die(f"{flag} {max_len}{plus} is more than the {positions} positions of '{name}' "
+            f"(max_position_embeddings in its config.json): {fix}")
     return max_len
 
 

@@ -12,6 +12,7 @@ A run folder written by our scripts holds `sentemb.json`, which names the method
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
 """
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -50,7 +51,8 @@ def _read(path, encoding):
     except UnicodeDecodeError as e:
         common.die(f"{path}: not {encoding} text ({e.reason} at byte {e.start}); re-download senteval.tar")
     except OSError as e:
-        common.die(f"cannot read {path} ({e.strerror}): make it readable, or unpack senteval.tar again")
+        common.die(f"cannot read {path} ({e.strerror}): make it readable, or unpack senteval.tar "
+                   "again")
 
 
 def _file_lines(text):
@@ -402,7 +404,7 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
     if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
-    if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # completes a cut save, checks files
+    if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # checks every file
         return runs.load_run(name, meta, device)
     return hf_encoder(name, pooler, max_len, device)
 
@@ -445,8 +447,9 @@ def main():
 
 
 def write_json(path, out):
-    """--json, written after the tables are printed: a write that fails (a full disk, a folder that went
-    away) is one line, the results stay on the screen, and an old file at path is kept as it was."""
+    """--json, written after the tables are printed: a write that fails (a full disk, a folder that
+    went away) is one line, the results stay on the screen, and an old file at path is kept as it
+    was."""
     try:
         with open(path + ".tmp", "w") as f:
             json.dump(out, f, indent=2)
@@ -455,8 +458,10 @@ def write_json(path, out):
         if os.path.isfile(path + ".tmp"):
             os.remove(path + ".tmp")
         kept = "; the old file is kept" if os.path.isfile(path) else ""
-        common.die(f"cannot write --json '{path}' ({e.strerror or e}): the results are printed above{kept}; "
-                   "free disk space or pass another --json path")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = f"{os.path.basename(e.filename or path)}: {e.strerror or e}"
+        common.die(f"cannot write --json '{path}' ({what}): the results are printed above{kept}; "
+                   f"{'free disk space or ' if full else ''}pass another --json path")
 
 
 if __name__ == "__main__":

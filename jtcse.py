@@ -101,7 +101,7 @@ def load_towers(names):
     if any(t.get_vocab() != toks[0].get_vocab() for t in toks):
         common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: both towers read one tokenised "
                    "batch, so pass two models that share a vocabulary")
-    towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]  # the pooler feeds eq. 13
+    towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]  # pooler: eq. 13
     shape = lambda c: (c.num_hidden_layers, c.hidden_size, c.num_attention_heads)  # noqa: E731
     if any(shape(t.config) != shape(towers[0].config) for t in towers):
         common.die(f"towers differ in (layers, hidden, heads): {[shape(t.config) for t in towers]}; "
@@ -193,12 +193,13 @@ def make_encode(towers, tokenizer, max_len, device):
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script (twin or distilled tower; runs.read_meta has
-    checked its files)."""
-    towers = [common.load_pretrained(BertModel, os.path.join(run_dir, t), strict=True).to(device).eval()
-              for t in meta["towers"]]
+    """eval_sts.py's entry point for a run folder of this script (twin or distilled tower;
+    runs.read_meta checked its files)."""
+    towers = [common.load_pretrained(BertModel, os.path.join(run_dir, t), strict=True)
+              .to(device).eval() for t in meta["towers"]]
     tokenizer = common.load_pretrained(AutoTokenizer, os.path.join(run_dir, meta["towers"][0]))
-    max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir, "sentemb.json's max_len")
+    max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir,
+                                   "sentemb.json's max_len")
     return make_encode(towers, tokenizer, max_len, device)
 
 

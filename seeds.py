@@ -29,11 +29,11 @@ p.add_argument("--against", nargs="+", default=None, metavar="RUN.json", help="a
 
 
 def number(path, key, v):
-    """A score of the file: a number (NaN allowed: eval_sts.py writes one for a constant embedding), or one line
-    naming the file and the key."""
+    """A score of the file: a number (NaN allowed: eval_sts.py writes one for a constant embedding),
+    or one line naming the file and the key."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        common.die(f"'{path}': {key} is {json.dumps(v)}, not a number: the file is not as eval_sts.py --json "
-                   "writes it; write it again with eval_sts.py --json FILE")
+        common.die(f"'{path}': {key} is {json.dumps(v)}, not a number: the file is not as "
+                   "eval_sts.py --json writes it; write it again with eval_sts.py --json FILE")
     return float(v)
 
 
@@ -44,7 +44,8 @@ def scores(path):
         out = json.loads(common.read_text(path))
     except ValueError:
         out = None
-    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in ("results", "transfer")):
+    parts = ("results", "transfer")
+    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts):
         common.die(f"'{path}' is not an eval_sts.py --json result: write one with eval_sts.py --json FILE")
     sts = {t: number(path, f"results.{t}", v) for t, v in out.get("results", {}).items()}
     transfer = {t: number(path, f"transfer.{t}.acc", v.get("acc") if isinstance(v, dict) else v)

@@ -135,13 +135,15 @@ def make_encode(encoder, tokenizer, max_len, device):
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script (runs.read_meta has checked its files)."""
+    """eval_sts.py's entry point for a run folder of this script (runs.read_meta checked its
+    files)."""
     bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
     encoder = SentenceEncoder(bert, meta["pooler"], meta["proj_dim"])
     if meta["proj_dim"]:
         runs.load_weights(encoder.proj, os.path.join(run_dir, "proj.pt"))
     max_len = common.check_max_len(meta["max_len"], bert.config, run_dir, "sentemb.json's max_len")
-    return make_encode(encoder.to(device).eval(), common.load_pretrained(AutoTokenizer, run_dir), max_len, device)
+    tokenizer = common.load_pretrained(AutoTokenizer, run_dir)
+    return make_encode(encoder.to(device).eval(), tokenizer, max_len, device)
 
 
 # ---------------------------------------------------------------- loss --------------------------
