@@ -22,6 +22,7 @@ import contextlib
 import copy
 import csv
 import io
+import math
 import os
 import random
 import resource
@@ -250,8 +251,9 @@ def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
 
 
 def load_encoder(run_dir, meta, device):
-    """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len]; run_dir None
-    (or a folder without adapter) = zero-shot, no LoRA."""
+    """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len];
+    run_dir None = zero-shot, no LoRA (a run folder without its adapter is refused by
+    runs.read_meta, never run as the base model)."""
     return make_encoder(*load_run(run_dir, meta, device), device)
 
 
@@ -261,9 +263,8 @@ def load_run(run_dir, meta, device):
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained (runs before: default)
     tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
     cfg.setdefault("max_len", dec.config.max_position_embeddings)  # evaluation does not cut sentences
-    if run_dir and os.path.isfile(os.path.join(run_dir, "adapter_config.json")):
-        from peft import PeftModel
-        PeftModel.from_pretrained(dec, run_dir)  # wraps the LoRA layers into dec in place
+    if run_dir:  # wraps the LoRA layers into dec in place; a damaged adapter file stops here
+        runs.load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
     if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
         print("note: the prompt has {condition} (C-STS) and these sentences have none: it is left empty")
@@ -271,10 +272,19 @@ def load_run(run_dir, meta, device):
 
 
 # ================================================================ data ==========================
+def finite(text):
+    """float(text), refusing nan and inf as ValueError."""
+    if not math.isfinite(v := float(text)):
+        raise ValueError(text)
+    return v
+
+
 def read_csv(path):
     """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition, label); an empty
     or missing cell is a bad input naming its line."""
-    reader = csv.DictReader(io.StringIO(common.read_text(path)))
+    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
     cols = set(reader.fieldnames or [])
     if {"sent0", "sent1", "hard_neg"} <= cols:
         kind, need = "nli", ("sent0", "sent1", "hard_neg")
@@ -288,8 +298,8 @@ def read_csv(path):
         if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
             common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or delete the row")
         try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (float(r["label"]),) if kind == "csts" else
-                        tuple(r[c] for c in need))
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
         except ValueError:
             common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; C-STS labels are 1-5")
     if not rows:
@@ -373,11 +383,14 @@ def main():
     order = [i for _ in range(a.epochs) for i in torch.randperm(len(rows), generator=g).tolist()]
     steps = [order[i:i + per_step] for i in range(0, len(order) - per_step + 1, per_step)]  # last partial dropped
     total = len(steps) if a.max_steps < 0 else min(a.max_steps, len(steps))
+    runs.complete(state, total, a.output_dir)  # --resume of a finished run: says so, exit 0
 
     # ---------------------------------------------------------------- model (patch) + LoRA
     from peft import LoraConfig, get_peft_model
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
+    prompt_len = len(tok(fill(a.prompt, "", ""))["input_ids"])
+    common.check_max_len(a.max_len, dec.config, a.model, extra=prompt_len)
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
     if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (README)
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP-safe

@@ -7,6 +7,7 @@ The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes
 numbers printed during training and by eval_sts.py come from the same function.
 """
 import argparse
+import codecs
 import contextlib
 import math
 import os
@@ -142,6 +143,8 @@ def train_file(path, hub_name):
     """A training file given on the command line, or SimCSE's default downloaded from the hub."""
     if path and os.path.isfile(path):
         return path
+    if path and os.path.isdir(path):
+        die(f"training file '{path}' is a folder: pass --train FILE, a file inside it")
     if not path and (got := _from_hub(hub_name)):
         return got
     die(f"training file '{path or hub_name}' not found: pass --train FILE "
@@ -164,11 +167,12 @@ def step_rows(n, per_step, epochs, max_steps, seed):
 
 
 def read_text(path):
-    """A whole UTF-8 text file, newlines translated as open() in text mode does; anything else is a bad
-    input naming the file and the line."""
+    """A whole UTF-8 text file, newlines translated as open() in text mode does, without the
+    byte-order mark that spreadsheet programs write first; anything else is a bad input naming the
+    file and the line."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read().removeprefix(codecs.BOM_UTF8)
     except OSError as e:
         die(f"cannot read '{path}' ({e.strerror}): pass a readable file")
     try:
@@ -255,12 +259,23 @@ def show_ranges(parser):
 
 
 def load_pretrained(cls, name, **kw):
-    """cls.from_pretrained(name), or one line saying what to do when it cannot be had."""
-    try:
-        return cls.from_pretrained(name, **kw)
-    except (OSError, ValueError) as e:
-        die(f"cannot load '{name}' ({type(e).__name__}): pass a local model folder, or a hub name "
-            f"with the hub reachable")
+    """cls.from_pretrained(name), or one line naming the broken file and what to do
+    (runs.load_pretrained: the one place where models and run folders are read)."""
+    import runs
+    return runs.load_pretrained(cls, name, **kw)
+
+
+def check_max_len(max_len, config, name, flag="--max-len", extra=0):
+    """A token limit must fit the model's position embeddings (max_position_embeddings), or the
+    first longer sentence would crash inside the model. extra: tokens added around the sentence."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and max_len + extra > positions:
+        plus = f" plus the prompt's {extra} tokens" if extra else ""
+        fix = f"pass {flag} {positions - extra} or less" if flag.startswith("--") else \
+            f"set it to {positions - extra} or less"
+        die(f"{flag} {max_len}{plus} is more than the {positions} positions of '{name}' "
+            f"(max_position_embeddings in its config.json): {fix}")
+    return max_len
 
 
 # ---------------------------------------------------------------- tokenisation ------------------

@@ -12,6 +12,7 @@ A run folder written by our scripts holds `sentemb.json`, which names the method
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
 """
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -49,6 +50,9 @@ def _read(path, encoding):
             return f.read()
     except UnicodeDecodeError as e:
         common.die(f"{path}: not {encoding} text ({e.reason} at byte {e.start}); re-download senteval.tar")
+    except OSError as e:
+        common.die(f"cannot read {path} ({e.strerror}): make it readable, or unpack senteval.tar "
+                   "again")
 
 
 def _file_lines(text):
@@ -370,7 +374,7 @@ def hf_encoder(name, pooler, max_len, device):
     """encode(list[str]) -> (N, H) for a plain Hugging Face encoder with the usual poolings (SimCSE's names)."""
     from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
-    model = common.load_pretrained(AutoModel, name).to(device).eval()
+    model = common.load_pretrained(AutoModel, name, strict=pooler == "pooler").to(device).eval()
     max_len = min(max_len, getattr(model.config, "max_position_embeddings", max_len))
 
     def embed(batch):  # batch: input_ids, attention_mask (b, L)
@@ -400,12 +404,8 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
     if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
-    if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # read_meta: completes a cut save
-        try:
-            return importlib.import_module(meta["method"]).load_encoder(name, meta, device)
-        except (OSError, ValueError) as e:
-            common.die(f"cannot load the {meta['method']}.py run in '{name}' ({type(e).__name__}): its model files "
-                       "are missing or damaged; evaluate another checkpoint or train again")
+    if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # checks every file
+        return runs.load_run(name, meta, device)
     return hf_encoder(name, pooler, max_len, device)
 
 
@@ -443,9 +443,25 @@ def main():
     print(f"({a.model}, split {a.split}" + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
     if a.json:  # a temporary file, then one rename: an old file is never left half-written
-        with open(a.json + ".tmp", "w") as f:
+        write_json(a.json, out)
+
+
+def write_json(path, out):
+    """--json, written after the tables are printed: a write that fails (a full disk, a folder that
+    went away) is one line, the results stay on the screen, and an old file at path is kept as it
+    was."""
+    try:
+        with open(path + ".tmp", "w") as f:
             json.dump(out, f, indent=2)
-        os.replace(a.json + ".tmp", a.json)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        if os.path.isfile(path + ".tmp"):
+            os.remove(path + ".tmp")
+        kept = "; the old file is kept" if os.path.isfile(path) else ""
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = f"{os.path.basename(e.filename or path)}: {e.strerror or e}"
+        common.die(f"cannot write --json '{path}' ({what}): the results are printed above{kept}; "
+                   f"{'free disk space or ' if full else ''}pass another --json path")
 
 
 if __name__ == "__main__":

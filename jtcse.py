@@ -236,8 +236,10 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
 
 # ---------------------------------------------------------------- encode, save, load ------------
 def load_towers(names):
-    """[BertModel] and their (shared) tokenizer; check_towers has checked them."""
-    return [BertModel.from_pretrained(n) for n in names], AutoTokenizer.from_pretrained(names[0])
+    """[BertModel] (every weight from its file: the pooler feeds eq. 13) and their shared
+    tokenizer; check_towers has checked them."""
+    towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]
+    return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
 def make_encode(towers, tokenizer, max_len, device):
@@ -263,7 +265,9 @@ def save_model(towers, names, tokenizer, max_len, folder):
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
     towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
-    return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
+    max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir,
+                                   "sentemb.json's max_len")
+    return make_encode([t.to(device).eval() for t in towers], tokenizer, max_len, device)
 
 
 # ---------------------------------------------------------------- main --------------------------
@@ -283,7 +287,7 @@ def main():
         sentences += sorted({s for r in sick for s in r[:2]} - set(sentences))
     per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model_a, a.model_b, a.distill])  # the run folder, locked; --resume: its state
+    lr = run.open([a.model_a, a.model_b, a.distill], len(steps))  # the run folder, locked
 
     # the model: the twin; JTCSE D: one fresh tower (the student) and the frozen twin (the teacher)
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
@@ -353,7 +357,7 @@ def main():
 
 
 # ---------------------------------------------------------------- argument checks ---------------
-def check_towers(names, num_cael=None):
+def check_towers(names, num_cael=None, max_len=None):
     """BERTs of one shape and one vocabulary (both towers read one batch; eq. 10 swaps values
     between equal layers), and a --num-cael that divides their layer count."""
     configs = [common.load_pretrained(AutoConfig, n) for n in names]
@@ -369,6 +373,8 @@ def check_towers(names, num_cael=None):
         common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values "
                    "between equal layers, so pass towers of one architecture")
     n = shapes[0][0]
+    if max_len:
+        common.check_max_len(max_len, configs[0], names[0])
     if num_cael and n % num_cael:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
         common.die(f"--num-cael {num_cael} does not divide the {n} layers: choose one of "
@@ -388,7 +394,7 @@ def check_args(a, world):
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
     if not a.distill:
-        return check_towers([a.model_a, a.model_b], a.num_cael)
+        return check_towers([a.model_a, a.model_b], a.num_cael, a.max_len)
     meta = runs.read_meta(a.distill)
     if meta is None:
         common.die(f"--distill '{a.distill}' holds no {common.META}: pass the --output-dir of a "
@@ -397,7 +403,7 @@ def check_args(a, world):
         common.die(f"--distill '{a.distill}' is not a jtcse.py twin run: pass the --output-dir of one")
     teacher = [os.path.join(a.distill, t) for t in meta["towers"]]
     check_towers(teacher)
-    check_towers([a.model_a])
+    check_towers([a.model_a], max_len=a.max_len)
     student, twin = (common.load_pretrained(AutoTokenizer, m) for m in (a.model_a, teacher[0]))
     if student.get_vocab() != twin.get_vocab():
         common.die(f"student '{a.model_a}' and the teacher in '{a.distill}' have different "

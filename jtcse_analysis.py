@@ -27,6 +27,7 @@ def analyze(a, device):
     check_towers([a.model_a])
     towers, tokenizer = load_towers(twin_names)
     single, _ = load_towers([a.model_a])
+    common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
     k = cael_period(a.num_cael, n)
     runs = {"single": (single, 0, ["single"]), "twin": (towers, 0, ["I", "II"]), "twin+CA": (towers, k, ["I+CA", "II+CA"])}

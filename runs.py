@@ -1,8 +1,11 @@
 """Run folders that lose nothing, shared by sscl.py, jtcse.py and bellm.py (and read by eval_sts.py): atomic
 saves of the best model and the training state, a lock per folder, the checks of --resume, stopping at a step
 boundary on SIGINT/SIGTERM, and the sentence-transformers files beside a saved model.
+Reading is checked here too: every model and run folder the scripts load goes through
+load_pretrained / read_meta / load_run, which turn any broken file into one line naming it.
 """
 import contextlib
+import errno
 import json
 import os
 import random
@@ -13,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 import common
 
@@ -40,8 +44,16 @@ def _fsync(path):
         os.close(fd)
 
 
+# a full disk as torch's zip writer says it (no errno) and as safetensors does (Rust's io error)
+FULL_DISK = ("unexpected pos", "file write failed", "os error 28", "No space left on device",
+             "StorageFull")
+
+
 def _save_failed(what, e):
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else _first(e)
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if full or any(s in str(e) for s in FULL_DISK):
+        reason = "No space left on device"
     common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; what was saved before "
                "is kept, and --resume continues from it")
 
@@ -94,7 +106,7 @@ def save_best(out_dir, write, state, params, **meta):
             _fsync(root)
         os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
         _fsync(out_dir)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # RuntimeError: torch's writer
         shutil.rmtree(staging, ignore_errors=True)
         _save_failed(f"the best model in {out_dir}", e)
     finish_save(out_dir)
@@ -136,7 +148,11 @@ def lock_run(out_dir):
         import fcntl
     except ImportError:  # Windows: no lock
         return True
-    f = open(os.path.join(out_dir, LOCK), "a+")
+    try:
+        f = open(os.path.join(out_dir, LOCK), "a+")
+    except OSError as e:  # e.g. a folder of that name
+        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
+                   "holds the pid of the run that writes the folder) and run again")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -206,12 +222,199 @@ def settle(run_dir):
     common.die(f"'{run_dir}' is being saved by a training run: try again in a moment")
 
 
-META_KEYS = {"sscl": ["pooler", "proj_dim", "max_len"], "jtcse": ["towers", "max_len"],
-             "bellm": ["base_model", "bi_layers", "bi_mode", "prompt"]}
+# ---------------------------------------------------------------- reading: every file checked ---
+# Every model and run folder the scripts read is loaded here, and every way a file can be broken
+# (missing, cut short, edited, another model's) is one line naming it: never a traceback, never a
+# silently different model (random weights where a file lacks them, a base LLM without its adapter).
+METHODS = ("sscl", "jtcse", "bellm")  # the only modules a run folder's sentemb.json may name
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+REFETCH = "copy or download the model folder again"
+RECOPY = "copy the whole run folder again, or train again"
+
+
+def _int(lo):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _tower(t):  # a tower's folder inside the run folder: "." (a distilled tower) or one plain name
+    return isinstance(t, str) and (t == "." or (t not in ("", "..") and os.path.basename(t) == t))
+
+
+META_KEYS = {  # per method: the keys sentemb.json must hold, and the values each may take
+    "sscl": {"pooler": ("cls", "avg").__contains__, "proj_dim": _int(0), "max_len": _int(1)},
+    "jtcse": {"towers": lambda v: isinstance(v, list) and 1 <= len(v) <= 2 and all(map(_tower, v)),
+              "max_len": _int(1)},
+    "bellm": {"base_model": lambda v: isinstance(v, str) and v != "", "bi_layers": _int(0),
+              "bi_mode": ("parallel", "sequential").__contains__,
+              "prompt": lambda v: isinstance(v, str) and "{sentence}" in v},
+}
+META_OPTIONAL = {"bellm": {"bi_strategy": ("convert", "add").__contains__,
+                           "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1)}}
+
+
+def _first(e):
+    """An exception's first line, short enough for an error line."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if len(line) <= 120 else line[:117] + "..."
+
+
+def read_json(path, where, fix, name=None):
+    """The JSON object in path, or one line `WHERE: NAME is damaged (...): FIX`."""
+    name = name or os.path.basename(path)
+    try:
+        obj = json.loads(common.read_text(path))
+    except ValueError as e:
+        common.die(f"{where}: {name} is damaged (not JSON: {_first(e)}): {fix}")
+    if not isinstance(obj, dict):
+        common.die(f"{where}: {name} is damaged (not a JSON object): {fix}")
+    return obj
+
+
+def safetensors_keys(path, where, fix, name=None):
+    """The tensor names of a safetensors file, once its header and sizes are found whole."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        why = _first(e).removeprefix("Error while deserializing header: ")
+        common.die(f"{where}: {name or os.path.basename(path)} is damaged (cut short, or not a "
+                   f"safetensors file: {why}): {fix}")
+
+
+def check_file(folder, rel, where, fix):
+    """folder/rel exists and, for JSON and safetensors files, reads whole."""
+    path = os.path.join(folder, rel)
+    if rel.endswith("model.safetensors") and os.path.isfile(path + ".index.json"):  # sharded
+        return
+    if not os.path.isfile(path):
+        common.die(f"{where}: {rel} is missing: {fix}")
+    if rel.endswith(".json"):
+        read_json(path, where, fix, rel)
+    elif rel.endswith(".safetensors"):
+        safetensors_keys(path, where, fix, rel)
+
+
+# what from_pretrained reads, per kind of class: JSON files checked first (when present)
+READS = {"config": ("config.json",),
+         "tokenizer": ("config.json", "tokenizer.json", "tokenizer_config.json",
+                       "special_tokens_map.json", "added_tokens.json"),
+         "model": ("config.json", "generation_config.json", "model.safetensors.index.json")}
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _check_hf_folder(folder, kind, where):
+    has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
+    for f in READS[kind]:
+        if os.path.exists(os.path.join(folder, f)):
+            read_json(os.path.join(folder, f), where, REFETCH)
+    if kind != "tokenizer":
+        if not has("config.json"):
+            common.die(f"{where}: config.json is missing (not a model folder, or an incomplete "
+                       f"copy): pass a model folder, or {REFETCH}")
+        if "model_type" not in read_json(os.path.join(folder, "config.json"), where, REFETCH):
+            common.die(f"{where}: config.json is damaged (no model_type): {REFETCH}")
+    if kind == "tokenizer" and not any(map(has, TOKENIZER_FILES)):
+        common.die(f"{where}: tokenizer.json is missing (no tokenizer file at all): pass a model "
+                   f"folder with its tokenizer, or {REFETCH}")
+    if kind == "model":
+        weights = next(filter(has, WEIGHT_FILES), None)
+        if weights is None:
+            common.die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
+        if weights == "model.safetensors":
+            safetensors_keys(os.path.join(folder, weights), where, REFETCH)
+
+
+def load_pretrained(cls, name, strict=False, **kw):
+    """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
+    local folder, or one line naming the broken file and the fix. A local folder is checked first:
+    its JSON files parse, it has a config.json with a model_type (models, configs), a tokenizer file
+    (tokenizers) and whole weights (models). A model whose weights lack any of its parameters is
+    refused, where transformers would only warn and initialise them at random; strict=False
+    tolerates a missing BERT pooler (`pooler.*`, as in roberta-base), for callers that never use
+    it."""
+    name = str(name)
+    kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
+        "config" if "Config" in cls.__name__ else "model"
+    where, local = f"cannot load '{name}'", os.path.isdir(name)
+    if local:
+        _check_hf_folder(name, kind, where)
+    try:
+        if kind != "model":
+            return cls.from_pretrained(name, **kw)
+        model, info = cls.from_pretrained(name, output_loading_info=True, **kw)
+    except Exception as e:  # from_pretrained raises many types (OSError, ValueError, ...)
+        if not local:
+            common.die(f"{where} ({type(e).__name__}): pass a local model folder, or a hub name "
+                       "with the hub reachable")
+        common.die(f"{where} ({type(e).__name__}: {_first(e)}): a file of the {kind} is damaged or "
+                   f"another model's; {REFETCH}")
+    if missing := sorted(k for k in info["missing_keys"] if strict or not k.startswith("pooler.")):
+        weights = "model.safetensors" if local else "its weights"
+        more = ", ..." * (len(missing) > 1)
+        common.die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
+                   f"{more}): it is damaged or another model's; {REFETCH}")
+    return model
+
+
+def load_weights(module, path):
+    """module.load_state_dict(torch.load(path)) for a small torch file of a run folder (sscl.py's
+    proj.pt), or one line naming the file."""
+    try:
+        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:  # truncated, not a torch file, other keys or shapes
+        common.die(f"cannot load {path} ({type(e).__name__}: {_first(e)}): it is damaged or "
+                   f"another model's; {RECOPY}")
+
+
+def load_adapter(dec, run_dir):
+    """The LoRA adapter of a bellm.py run folder wrapped into dec (in place), or one line naming the
+    file: it must load, and hold exactly the adapter weights that this base model and
+    adapter_config.json ask for (peft would only warn about missing ones and leave them as
+    initialised)."""
+    import warnings
+
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    where = f"cannot load the bellm.py run in '{run_dir}'"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # missing keys are checked below, with the file named
+            model = PeftModel.from_pretrained(dec, run_dir)
+    except Exception as e:  # a damaged config or weights, or another base model's adapter (shapes)
+        common.die(f"{where} ({type(e).__name__}: {_first(e)}): adapter_config.json or "
+                   "adapter_model.safetensors is damaged, or made for another base model; "
+                   f"{RECOPY}")
+    want = set(get_peft_model_state_dict(model))
+    have = safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where, RECOPY)
+    if want != have:
+        odd = sorted(want - have) or sorted(have - want)
+        said = "lacks" if want - have else "holds"
+        common.die(f"{where}: adapter_model.safetensors {said} {len(odd)} adapter weights ({odd[0]}"
+                   f"{', ...' * (len(odd) > 1)}) {'that' if want - have else 'beyond what'} "
+                   f"adapter_config.json and the base model ask for: {RECOPY}")
+    return model
+
+
+def needed_files(meta):
+    """The files (paths relative to the run folder) that a run of meta's method needs besides
+    sentemb.json: what its script saves and its load_encoder reads (BeLLM: the base model is named
+    by base_model)."""
+    if meta["method"] == "sscl":
+        return list(HF_FILES) + (["proj.pt"] if meta["proj_dim"] else [])
+    if meta["method"] == "jtcse":
+        return [os.path.normpath(os.path.join(t, f)) for t in meta["towers"] for f in HF_FILES]
+    return ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def read_meta(run_dir):
-    """A run folder's sentemb.json (after settle()), or None when it has none; a damaged one is a bad input."""
+    """A run folder's sentemb.json (after settle()), or None when it has none. A damaged one (not
+    JSON, a method other than ours, a key missing or of the wrong type) is a bad input, and so is a
+    folder that lacks a file its method needs or holds a damaged one: it is never loaded as
+    something else."""
     settle(run_dir)
     path = os.path.join(run_dir, common.META)
     if not os.path.isfile(path):
@@ -220,10 +423,28 @@ def read_meta(run_dir):
         meta = json.loads(common.read_text(path))
     except ValueError:
         meta = None
-    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS.get(meta.get("method"), ["method"])):
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py (damaged or edited): "
+    method = meta.get("method") if isinstance(meta, dict) else None
+    bad = ["method"] if method not in METHODS else [
+        k for k, ok in META_KEYS[method].items() if k not in meta or not ok(meta[k])] + [
+        k for k, ok in META_OPTIONAL.get(method, {}).items() if k in meta and not ok(meta[k])]
+    if bad:
+        said = f"method {method!r}" if bad == ["method"] and method is not None else \
+            f"{', '.join(bad)} missing or of the wrong type" if method in METHODS else \
+            "damaged or edited"
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py ({said}): "
                    "re-save the run, or delete the file to load the folder as a plain model")
+    for rel in needed_files(meta):
+        check_file(run_dir, rel, f"cannot load the {method}.py run in '{run_dir}'", RECOPY)
     return meta
+
+
+def load_run(run_dir, meta, device):
+    """encode(list[str]) -> (N, H) of a run folder of ours (meta: its read_meta()), built by its
+    method's load_encoder, the function its script evaluates with. The module is one of METHODS,
+    never a name taken from the file."""
+    import importlib
+    module = importlib.import_module(METHODS[METHODS.index(meta["method"])])
+    return module.load_encoder(run_dir, meta, device)
 
 
 # settings that may change on --resume; any other difference is refused, listing the flags
@@ -237,9 +458,23 @@ def run_args(args):
     return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v for k, v in vars(args).items()}
 
 
+_dict, _tensor = (lambda v: isinstance(v, dict)), (lambda v: isinstance(v, torch.Tensor))
+# torch's, Python's and NumPy's RNG states (Run.save); runs saved before: torch's alone
+_rng = lambda v: _tensor(v) or (isinstance(v, (tuple, list)) and len(v) == 3)  # noqa: E731
+STATE_KEYS = {  # what each script's checkpoint.pt holds (its state dict in main), and of what type
+    "sscl": {"encoder": _dict, "opt": _dict, "sched": _dict, "rng": _rng},
+    "jtcse": {"model": _dict, "opt": _dict, "rng": _rng, "r_gen": _tensor},
+    "bellm": {"trainable": lambda v: isinstance(v, list), "opt": _dict, "sched": _dict,
+              "rng": _rng}}
+_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+STATE_ALL = {"args": lambda v: _dict(v) and _number(v.get("lr")), "step": _int(0), "best": _number}
+
+
 def load_state(path, method, args, device):
-    """The training state of OUT_DIR/checkpoint.pt for --resume, or one line saying why it cannot be used:
-    unreadable (damaged), written by another script, or by a run with other settings."""
+    """The training state of OUT_DIR/checkpoint.pt for --resume, or one line saying why it cannot be
+    used: unreadable or of another structure (damaged), written by another script, or by a run with
+    other settings. When the run has saved a best model, the folder must hold it whole
+    (read_meta)."""
     try:
         state = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, not a torch file: torch raises many types
@@ -248,6 +483,8 @@ def load_state(path, method, args, device):
     if not isinstance(state, dict) or state.get("method", method) != method:
         common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a {method}.py run")
     old, new = state.get("args", {}), run_args(args)
+    if not isinstance(old, dict):
+        old = {}  # refused below: a state without its settings
     # a flag that no longer exists is ignored where the run left it off (e.g. the former --loss-mix)
     changed = [k for k in old if k not in RESUMABLE and old[k] != new.get(k)
                and (k in new or old[k])]
@@ -255,14 +492,42 @@ def load_state(path, method, args, device):
         flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
         common.die(f"--resume: the run was started with {', '.join(flag(k, old[k]) for k in changed)}, this command "
                    f"says {', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own settings")
+    checks = {**STATE_ALL, **STATE_KEYS[method]}
+    if bad := [k for k, ok in checks.items() if k not in state or not ok(state[k])]:
+        common.die(f"--resume: {path} is damaged ({', '.join(bad)} missing or of the wrong "
+                   f"type; not the training state {method}.py writes): start again without "
+                   "--resume in another --output-dir")
+    if state["best"] > -float("inf"):  # a best model was saved with this state: it must be whole
+        run_dir = os.path.dirname(path)
+        meta, where = read_meta(run_dir), os.path.join(run_dir, common.META)
+        if meta is None:
+            common.die(f"--resume: {where} is missing, but the run has saved a best model: "
+                       f"{RECOPY}")
+        if meta["method"] != method:
+            common.die(f"--resume: {where} describes a {meta['method']}.py run: pass the "
+                       f"--output-dir of a {method}.py run")
     return state
+
+
+def complete(state, total, out_dir):
+    """--resume of a run that has reached its last step: one line that says so, and exit code 0
+    (nothing is wrong and nothing is left to do; the folder is not touched)."""
+    if state is None or state["step"] < total:
+        return
+    if os.environ.get("RANK", "0") == "0":
+        at = f"step {total} of {total}" if state["step"] == total else \
+            f"step {state['step']}, past the last step {total} of this command"
+        print(f"the run is complete ({at}): nothing to train in '{out_dir}'; evaluate it with "
+              f"eval_sts.py --model {out_dir}, or pass a larger --max-steps or --epochs with "
+              "--resume to train on", flush=True)
+    sys.exit(0)
 
 
 def fit(load, what):
     """Load a checkpoint's tensors into the model; a mismatch is a foreign checkpoint, one line."""
     try:
         load()
-    except (KeyError, RuntimeError, ValueError) as e:
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
         common.die(f"--resume: the checkpoint does not fit {what} ({type(e).__name__}): pass the --output-dir of a run "
                    "of this model and settings")
 
@@ -334,13 +599,15 @@ class Run:
         self.rank, self.world, self.device = common.init_distributed()  # torchrun: one process per GPU
         self.state, self.step, self.best, self._lr, self._stop = None, 0, -float("inf"), None, None
 
-    def open(self, inputs):
+    def open(self, inputs, total):
         """Lock --output-dir (refusing to overwrite an input model or another run) and, with --resume,
-        read its training state (same script, same settings). -> the learning rate: the resumed run's
-        unless the command line gives --lr."""
+        read its training state (same script, same settings; a run already at its last step of
+        `total` says so and exits 0). -> the learning rate: the resumed run's unless the command
+        line gives --lr."""
         path = open_run(self.args.output_dir, self.args.resume, inputs, self.rank)
         if self.args.resume:
             self.state = load_state(path, self.method, self.args, self.device)
+            complete(self.state, total, self.args.output_dir)
             self.step, self.best = self.state["step"], self.state["best"]
         resumed = self.state and not given("--lr")
         self._lr = self.state["args"]["lr"] if resumed else self.args.lr

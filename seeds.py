@@ -28,21 +28,35 @@ p.add_argument("--against", nargs="+", default=None, metavar="RUN.json", help="a
                "paired with the first in the given order: adds its mean ± std and a paired t-test per column")
 
 
+def number(path, key, v):
+    """A score of the file: a number (NaN allowed: eval_sts.py writes one for a constant embedding),
+    or one line naming the file and the key."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        common.die(f"'{path}': {key} is {json.dumps(v)}, not a number: the file is not as "
+                   "eval_sts.py --json writes it; write it again with eval_sts.py --json FILE")
+    return float(v)
+
+
 def scores(path):
     """{column: score} of one eval_sts.py --json file: STS tasks (Spearman × 100), transfer tasks (test accuracy),
     each family's Avg. when it has all of its tasks, alignment and uniformity when present."""
     try:
         out = json.loads(common.read_text(path))
-        sts, transfer = out.get("results", {}), {t: v["acc"] for t, v in out.get("transfer", {}).items()}
-    except (ValueError, AttributeError, KeyError, TypeError):
+    except ValueError:
+        out = None
+    parts = ("results", "transfer")
+    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts):
         common.die(f"'{path}' is not an eval_sts.py --json result: write one with eval_sts.py --json FILE")
+    sts = {t: number(path, f"results.{t}", v) for t, v in out.get("results", {}).items()}
+    transfer = {t: number(path, f"transfer.{t}.acc", v.get("acc") if isinstance(v, dict) else v)
+                for t, v in out.get("transfer", {}).items()}
     row = dict(sts)
     if len(sts) == len(common.TASKS):
         row["STS Avg."] = float(np.mean(list(sts.values())))
     row.update(transfer)
     if len(transfer) == 7:
         row["transfer Avg."] = float(np.mean(list(transfer.values())))
-    row.update({k: out[k] for k in ("align", "uniform") if k in out})
+    row.update({k: number(path, k, out[k]) for k in ("align", "uniform") if k in out})
     return row
 
 
@@ -57,7 +71,8 @@ def main():
     a = p.parse_args()
     for path in a.runs + (a.against or []):
         if not os.path.isfile(path):
-            common.die(f"'{path}' does not exist: pass eval_sts.py --json files")
+            common.die(f"'{path}' " + ("is a folder" if os.path.isdir(path) else "does not exist")
+                       + ": pass eval_sts.py --json files")
     if a.against and len(a.against) != len(a.runs):
         common.die(f"--against has {len(a.against)} files for {len(a.runs)} runs: a paired test needs one per run")
     groups = {"runs": [scores(f) for f in a.runs]}

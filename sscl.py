@@ -158,13 +158,15 @@ def save_model(encoder, tokenizer, pooler, max_len, folder):
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script."""
-    encoder = SentenceEncoder(AutoModel.from_pretrained(run_dir), meta["pooler"], meta["proj_dim"])
+    """eval_sts.py's entry point for a run folder of this script (runs.read_meta checked its
+    files)."""
+    bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
+    encoder = SentenceEncoder(bert, meta["pooler"], meta["proj_dim"])
     if meta["proj_dim"]:
-        proj = torch.load(os.path.join(run_dir, "proj.pt"), map_location="cpu")
-        encoder.proj.load_state_dict(proj)
-    tokenizer = AutoTokenizer.from_pretrained(run_dir)
-    return make_encode(encoder.to(device).eval(), tokenizer, meta["max_len"], device)
+        runs.load_weights(encoder.proj, os.path.join(run_dir, "proj.pt"))
+    max_len = common.check_max_len(meta["max_len"], bert.config, run_dir, "sentemb.json's max_len")
+    tokenizer = common.load_pretrained(AutoTokenizer, run_dir)
+    return make_encode(encoder.to(device).eval(), tokenizer, max_len, device)
 
 
 # ---------------------------------------------------------------- main --------------------------
@@ -181,7 +183,7 @@ def main():
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model])  # the run folder, locked; --resume: its state
+    lr = run.open([a.model], len(steps))  # the run folder, locked; --resume: its state
 
     # the model; seeding: dropout from torch's RNG (the data order has its own generators)
     common.seed_everything(a.seed)
@@ -260,6 +262,7 @@ def check_args(a, world):
     except ValueError:
         common.die(f"--layer '{a.layer}' is not a comma-separated list of integers: e.g. --layer 11 "
                    "or --layer 10,11")
+    common.check_max_len(a.max_len, config, a.model)
     n = config.num_hidden_layers
     if layers != [0] and any(not 1 <= m <= n - 1 for m in layers):
         common.die(f"--layer {a.layer}: this model has {n} layers, so M must be in 1..{n - 1} "

@@ -24,6 +24,7 @@ def over_smoothing(name, a, sents, device):
     tokens."""
     tokenizer = common.load_pretrained(AutoTokenizer, name)
     bert = common.load_pretrained(AutoModel, name).to(device).eval()
+    common.check_max_len(a.max_len, bert.config, name)
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):

@@ -2,6 +2,7 @@
 script on tiny random-weight models, equivalence tests (patch off = stock model, loss = the paper's
 equation), determinism. Tiny models and tokenisers are built here, offline. The SentEval-parity test
 needs the real data and MiniLM checkpoint (../shared; `bash ../shared/bench/setup_models.sh`)."""
+import codecs
 import copy
 import csv
 import errno
@@ -32,6 +33,7 @@ import common
 import runs
 import eval_sts
 import jtcse
+import seeds
 import sscl
 
 ROOT = Path(__file__).resolve().parent
@@ -1705,6 +1707,48 @@ def fake_state(path, method, **args):
     torch.save({"method": method, "args": args}, path)
 
 
+TPL = Namespace()  # paths of run_templates, for the table's --resume commands (settings must match)
+
+
+@pytest.fixture(scope="module")
+def run_templates(tmp_path_factory, bert_dir, train_txt, sts_dir, jt_env, tok_dir):
+    """A finished run folder of each method, trained once (2 steps; bellm.py 1): sscl.py with
+    --proj-dim 8, a jtcse.py twin, a bellm.py adapter. Probes copy them (c.srun, c.jrun, c.brun)
+    and break one file."""
+    d = tmp_path_factory.mktemp("templates")
+    TPL.__dict__.update(bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=d / "out",
+                        llama=bl_make_model(tok_dir, d), bl_sts=bl_sts_dir(d), nli=nli_csv(d))
+    for script, args in (("sscl.py", SSCL_RUN(TPL, d / "sscl")),
+                         ("bellm.py", BL_RUN(TPL, d / "bellm")),
+                         ("jtcse.py", JT(TPL, "--output-dir", d / "jtcse"))):
+        proc = run(script, *args, env={"SENTEMB_DATA": str(JT_DATA["sts"])})
+        assert proc.returncode == 0, proc.stderr
+    return {m: d / m for m in ("sscl", "jtcse", "bellm")}
+
+
+def cut(path, keep=0.5):
+    """An interrupted copy: the first part of the file."""
+    path.write_bytes(path.read_bytes()[:int(path.stat().st_size * keep)])
+
+
+def drop_tensor(path, prefix=""):
+    """A whole safetensors file that lacks one tensor (the first whose name starts with prefix)."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(path)
+    sd.pop(sorted(k for k in sd if k.startswith(prefix))[0])
+    save_file(sd, path, metadata={"format": "pt"})
+
+
+def edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def SJ(c, body):  # noqa: N802 (a row's command, as SSCL, JT, BL)
+    """seeds.py's argument: one --json file with this body."""
+    (c.tmp / "r.json").write_text(body)
+    return [c.tmp / "r.json"]
+
+
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
     c.held = open(c.run / runs.LOCK, "a+")
@@ -1729,6 +1773,17 @@ JT = lambda c, *x: ["--model-a", c.jt / "a", "--model-b", c.jt / "b", "--train",
 BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts, "--output-dir", c.out,  # noqa: E731
                     "--batch-size", 4, "--max-steps", 1, "--lora-r", 4, "--no-final-eval", *x]
 EV = lambda c, *x: ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
+# the commands of run_templates, and eval_sts.py on their copies (c.srun, c.jrun, c.brun)
+SSCL_RUN = lambda c, out, *x: SSCL(Namespace(**{**vars(c), "out": out}),  # noqa: E731
+                                   "--proj-dim", 8, *x)
+BL_RUN = lambda c, out, *x: ["--model", TPL.llama, "--train", TPL.nli, "--data-dir",  # noqa: E731
+                             TPL.bl_sts, "--output-dir", out, "--batch-size", 4, "--max-steps", 1,
+                             "--lora-r", 4, "--no-final-eval", *x]
+JT_RUN = lambda c, *x: JT(c, "--output-dir", c.jrun, *x)  # noqa: E731
+ES = lambda c, run, *x: ["--model", run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
+EB = lambda c, *x: ["--model", c.brun, "--data-dir", c.bl_sts, "--tasks", "STS-B", *x]  # noqa: E731
+EJ = lambda c, *x: ["--model", c.jrun, "--data-dir", JT_DATA["sts"],  # noqa: E731
+                    "--tasks", "STS-B", *x]
 PROBES = [  # (script, arguments, words of the error line, preparation)
     *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
         ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan", "finite"), ("--temp", "-0.05", "> 0"),
@@ -1777,23 +1832,146 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("[1, 2]")),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
      lambda c: (c.run / common.META).write_text('{"method": "sscl"}')),
-    ("eval_sts", lambda c: EV(c), ["model files are missing"], lambda c: (c.run / "model.safetensors").unlink()),
+    ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
+     lambda c: (c.run / "model.safetensors").unlink()),
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
     ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.train / "out.json"), ["--json"], None),
+    # ---- issue 23: every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
+    ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
+     lambda c: cut(c.srun / "model.safetensors")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "lacks 1 of the model's weights"],
+     lambda c: drop_tensor(c.srun / "model.safetensors", "encoder.")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "damaged", "not JSON"],
+     lambda c: cut(c.srun / "config.json")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "no model_type"],
+     lambda c: (c.srun / "config.json").write_text("{}")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer.json", "damaged"],
+     lambda c: cut(c.srun / "tokenizer.json")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer_config.json", "is missing"],
+     lambda c: (c.srun / "tokenizer_config.json").unlink()),
+    ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "damaged"],
+     lambda c: cut(c.srun / "proj.pt")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "another model's"],
+     lambda c: torch.save(torch.nn.Linear(32, 4).state_dict(), c.srun / "proj.pt")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["not a run description", "method 'simcse'"],
+     lambda c: edit_json(c.srun / common.META, method="simcse")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["method 'this'"],  # an importable module: never imported
+     lambda c: edit_json(c.srun / common.META, method="this")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["proj_dim", "wrong type"],
+     lambda c: edit_json(c.srun / common.META, proj_dim="8")),
+    ("eval_sts", lambda c: ES(c, c.srun), ["max_len 1000", "64 positions"],
+     lambda c: edit_json(c.srun / common.META, max_len=1000)),
+    # ---- eval_sts.py on a jtcse.py twin ----
+    ("eval_sts", lambda c: EJ(c), ["tower_b/model.safetensors", "damaged"],
+     lambda c: cut(c.jrun / "tower_b" / "model.safetensors")),
+    ("eval_sts", lambda c: EJ(c), ["tower_a/config.json", "is missing"],
+     lambda c: (c.jrun / "tower_a" / "config.json").unlink()),
+    ("eval_sts", lambda c: EJ(c), ["towers", "wrong type"],
+     lambda c: edit_json(c.jrun / common.META, towers=["..", "tower_b"])),
+    # ---- eval_sts.py on a bellm.py run: a broken adapter is never run as the base model ----
+    ("eval_sts", lambda c: EB(c), ["adapter_config.json", "is missing"],
+     lambda c: (c.brun / "adapter_config.json").unlink()),
+    ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "damaged"],
+     lambda c: cut(c.brun / "adapter_model.safetensors")),
+    ("eval_sts", lambda c: EB(c), ["adapter_config.json", "damaged"],
+     lambda c: cut(c.brun / "adapter_config.json")),
+    ("eval_sts", lambda c: EB(c), ["another base model"],
+     lambda c: edit_json(c.brun / "adapter_config.json", r=8)),
+    ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "lacks 1 adapter weights"],
+     lambda c: drop_tensor(c.brun / "adapter_model.safetensors")),
+    ("eval_sts", lambda c: EB(c), ["dtype", "wrong type"],
+     lambda c: edit_json(c.brun / common.META, dtype="int8")),
+    ("eval_sts", lambda c: EB(c), ["cannot load", "no-such-model"],
+     lambda c: edit_json(c.brun / common.META, base_model=str(c.tmp / "no-such-model"))),
+    ("eval_sts", lambda c: EB(c), ["llama-4", "model.safetensors", "damaged"], lambda c: (
+        shutil.copytree(c.llama, c.tmp / "b" / "llama-4"),
+        cut(c.tmp / "b" / "llama-4" / "model.safetensors"),
+        edit_json(c.brun / common.META, base_model=str(c.tmp / "b" / "llama-4")))),
+    # ---- eval_sts.py on a plain Hugging Face folder ----
+    ("eval_sts", lambda c: ES(c, c.plain), ["config.json", "is missing"],
+     lambda c: (c.plain / "config.json").unlink()),
+    ("eval_sts", lambda c: ES(c, c.plain), ["tokenizer.json", "is missing"],
+     lambda c: (c.plain / "tokenizer.json").unlink()),
+    ("eval_sts", lambda c: ES(c, c.plain), ["model.safetensors", "is missing"],
+     lambda c: (c.plain / "model.safetensors").unlink()),
+    ("eval_sts", lambda c: ES(c, c.plain, "--pooler", "pooler"), ["lacks 2", "pooler.dense"],
+     lambda c: [drop_tensor(c.plain / "model.safetensors", "pooler.") for _ in range(2)]),
+    ("eval_sts", lambda c: ES(c, c.plain, "--json", c.tmp / "r.json"), ["--json", "printed above"],
+     lambda c: (c.tmp / "r.json.tmp").mkdir()),  # found only at the end, after the evaluation
+    # ---- sscl.py ----
+    ("sscl", lambda c: SSCL(c, "--train", c.tmp), ["is a folder", "--train FILE"], None),
+    ("sscl", lambda c: SSCL(c, "--max-len", 100), ["--max-len 100", "64 positions", "--max-len 64"],
+     None),
+    ("sscl", lambda c: ["--analyze", "--model", c.bert, "--data-dir", c.sts, "--max-len", 100],
+     ["--max-len 100"], None),
+    ("sscl", lambda c: SSCL(c, "--model", c.plain), ["config.json", "damaged"],
+     lambda c: cut(c.plain / "config.json")),
+    ("sscl", lambda c: SSCL(c, "--model", c.plain), ["model.safetensors", "damaged"],
+     lambda c: cut(c.plain / "model.safetensors", 0.9)),
+    ("sscl", lambda c: SSCL(c, "--model", c.plain), ["tokenizer.json", "damaged"],
+     lambda c: cut(c.plain / "tokenizer.json")),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "encoder"],
+     lambda c: fake_state(c.srun / runs.CKPT, "sscl")),  # a valid torch file of another structure
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
+     lambda c: torch.save({**torch.load(c.srun / runs.CKPT, weights_only=False), "step": "2"},
+                          c.srun / runs.CKPT)),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json is missing"],
+     lambda c: (c.srun / common.META).unlink()),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["model.safetensors", "damaged"],
+     lambda c: cut(c.srun / "model.safetensors")),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), [".lock", "delete it"],
+     lambda c: ((c.srun / runs.LOCK).unlink(), (c.srun / runs.LOCK).mkdir())),
+    # ---- jtcse.py ----
+    ("jtcse", lambda c: JT(c, "--max-len", 200), ["--max-len 200", "128 positions"], None),
+    ("jtcse", lambda c: JT(c, "--model-b", c.plain), ["tokenizer.json", "damaged"], lambda c: (
+        shutil.rmtree(c.plain), shutil.copytree(c.jt / "b", c.plain),
+        cut(c.plain / "tokenizer.json"))),
+    ("jtcse", lambda c: JT(c, "--distill", c.jrun), ["tower_b/model.safetensors", "is missing"],
+     lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
+    ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
+     lambda c: fake_state(c.jrun / runs.CKPT, "jtcse")),
+    # ---- bellm.py ----
+    ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
+    ("bellm", lambda c: BL(c, "--train", c.tmp), ["is a folder"], None),
+    ("bellm", lambda c: BL(c, "--model", c.tmp / "base"), ["config.json", "damaged"],
+     lambda c: (shutil.copytree(c.llama, c.tmp / "base"), cut(c.tmp / "base" / "config.json"))),
+    ("bellm", lambda c: BL(c, "--model", c.tmp / "base"), ["tokenizer.json", "is missing"],
+     lambda c: (shutil.copytree(c.llama, c.tmp / "base"),
+                (c.tmp / "base" / "tokenizer.json").unlink())),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sentence1,sentence2,condition,label\na,b,c,nan\n"),
+                           "--prompt", "In {condition}, {sentence} means:"),
+     ["line 2", "not a number"], None),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "trainable"],
+     lambda c: fake_state(c.brun / runs.CKPT, "bellm")),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
+     lambda c: cut(c.brun / "adapter_model.safetensors")),
+    # ---- seeds.py: eval_sts.py --json files ----
+    ("seeds", lambda c: SJ(c, '{"results": {"STS-B": "80.1"}}'), ["results.STS-B", "not a number"],
+     None),
+    ("seeds", lambda c: SJ(c, '{"results": {"STS-B": null}}'), ["results.STS-B is null"], None),
+    ("seeds", lambda c: SJ(c, '{"transfer": {"MR": {"acc": [1]}}}'), ["transfer.MR.acc"], None),
+    ("seeds", lambda c: SJ(c, '{"results": {"STS-B": 80}, "align": "0.2"}'), ["align"], None),
+    ("seeds", lambda c: SJ(c, '{"results": [80]}'), ["not an eval_sts.py --json result"], None),
+    ("seeds", lambda c: SJ(c, '[1, 2]'), ["not an eval_sts.py --json result"], None),
+    ("seeds", lambda c: [c.tmp], ["is a folder"], None),
 ]
 
 
 @pytest.mark.parametrize("script,args,words,prep", PROBES, ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
-def test_bad_input_table(script, args, words, prep, sscl_template, bert_dir, train_txt, sts_dir, jt_env, tok_dir,
-                         tmp_path, capsys, monkeypatch):
+def test_bad_input_table(script, args, words, prep, sscl_template, run_templates, bert_dir,
+                         train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
     """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception other
     than SystemExit fails the test), and every folder that existed before is byte-for-byte unchanged."""
     c = Namespace(tmp=tmp_path, bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=tmp_path / "out",
                   run=tmp_path / "run", llama=bl_make_model(tok_dir, tmp_path), bl_sts=bl_sts_dir(tmp_path),
                   nli=nli_csv(tmp_path), latin1=tmp_path / "latin1.txt", binary=tmp_path / "binary.txt")
+    c.srun, c.jrun, c.brun, c.plain = (tmp_path / n for n in ("srun", "jrun", "brun", "plain"))
     shutil.copytree(sscl_template, c.run)
+    for name, tpl in (("srun", "sscl"), ("jrun", "jtcse"), ("brun", "bellm")):
+        shutil.copytree(run_templates[tpl], getattr(c, name))
+    shutil.copytree(bert_dir, c.plain)
     c.latin1.write_bytes("a first line\nun caf\xe9 noir\n".encode("latin-1"))
     c.binary.write_bytes(bytes(range(256)) * 4)
 
@@ -1804,17 +1982,148 @@ def test_bad_input_table(script, args, words, prep, sscl_template, bert_dir, tra
     c.csv = csv_file
     if prep:
         prep(c)
-    snapshot = lambda: {p: p.read_bytes() for d in (c.run, c.bert, c.llama, c.jt) for p in Path(d).rglob("*")  # noqa: E731
+    folders = (c.run, c.bert, c.llama, c.jt, c.srun, c.jrun, c.brun, c.plain,
+               *run_templates.values())
+    snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
                         if p.is_file() and p.name != runs.LOCK}
     before = snapshot()
     if script == "jtcse":
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    code, out, err = main_of({"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts}[script], capsys,
-                             monkeypatch, *args(c))
+    modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds}
+    code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
     assert snapshot() == before
+
+
+RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM: the base is named)
+    "sscl": ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "proj.pt"],
+    "jtcse": [f"{t}/{f}" for t in ("tower_a", "tower_b") for f in
+              ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")],
+    "bellm": ["adapter_config.json", "adapter_model.safetensors"],
+}
+MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
+
+
+def files_of(folder):
+    return {p: p.read_bytes() for p in Path(folder).rglob("*")
+            if p.is_file() and p.name != runs.LOCK}
+
+
+def resume_args(method, out):
+    """The command that made run_templates[method], with --resume, into out."""
+    return {"sscl": lambda: SSCL_RUN(TPL, out, "--resume"),
+            "jtcse": lambda: JT(TPL, "--output-dir", out, "--resume"),
+            "bellm": lambda: BL_RUN(TPL, out, "--resume")}[method]()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(RUN_FILES))
+def test_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(method, run_templates, sts_dir,
+                                                                   tmp_path, capsys, monkeypatch):
+    """Each file that a method's run folder needs, deleted in turn: eval_sts.py and --resume refuse
+    the folder in one line naming the file, print nothing else (no table: never the base model or
+    random weights), and leave the folder as it was. The list is what runs.needed_files() checks."""
+    tpl = run_templates[method]
+    assert runs.needed_files(json.loads((tpl / common.META).read_text())) == RUN_FILES[method]
+    data = {"sscl": sts_dir, "jtcse": JT_DATA["sts"], "bellm": TPL.bl_sts}[method]
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))  # jtcse.py's STS data
+    for rel in RUN_FILES[method]:
+        out = tmp_path / rel.replace("/", "_")
+        shutil.copytree(tpl, out)
+        (out / rel).unlink()
+        before = files_of(out)
+        evaluate = ["--model", out, "--data-dir", data, "--tasks", "STS-B"]
+        for module, args in ((eval_sts, evaluate), (MAINS[method], resume_args(method, out))):
+            code, stdout, err = main_of(module, capsys, monkeypatch, *args)
+            errors = [line for line in err.splitlines() if "error:" in line]
+            assert code == 2 and len(errors) == 1 and f"{rel} is missing" in errors[0], (rel, err)
+            assert stdout == "", stdout
+            assert files_of(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,steps", [("sscl", 2), ("jtcse", 2), ("bellm", 1)])
+def test_resume_of_a_finished_run_says_it_is_complete(method, steps, run_templates, tmp_path,
+                                                      capsys, monkeypatch):
+    """--resume of a run at its last step: one line saying so, exit 0 (nothing is wrong), nothing
+    trained or written."""
+    out = tmp_path / "run"
+    shutil.copytree(run_templates[method], out)
+    before = files_of(out)
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, stdout, err = main_of(MAINS[method], capsys, monkeypatch, *resume_args(method, out))
+    assert code == 0 and "error:" not in err, err
+    assert f"the run is complete (step {steps} of {steps})" in stdout
+    assert "eval_sts.py --model" in stdout and " loss " not in stdout and files_of(out) == before
+
+
+def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, sts_dir, tmp_path,
+                                                                     capsys, monkeypatch):
+    """--json fails only after the whole evaluation: the table is printed first, the error is one
+    line, the old file is kept and no temporary file is left."""
+    out = tmp_path / "r.json"
+    out.write_text('{"old": 1}')
+
+    def disk_full(obj, f, **kw):
+        f.write('{"partial')
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(json, "dump", disk_full)
+    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                                sts_dir, "--tasks", "STS-B", "--json", out)
+    assert code == 2 and re.search(r"STS-B +Avg\.\n +-?\d+\.\d+ +-?\d+\.\d+", stdout), stdout
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for words in ("No space left on device", "printed above", "old file is kept"):
+        assert words in errors[0], errors[0]
+    assert out.read_text() == '{"old": 1}' and not (tmp_path / "r.json.tmp").exists()
+
+
+def test_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(tmp_path, monkeypatch, capsys):
+    """torch's zip writer on a full disk raises `[enforce fail at inline_container.cc:672] ...
+    unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
+    last save stays."""
+    from safetensors import SafetensorError
+    out, w, real = tmp_path / "run", torch.ones(3), torch.save
+    out.mkdir()
+    write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
+    runs.save_best(str(out), write, {"v": 1}, [w], v=1)
+    before = files_of(out)
+
+    def torch_full(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    def safetensors_full(folder):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              'message: "No space left on device" })')
+    for save in (lambda: runs.save_state({"v": 2}, str(out), [w]),
+                 lambda: runs.save_best(str(out), write, {"v": 2}, [w], v=2),
+                 lambda: runs.save_best(str(out), safetensors_full, {"v": 2}, [w], v=2)):
+        monkeypatch.setattr(torch, "save", torch_full)
+        with pytest.raises(SystemExit) as e:
+            save()
+        monkeypatch.setattr(torch, "save", real)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("error:") == 1, err
+        assert "(No space left on device)" in err and "enforce" not in err, err
+        assert files_of(out) == before
+
+
+def test_files_as_spreadsheets_write_them_are_read(tmp_path):
+    """A UTF-8 byte-order mark (what spreadsheet programs write first) and a csv field longer than
+    Python's default limit (131,072 characters) are valid data: read as written."""
+    long = "word " * 30000  # 150,000 characters
+    nli = tmp_path / "nli.csv"
+    nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
+    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    csts = tmp_path / "csts.csv"
+    csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
+    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    txt = tmp_path / "train.txt"
+    txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
+    assert common.read_sentences(txt) == ["first sentence", "second"]
 
 
 # ---------------------------------------------------------------- outside users: sentence-transformers, progress

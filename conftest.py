@@ -1,0 +1,7 @@
+"""pytest settings for test_all.py: the `slow` marker (STYLE.md 11: processes, real checkpoints,
+kills, parity), so that `python3 -m pytest test_all.py -q -m "not slow"` is the quick tier."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes or reads real checkpoints "
+                                       "(deselect with -m 'not slow')")
