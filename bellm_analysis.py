@@ -1,8 +1,9 @@
-"""BeLLM's analyses, no training (run them through bellm.py): Fig. 4, the STS score of the causal LLM cut after
-each layer (`--degradation`), and Fig. 2 / Fig. 5, how much the pooled pivot token depends on the sentence's
-tokens (`--dependency`). With `--plot FILE.png` each draws its figure.
+"""BeLLM's analyses, no training (run them through bellm.py): Fig. 4, the STS score of the causal
+LLM cut after each layer (`--degradation`), and Fig. 2 / Fig. 5, how much the pooled pivot token
+depends on the sentence's tokens (`--dependency`). With `--plot FILE.png` each draws its figure.
 
-  python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B --plot fig4.png
+  python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B \\
+      --plot fig4.png
   python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \
       sentence-transformers/all-MiniLM-L6-v2 --bi-layers 0 1 --plot fig5.png
 """
@@ -15,55 +16,76 @@ import torch.nn.functional as F
 import common
 import figures
 import runs
-from bellm import BeLLM, check_prompt, fill, forward, last_token, load_decoder, load_run, prompted
+from bellm import (BeLLM, check_prompt, check_tasks, fill, forward, last_token, load_decoder,
+                   load_run, prompted)
+
+
+def main(a, device):
+    """bellm.py --degradation / --dependency: the analysis asked for, with its figure (--plot)."""
+    figures.check(a.plot)  # a bad --plot path stops before the data is looked for
+    tasks = check_tasks(a.tasks)
+    data = common.senteval_dir(a.data_dir)
+    common.seed_everything(a.seed)
+    if a.dependency:
+        return dependency(a, device, common.check_sts(data, ["STS-B"]))
+    check_prompt(a.prompt, False)
+    tok, dec = load_decoder(a.model[0], 0, "convert", device)
+    degradation(a, tok, dec.eval(), device, data, tasks)
 
 
 # ================================================================ degradation (Fig. 4) ==========
 def degradation(a, tok, dec, device, data, tasks):
-    """STS score of the causal LLM cut after layer k, for every k: one pass keeps all hidden states and the
-    final norm is applied to each (h_k -> norm(h_k), last token)."""
+    """STS score of the causal LLM cut after layer k, for every k: one pass keeps all hidden states
+    and the final norm is applied to each (h_k -> norm(h_k), last token)."""
     memo = {}
 
     @torch.no_grad()
     def embed_all(batch):  # (b, n, H)
-        _, hs = forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel", "convert", True)
+        _, hs = forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel", "convert",
+                        True)
         return torch.stack([last_token(dec.norm(hk), batch["attention_mask"]) for hk in hs[1:]], 1)
 
     def encode_k(k):
         def encode(sentences):
             if missing := [s for s in dict.fromkeys(sentences) if s not in memo]:
-                texts, max_len = prompted(tok, {"prompt": a.prompt, "max_len": dec.config.max_position_embeddings},
+                texts, max_len = prompted(tok, {"prompt": a.prompt,
+                                                "max_len": dec.config.max_position_embeddings},
                                           missing)  # evaluation does not cut sentences
                 with common.autocast(device):
-                    memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts, max_len, device, 64)))
+                    memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts,
+                                                                      max_len, device, 64)))
             return torch.stack([memo[s][k - 1] for s in sentences])
         return encode
 
     n = len(dec.layers)
-    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), prompt {a.prompt!r}")
+    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), "
+          f"prompt {a.prompt!r}")
     curve = {}
     for k in range(1, n + 1):
         curve[k] = r = common.evaluate(encode_k(k), data, tasks)
-        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items()) + f"  avg {np.mean([*r.values()]):.2f}")
+        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items())
+              + f"  avg {np.mean([*r.values()]):.2f}")
     if a.plot:
         avg = [float(np.mean([*curve[k].values()])) for k in curve]
         top = int(np.argmax(avg))  # the turning point: after it, deeper layers lose STS quality
         series = {t: (list(curve), [curve[k][t] for k in curve]) for t in tasks}
         if len(tasks) > 1:
             series["avg."] = (list(curve), avg)
-        figures.draw(a.plot, [dict(kind="lines", title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
+        figures.draw(a.plot, [dict(kind="lines",
+                                   title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
                                    xlabel="layer k", ylabel="Spearman × 100", series=series,
                                    marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
-                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} ({', '.join(tasks)} test)",
+                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} "
+                     f"({', '.join(tasks)} test)",
                      ncols=1)
     return curve
 
 
 # ================================================================ dependency (Fig. 2, Fig. 5) ====
 def spearman_to_pivot(h, pivot, shift=0):
-    """Spearman's rho over the H hidden dimensions between each token of row i and the pivot token of row
-    i - shift (shift 0: its own), i.e. Pearson of ranks. h: (b, L, H), pivot: (b,) -> (b, L). Ranks of
-    continuous values: ties have probability zero."""
+    """Spearman's rho over the H hidden dimensions between each token of row i and the pivot token
+    of row i - shift (shift 0: its own), i.e. Pearson of ranks. h: (b, L, H), pivot: (b,) ->
+    (b, L). Ranks of continuous values: ties have probability zero."""
     r = h.double().argsort(-1).argsort(-1).double()  # (b, L, H) ranks 0..H-1
     r = F.normalize(r - r.mean(-1, keepdim=True), dim=-1)
     return (r * r[torch.arange(len(r)), pivot].roll(shift, 0)[:, None]).sum(-1)
@@ -71,76 +93,92 @@ def spearman_to_pivot(h, pivot, shift=0):
 
 @torch.no_grad()
 def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=32):
-    """Per text: the mean Spearman rho between the pivot's final hidden state (the last real token, or CLS when
-    pivot_last is False) and that of each token of the sentence (the tokens whose characters lie in the
-    sentence's span of the text; special and prompt tokens excluded, the pivot excluded). Also a control: the
-    same pivot against the tokens of another sentence (the next one in its batch), which it cannot depend on;
-    what the two share comes from a direction common to all token states. Returns (scores, controls)."""
+    """Per text: the mean Spearman rho between the pivot's final hidden state (the last real token,
+    or CLS when pivot_last is False) and that of each token of the sentence (the tokens whose
+    characters lie in the sentence's span of the text; special and prompt tokens excluded, the pivot
+    excluded). Also a control: the same pivot against the tokens of another sentence (the next one
+    in its batch), which it cannot depend on; what the two share comes from a direction common to
+    all token states. Returns (scores, controls)."""
     out, control = [None] * len(texts), [None] * len(texts)
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     for i in common.progress(range(0, len(order), batch_size), "dependency", unit="batch"):
         idx = order[i:i + batch_size]
-        enc = tok([texts[j] for j in idx], padding=True, return_offsets_mapping=True, return_special_tokens_mask=True,
-                  return_tensors="pt")
+        enc = tok([texts[j] for j in idx], padding=True, return_offsets_mapping=True,
+                  return_special_tokens_mask=True, return_tensors="pt")
         am = enc["attention_mask"]  # (b, L)
         with common.autocast(device):
             h = hidden(enc["input_ids"].to(device), am.to(device)).float().cpu()  # (b, L, H)
-        pivot = ((am * torch.arange(am.shape[1])).argmax(1) if pivot_last else torch.zeros(len(idx), dtype=torch.long))
+        pivot = ((am * torch.arange(am.shape[1])).argmax(1) if pivot_last
+                 else torch.zeros(len(idx), dtype=torch.long))
         start, end = torch.tensor([spans[j] for j in idx]).T[:, :, None]  # (b, 1) each
         off = enc["offset_mapping"]  # (b, L, 2) character spans
-        keep = am.bool() & ~enc["special_tokens_mask"].bool() & (off[..., 0] < end) & (off[..., 1] > start)
+        keep = (am.bool() & ~enc["special_tokens_mask"].bool() & (off[..., 0] < end)
+                & (off[..., 1] > start))
         keep[torch.arange(len(idx)), pivot] = False
-        rho, other = spearman_to_pivot(h, pivot), spearman_to_pivot(h, pivot, 1).roll(-1, 0)  # (b, L) each
+        # (b, L) each
+        rho, other = spearman_to_pivot(h, pivot), spearman_to_pivot(h, pivot, 1).roll(-1, 0)
         keep_next = keep.roll(-1, 0)  # other[i]: the pivot of row i against the tokens of row i + 1
         for j, row, k, row2, k2 in zip(idx, rho, keep, other, keep_next):
-            out[j] = row[k].mean().item() if k.any() else float("nan")  # a one-token sentence has no other token
+            # a one-token sentence has no other token
+            out[j] = row[k].mean().item() if k.any() else float("nan")
             control[j] = row2[k2].mean().item() if k2.any() and len(idx) > 1 else float("nan")
     return out, control
 
 
 def dependency(a, device, data):
-    """For each --model (a decoder at each --bi-layers K, a bellm.py run folder, or a BERT-like encoder), the
-    distribution over STS-B test sentences of the pivot's mean Spearman rho with the sentence's tokens."""
+    """For each --model (a decoder at each --bi-layers K, a bellm.py run folder, or a BERT-like
+    encoder), the distribution over STS-B test sentences of the pivot's mean Spearman rho with the
+    sentence's tokens."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
     res = {}
     for name in a.model:
-        meta, short = runs.read_meta(name) if os.path.isdir(name) else None, os.path.basename(os.path.normpath(name))
+        meta, short = (runs.read_meta(name) if os.path.isdir(name) else None,
+                       os.path.basename(os.path.normpath(name)))
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
             dec, tok, cfg = load_run(name, meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
-        elif common.load_pretrained(AutoConfig, name).model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-            bert = common.load_pretrained(AutoModel, name).to(device).eval()  # pivot = CLS, bare sentence
+        elif (common.load_pretrained(AutoConfig, name).model_type
+              in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+            # pivot = CLS, bare sentence
+            bert = common.load_pretrained(AutoModel, name).to(device).eval()
             tok = common.load_pretrained(AutoTokenizer, name)
-            res[f"{short} (CLS)"] = dependency_scores(lambda ids, am: bert(input_ids=ids, attention_mask=am)
-                                                      .last_hidden_state, tok, sents, [(0, len(s)) for s in sents],
-                                                      False, device)
+            res[f"{short} (CLS)"] = dependency_scores(
+                lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
+                tok, sents, [(0, len(s)) for s in sents], False, device)
             continue
         else:  # a causal LLM, zero-shot, at each K
             check_prompt(a.prompt, False)
             configs = [(f"{short} (K={k})", *load_decoder(name, k, a.bi_strategy, device)[::-1],
-                        dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy, prompt=a.prompt))
+                        dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy,
+                             prompt=a.prompt))
                        for k in a.bi_layers]
         for label, dec, tok, cfg in configs:
             net = BeLLM(dec.eval(), cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
-            lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))  # the sentence's first character
+            # the sentence's first character
+            lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))
             res[label] = dependency_scores(lambda ids, am: forward(net.dec, ids, am, *net.bi), tok,
                                            [fill(cfg["prompt"], s) for s in sents],
                                            [(lead, lead + len(s)) for s in sents], True, device)
-    print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's tokens, "
-          f"{len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} (runs: their own)")
-    print(f"{'model':<40} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}   control: another sentence's tokens")
-    valid = {k: (np.array([x for x in v if x == x]), np.array([x for x in c if x == x])) for k, (v, c) in res.items()}
+    print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's "
+          f"tokens, {len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} "
+          "(runs: their own)")
+    print(f"{'model':<40} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}   "
+          "control: another sentence's tokens")
+    valid = {k: (np.array([x for x in v if x == x]), np.array([x for x in c if x == x]))
+             for k, (v, c) in res.items()}
     for label, (v, c) in valid.items():  # NaN dropped: one-token sentences
-        print(f"{label:<40} {v.mean():7.4f} " + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75]))
+        print(f"{label:<40} {v.mean():7.4f} "
+              + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75]))
               + f"   {c.mean():7.4f}  (difference {v.mean() - c.mean():+.4f})")
     if a.plot:
         marks = [(i + 1, c.mean(), "control: another sentence's tokens (mean)")
                  for i, (_, c) in enumerate(valid.values())]
-        figures.draw(a.plot, [dict(kind="boxes", title="Fig. 2 / Fig. 5: dependency of the pivot token",
-                                   groups={k: v for k, (v, _) in valid.items()}, marks=marks, rotate=20,
-                                   xlabel="model (pivot: last token; CLS)",
+        figures.draw(a.plot, [dict(kind="boxes",
+                                   title="Fig. 2 / Fig. 5: dependency of the pivot token",
+                                   groups={k: v for k, (v, _) in valid.items()}, marks=marks,
+                                   rotate=20, xlabel="model (pivot: last token; CLS)",
                                    ylabel="mean Spearman rho, pivot vs. sentence tokens")],
                      f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
     return res

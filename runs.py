@@ -633,7 +633,7 @@ class Run:
 
     def resume(self, what, **objects):
         """With --resume, each object (model, optimiser, scheduler: load_state_dict; a torch.Generator:
-        set_state) takes its saved state, as do torch's, Python's and NumPy's RNGs; a new --lr applies
+        set_state; a list of tensors: copied) takes its saved state, as do torch's, Python's and NumPy's RNGs; a new --lr applies
         from here. From now on SIGINT/SIGTERM stop the run at the next step boundary, saved. what: named
         in the error line of a checkpoint that does not fit."""
         if self.state:
@@ -641,6 +641,11 @@ class Run:
                 for name, obj in objects.items():
                     if isinstance(obj, torch.Generator):
                         obj.set_state(self.state[name])
+                    elif isinstance(obj, list):  # tensors (e.g. LoRA weights), copied in place
+                        if len(obj) != len(self.state[name]):
+                            raise ValueError(f"{len(self.state[name])} saved tensors, {len(obj)} here")
+                        for q, v in zip(obj, self.state[name]):
+                            q.data.copy_(v)
                     else:
                         obj.load_state_dict(self.state[name])
             fit(load, what)
