@@ -1,11 +1,14 @@
 """Evaluate any checkpoint on the papers' benchmarks and print their tables:
-the 7 STS tasks (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100), SentEval's
-7 transfer tasks (MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; accuracy x 100, SentEval's own protocol), and the
-alignment and uniformity of Wang & Isola (2020) on STS-B.
+the 7 STS tasks (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100),
+SentEval's 7 transfer tasks (MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; accuracy x 100, SentEval's own
+protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
 
-  python eval_sts.py --model bert-base-uncased --pooler cls       # a plain Hugging Face model, 7 STS tasks
-  python eval_sts.py --model runs/sscl                            # a run of sscl.py / jtcse.py / bellm.py
-  python eval_sts.py --model runs/sscl --tasks transfer           # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
+  # a plain Hugging Face model, 7 STS tasks
+  python eval_sts.py --model bert-base-uncased --pooler cls
+  # a run of sscl.py / jtcse.py / bellm.py
+  python eval_sts.py --model runs/sscl
+  # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
+  python eval_sts.py --model runs/sscl --tasks transfer
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
@@ -28,54 +31,63 @@ import common
 import runs
 
 # ---------------------------------------------------------------- transfer tasks (SentEval) -----
-# SentEval (Conneau & Kiela 2018) as SimCSE's evaluation.py runs it: a logistic regression on frozen sentence
-# embeddings, trained with SentEval's own protocol (folds, L2 grid, early stopping), accuracy x 100.
+# SentEval (Conneau & Kiela 2018) as SimCSE's evaluation.py runs it: a logistic regression on frozen
+# sentence embeddings, trained with SentEval's own protocol (folds, L2 grid, early stopping),
+# accuracy x 100.
 TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC"]
 TRANSFER_MODES = {  # SimCSE's evaluation.py: --mode test (the papers' tables) and --mode fasttest
     "test": dict(kfold=10, optim="adam", batch_size=64, tenacity=5, epoch_size=4),
     "fasttest": dict(kfold=5, optim="rmsprop", batch_size=128, tenacity=3, epoch_size=2),
 }
-SEED, MAX_EPOCH, VALIDATION_SPLIT = 1111, 200, 0.05  # SentEval's defaults (engine.py, tools/classifier.py)
-REGS = [10**t for t in range(-5, -1)]  # SentEval's L2 grid for its PyTorch classifier: 1e-5 ... 1e-2
+# SentEval's defaults (engine.py, tools/classifier.py)
+SEED, MAX_EPOCH, VALIDATION_SPLIT = 1111, 200, 0.05
+# SentEval's L2 grid for its PyTorch classifier: 1e-5 ... 1e-2
+REGS = [10**t for t in range(-5, -1)]
 TREC_CLASSES = {"ABBR": 0, "DESC": 1, "ENTY": 2, "HUM": 3, "LOC": 4, "NUM": 5}
 
 
 def _read(path, encoding):
     """The text of one SentEval file, decoded as SentEval decodes it."""
     if not os.path.isfile(path):
-        common.die(f"missing {path}: the SentEval data folder is incomplete; unpack senteval.tar again or fix "
-                   "--data-dir")
+        common.die(f"missing {path}: the SentEval data folder is incomplete; unpack senteval.tar "
+                   "again or fix --data-dir")
     try:
         with open(path, encoding=encoding) as f:
             return f.read()
     except UnicodeDecodeError as e:
-        common.die(f"{path}: not {encoding} text ({e.reason} at byte {e.start}); re-download senteval.tar")
+        common.die(f"{path}: not {encoding} text ({e.reason} at byte {e.start}); "
+                   "re-download senteval.tar")
     except OSError as e:
         common.die(f"cannot read {path} ({e.strerror}): make it readable, or unpack senteval.tar "
                    "again")
 
 
 def _file_lines(text):
-    """The lines `for line in open(path)` yields (SentEval's loop for SST, TREC, MRPC); the binary tasks
-    use str.splitlines(), which also splits at a few other characters, as SentEval does."""
+    """The lines `for line in open(path)` yields (SentEval's loop for SST, TREC, MRPC); the binary
+    tasks use str.splitlines(), which also splits at a few other characters, as SentEval does."""
     lines = text.split("\n")
     return lines[:-1] if lines[-1] == "" else lines
 
 
 def _sorted(*columns):
-    """SentEval sorts each split "to reduce padding": by word counts, then label. The fold splits are drawn
-    on this order, so it is part of the protocol. columns: lists of word lists, then the labels."""
+    """SentEval sorts each split "to reduce padding": by word counts, then label. The fold splits
+    are drawn on this order, so it is part of the protocol. columns: lists of word lists, then the
+    labels."""
     rows = sorted(zip(*columns), key=lambda r: tuple(len(c) for c in r[:-1]) + (r[-1],))
-    return [[" ".join(w) for w in col] for col in list(zip(*rows))[:-1]], np.array([r[-1] for r in rows])
+    return ([[" ".join(w) for w in col] for col in list(zip(*rows))[:-1]],
+            np.array([r[-1] for r in rows]))
 
 
 def load_transfer(data, task):
-    """{split: (texts, labels)} read as SentEval reads them (senteval/binary.py, sst.py, trec.py, mrpc.py);
-    texts = [sentences], or [sentences A, sentences B] for MRPC; each split in SentEval's sample order."""
+    """{split: (texts, labels)} read as SentEval reads them (senteval/binary.py, sst.py, trec.py,
+    mrpc.py); texts = [sentences], or [sentences A, sentences B] for MRPC; each split in SentEval's
+    sample order."""
     d = lambda *p: os.path.join(data, task if task != "SST2" else "SST", *p)  # noqa: E731
     if task in ("MR", "CR", "SUBJ", "MPQA"):  # label 1 = the first file (SUBJ: objective)
-        files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"), "CR": ("custrev.pos", "custrev.neg"),
-                 "SUBJ": ("subj.objective", "subj.subjective"), "MPQA": ("mpqa.pos", "mpqa.neg")}[task]
+        files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"),
+                 "CR": ("custrev.pos", "custrev.neg"),
+                 "SUBJ": ("subj.objective", "subj.subjective"),
+                 "MPQA": ("mpqa.pos", "mpqa.neg")}[task]
         pos, neg = ([line.split() for line in _read(d(f), "latin-1").splitlines()] for f in files)
         return {"all": _sorted(pos + neg, [1] * len(pos) + [0] * len(neg))}
     if task == "SST2":
@@ -85,8 +97,8 @@ def load_transfer(data, task):
             for i, line in enumerate(_file_lines(_read(path, "utf-8")), 1):
                 t = line.strip().split("\t")
                 if len(t) < 2 or t[1] not in ("0", "1"):
-                    common.die(f"{path}, line {i}: malformed line (expected 'sentence<TAB>0 or 1'); "
-                               "re-download senteval.tar")
+                    common.die(f"{path}, line {i}: malformed line "
+                               "(expected 'sentence<TAB>0 or 1'); re-download senteval.tar")
                 rows.append((t[0].split(), int(t[1])))
             out[split] = _sorted(*zip(*rows))
         return out
@@ -97,8 +109,9 @@ def load_transfer(data, task):
             for i, line in enumerate(_file_lines(_read(path, "latin-1")), 1):
                 target, _, rest = line.strip().partition(":")  # 'COARSE:fine question words'
                 if target not in TREC_CLASSES or " " not in rest:
-                    common.die(f"{path}, line {i}: malformed line (expected 'COARSE:fine question' with COARSE "
-                               f"one of {', '.join(TREC_CLASSES)}); re-download senteval.tar")
+                    common.die(f"{path}, line {i}: malformed line (expected 'COARSE:fine question' "
+                               f"with COARSE one of {', '.join(TREC_CLASSES)}); "
+                               "re-download senteval.tar")
                 rows.append((rest.split(" ", 1)[1].split(), TREC_CLASSES[target]))
             out[split] = _sorted(*zip(*rows))
         return out
@@ -109,8 +122,9 @@ def load_transfer(data, task):
             for i, line in enumerate(_file_lines(_read(path, "utf-8"))[1:], 2):
                 t = line.strip().split("\t")
                 if len(t) < 5 or t[0] not in ("0", "1"):
-                    common.die(f"{path}, line {i}: malformed line (expected 'label<TAB>id1<TAB>id2<TAB>"
-                               "sentence 1<TAB>sentence 2'); re-download senteval.tar")
+                    common.die(f"{path}, line {i}: malformed line (expected "
+                               "'label<TAB>id1<TAB>id2<TAB>sentence 1<TAB>sentence 2'); "
+                               "re-download senteval.tar")
                 rows.append((t[3].split(), t[4].split(), int(t[0])))
             out[split] = _sorted(*zip(*rows))
         return out
@@ -119,12 +133,15 @@ def load_transfer(data, task):
 
 def stratified_kfold(y, k, seed=SEED):
     """[(train_idx, test_idx)] x k, equal to scikit-learn's StratifiedKFold(k, shuffle=True,
-    random_state=seed).split(X, y), which SentEval uses (scikit-learn >= 0.22: each class's fold labels are
-    dealt round-robin over the sorted labels, then shuffled; classes numbered by first appearance)."""
+    random_state=seed).split(X, y), which SentEval uses (scikit-learn >= 0.22: each class's fold
+    labels are dealt round-robin over the sorted labels, then shuffled; classes numbered by first
+    appearance)."""
     rng = np.random.RandomState(seed)
     _, first, inverse = np.unique(y, return_index=True, return_inverse=True)
-    y_enc = np.unique(first, return_inverse=True)[1][inverse]  # class ids in order of first appearance
-    allocation = np.asarray([np.bincount(np.sort(y_enc)[i::k], minlength=len(first)) for i in range(k)])
+    # class ids in order of first appearance
+    y_enc = np.unique(first, return_inverse=True)[1][inverse]
+    allocation = np.asarray([np.bincount(np.sort(y_enc)[i::k], minlength=len(first))
+                             for i in range(k)])
     fold = np.empty(len(y), dtype=int)
     for c in range(len(first)):
         folds_for_class = np.arange(k).repeat(allocation[:, c])
@@ -140,20 +157,22 @@ def accuracy(W, b, X, y):
 
 @torch.enable_grad()
 def fit_logreg(X, y, runs, nclasses, cfg):
-    """SentEval's `MLP(nhid=0).fit` for many runs at once; -> [(best dev accuracy, W (C, D), b (C,))].
+    """SentEval's `MLP(nhid=0).fit` for many runs at once; -> [(best dev accuracy, W (C, D),
+    b (C,))].
 
-    X: (N, D) features, y: (N,) labels (torch, any device). Each run is (train_idx, dev_idx, l2) with numpy
-    indices into X; dev_idx None = SentEval's validation_split: 5% of train_idx, drawn by the run's own RNG.
-    What one SentEval run does: seed numpy and torch with 1111; nn.Linear(D, C) at torch's default init;
-    every epoch a fresh np.random.permutation of the training rows, minibatches of cfg batch_size, mean
-    cross-entropy, Adam (test mode) or RMSprop (fasttest) at torch's defaults with weight_decay = l2 on W and b;
-    after every `epoch_size` epochs the dev accuracy, keeping the best model; stop at the (tenacity + 1)-th
-    check without a new best (the count is never reset), or after epoch 200.
+    X: (N, D) features, y: (N,) labels (torch, any device). Each run is (train_idx, dev_idx, l2)
+    with numpy indices into X; dev_idx None = SentEval's validation_split: 5% of train_idx, drawn by
+    the run's own RNG. What one SentEval run does: seed numpy and torch with 1111; nn.Linear(D, C)
+    at torch's default init; every epoch a fresh np.random.permutation of the training rows,
+    minibatches of cfg batch_size, mean cross-entropy, Adam (test mode) or RMSprop (fasttest) at
+    torch's defaults with weight_decay = l2 on W and b; after every `epoch_size` epochs the dev
+    accuracy, keeping the best model; stop at the (tenacity + 1)-th check without a new best (the
+    count is never reset), or after epoch 200.
 
-    Every run starts from the same seed, so its RNG stream depends only on its sizes. Runs with the same number
-    of minibatches per epoch are trained as one batched model, W: (M, C, D), one row per run with its own data,
-    permutations, L2 and early stopping (a shorter last minibatch is masked): the same maths as M separate runs.
-    A run that stops leaves the batch with its best weights."""
+    Every run starts from the same seed, so its RNG stream depends only on its sizes. Runs with the
+    same number of minibatches per epoch are trained as one batched model, W: (M, C, D), one row per
+    run with its own data, permutations, L2 and early stopping (a shorter last minibatch is masked):
+    the same maths as M separate runs. A run that stops leaves the batch with its best weights."""
     bs, results, groups = cfg["batch_size"], [None] * len(runs), {}
     for r, (tr, dev, _) in enumerate(runs):
         n = len(tr) - (int(VALIDATION_SPLIT * len(tr)) if dev is None else 0)  # training rows
@@ -164,8 +183,10 @@ def fit_logreg(X, y, runs, nclasses, cfg):
             t, d, _ = runs[r]
             key = (len(t), d is None)  # what a run's RNG stream depends on
             if key not in rngs:
-                rngs[key] = np.random.RandomState(SEED)  # = np.random.seed(1111) in the classifier's constructor
-                if d is None:  # prepare_split(validation_split=0.05): one permutation, the first 5% are dev
+                # = np.random.seed(1111) in the classifier's constructor
+                rngs[key] = np.random.RandomState(SEED)
+                # prepare_split(validation_split=0.05): one permutation, the first 5% are dev
+                if d is None:
                     split_perm[key] = rngs[key].permutation(len(t))
             if d is None:
                 cut = int(VALIDATION_SPLIT * len(t))
@@ -178,42 +199,55 @@ def fit_logreg(X, y, runs, nclasses, cfg):
 
         def pad(rows):  # list of 1-d int arrays -> (len(rows), longest), zero-padded
             longest = max(map(len, rows))
-            return torch.as_tensor(np.stack([np.pad(a, (0, longest - len(a))) for a in rows]), device=X.device)
+            return torch.as_tensor(np.stack([np.pad(a, (0, longest - len(a))) for a in rows]),
+                                   device=X.device)
 
         tr_idx, dev_idx, stream = pad(tr), pad(dev), torch.tensor(stream, device=X.device)
-        tr_mask = torch.arange(tr_idx.shape[1], device=X.device) < torch.tensor(n_tr, device=X.device)[:, None]
-        dev_mask = torch.arange(dev_idx.shape[1], device=X.device) < torch.tensor(n_dev, device=X.device)[:, None]
+        tr_mask = (torch.arange(tr_idx.shape[1], device=X.device)
+                   < torch.tensor(n_tr, device=X.device)[:, None])
+        dev_mask = (torch.arange(dev_idx.shape[1], device=X.device)
+                    < torch.tensor(n_dev, device=X.device)[:, None])
         X_dev, y_dev = X[dev_idx], y[dev_idx]  # (M, n_dev, D), (M, n_dev)
-        with torch.random.fork_rng(devices=[]):  # torch.manual_seed(1111); nn.Linear(D, C): SentEval's init
+        # torch.manual_seed(1111); nn.Linear(D, C): SentEval's init
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             linear = torch.nn.Linear(X.shape[1], nclasses)
         W = linear.weight.detach().to(X.device).repeat(M, 1, 1).requires_grad_()  # (M, C, D)
         b = linear.bias.detach().to(X.device).repeat(M, 1).requires_grad_()  # (M, C)
         l2 = torch.tensor([runs[r][2] for r in members], device=X.device)  # (M,)
-        opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]]([W, b])  # torch defaults
+        # torch defaults
+        opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]]([W, b])
         best_acc, best_W, best_b = [-1.0] * M, W.detach().clone(), b.detach().clone()
         bad_checks, live, nepoch = [0] * M, list(range(M)), 0
-        buf = torch.empty(M * bs, X.shape[1], device=X.device)  # X_batch = X[idx], (M, bs, D), written in place:
-        # a fresh tensor of that size every step (40 MB for MR's 400 runs) costs more than the step itself
+        # X_batch = X[idx], (M, bs, D), written in place: a fresh tensor of that size every step
+        # (40 MB for MR's 400 runs) costs more than the step itself
+        buf = torch.empty(M * bs, X.shape[1], device=X.device)
         while live and nepoch <= MAX_EPOCH:  # live: the runs still training, one row of W each
             for _ in range(cfg["epoch_size"]):
-                perms = pad([rng.permutation(n) for rng, n in zip(rngs.values(), rows_per_stream)])  # per stream
-                order = tr_idx.gather(1, perms[stream])  # (M, n_train): each run's rows in its epoch's order
+                # per stream
+                perms = pad([rng.permutation(n) for rng, n in zip(rngs.values(), rows_per_stream)])
+                # (M, n_train): each run's rows in its epoch's order
+                order = tr_idx.gather(1, perms[stream])
                 for i in range(0, order.shape[1], bs):
                     idx, mask = order[:, i:i + bs], tr_mask[:, i:i + bs]  # (M, bs)
-                    X_batch = torch.index_select(X, 0, idx.flatten(), out=buf[:idx.numel()]).view(*idx.shape, -1)
+                    X_batch = torch.index_select(X, 0, idx.flatten(),
+                                                 out=buf[:idx.numel()]).view(*idx.shape, -1)
                     logits = torch.baddbmm(b.unsqueeze(1), X_batch, W.transpose(1, 2))  # (M, bs, C)
-                    ce = F.cross_entropy(logits.transpose(1, 2), y[idx], reduction="none") * mask  # (M, bs)
-                    loss = (ce.sum(1) / mask.sum(1)).sum()  # sum of the runs' mean losses: each gradient its own
+                    ce = F.cross_entropy(logits.transpose(1, 2), y[idx],
+                                         reduction="none") * mask  # (M, bs)
+                    # sum of the runs' mean losses: each gradient its own
+                    loss = (ce.sum(1) / mask.sum(1)).sum()
                     opt.zero_grad()
                     loss.backward()
-                    with torch.no_grad():  # weight_decay as torch's optimizers apply it: grad + l2 * param
+                    # weight_decay as torch's optimizers apply it: grad + l2 * param
+                    with torch.no_grad():
                         W.grad.add_(W * l2[:, None, None])
                         b.grad.add_(b * l2[:, None])
                     opt.step()
             nepoch += cfg["epoch_size"]
             with torch.no_grad():
-                pred = torch.baddbmm(b.unsqueeze(1), X_dev, W.transpose(1, 2)).argmax(-1)  # (M, n_dev)
+                pred = torch.baddbmm(b.unsqueeze(1), X_dev,
+                                     W.transpose(1, 2)).argmax(-1)  # (M, n_dev)
                 correct = ((pred == y_dev) & dev_mask).sum(1).tolist()
             stop = [False] * len(live)
             for j, m in enumerate(live):
@@ -223,7 +257,8 @@ def fit_logreg(X, y, runs, nclasses, cfg):
                 else:
                     stop[j] = bad_checks[m] >= cfg["tenacity"]
                     bad_checks[m] += 1
-            if any(stop):  # drop the stopped runs' rows from the batch, and from the optimizer's state
+            # drop the stopped runs' rows from the batch, and from the optimizer's state
+            if any(stop):
                 keep = [j for j, s in enumerate(stop) if not s]
                 live = [live[j] for j in keep]
                 tr_idx, tr_mask, stream, l2 = tr_idx[keep], tr_mask[keep], stream[keep], l2[keep]
@@ -231,7 +266,8 @@ def fit_logreg(X, y, runs, nclasses, cfg):
                 state = [opt.state[p] for p in (W, b)]
                 W, b = W.detach()[keep].requires_grad_(), b.detach()[keep].requires_grad_()
                 opt = type(opt)([W, b])
-                for p, s in zip((W, b), state):  # Adam: step, exp_avg, exp_avg_sq; RMSprop: step, square_avg
+                # Adam: step, exp_avg, exp_avg_sq; RMSprop: step, square_avg
+                for p, s in zip((W, b), state):
                     opt.state[p] = {k: v[keep] if v.dim() else v for k, v in s.items()}
         for m, r in enumerate(members):
             results[r] = (best_acc[m], best_W[m], best_b[m])
@@ -239,43 +275,57 @@ def fit_logreg(X, y, runs, nclasses, cfg):
 
 
 def classify(task, X, y, cfg):
-    """SentEval's protocol for one task on precomputed features -> {"devacc", "acc"} (x 100, 2 decimals).
+    """SentEval's protocol for one task on precomputed features -> {"devacc", "acc"} (x 100,
+    2 decimals).
 
-    X, y: {split: tensor}. MR, CR, SUBJ, MPQA: InnerKFoldClassifier (outer k folds; in each, the L2 chosen by
-    inner k-fold accuracy, then a model trained on the outer train split with 5% held out for early stopping).
-    TREC, MRPC: KFoldClassifier (L2 chosen by k-fold accuracy on train; then train on all of train, 5% held
-    out). SST2: SplitClassifier (L2 chosen on dev; the final model is the grid's model for that L2, which
-    SentEval retrains with the same seed and data, i.e. the same model)."""
+    X, y: {split: tensor}. MR, CR, SUBJ, MPQA: InnerKFoldClassifier (outer k folds; in each, the L2
+    chosen by inner k-fold accuracy, then a model trained on the outer train split with 5% held out
+    for early stopping). TREC, MRPC: KFoldClassifier (L2 chosen by k-fold accuracy on train; then
+    train on all of train, 5% held out). SST2: SplitClassifier (L2 chosen on dev; the final model is
+    the grid's model for that L2, which SentEval retrains with the same seed and data, i.e. the same
+    model)."""
     k, nclasses = cfg["kfold"], 6 if task == "TREC" else 2
     if task in ("MR", "CR", "SUBJ", "MPQA"):
         Xa, ya, outer = X["all"], y["all"], stratified_kfold(y["all"].cpu().numpy(), k)
         inner = [stratified_kfold(ya[tr].cpu().numpy(), k) for tr, _ in outer]
-        grid = fit_logreg(Xa, ya, [(tr[itr], tr[ite], l2) for (tr, _), folds in zip(outer, inner)
+        grid = fit_logreg(Xa, ya, [(tr[itr], tr[ite], l2)
+                                   for (tr, _), folds in zip(outer, inner)
                                    for l2 in REGS for itr, ite in folds], nclasses, cfg)
         dev, best_l2 = [], []
-        for o in range(k):  # scores per L2: round(100 * mean over inner folds, 2), first best wins
-            accs = np.array([g[0] for g in grid[o * len(REGS) * k:(o + 1) * len(REGS) * k]]).reshape(len(REGS), k)
+        # scores per L2: round(100 * mean over inner folds, 2), first best wins
+        for o in range(k):
+            accs = (np.array([g[0] for g in grid[o * len(REGS) * k:(o + 1) * len(REGS) * k]])
+                    .reshape(len(REGS), k))
             scores = [np.round(100 * np.mean(a), 2) for a in accs]
             dev.append(np.max(scores))
             best_l2.append(REGS[int(np.argmax(scores))])
-        final = fit_logreg(Xa, ya, [(tr, None, l2) for (tr, _), l2 in zip(outer, best_l2)], nclasses, cfg)
-        test = [round(100 * accuracy(W, b, Xa[te], ya[te]), 2) for (_, W, b), (_, te) in zip(final, outer)]
-        return {"devacc": float(np.round(np.mean(dev), 2)), "acc": float(np.round(np.mean(test), 2))}
+        final = fit_logreg(Xa, ya, [(tr, None, l2) for (tr, _), l2 in zip(outer, best_l2)],
+                           nclasses, cfg)
+        test = [round(100 * accuracy(W, b, Xa[te], ya[te]), 2)
+                for (_, W, b), (_, te) in zip(final, outer)]
+        return {"devacc": float(np.round(np.mean(dev), 2)),
+                "acc": float(np.round(np.mean(test), 2))}
     if task in ("TREC", "MRPC"):
         folds = stratified_kfold(y["train"].cpu().numpy(), k)
-        grid = fit_logreg(X["train"], y["train"], [(tr, te, l2) for l2 in REGS for tr, te in folds], nclasses, cfg)
-        scores = [np.round(100 * np.mean([g[0] for g in grid[i * k:(i + 1) * k]]), 2) for i in range(len(REGS))]
-        (_, W, b), = fit_logreg(X["train"], y["train"], [(np.arange(len(y["train"])), None,
-                                                          REGS[int(np.argmax(scores))])], nclasses, cfg)
-        return {"devacc": float(np.max(scores)), "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
+        grid = fit_logreg(X["train"], y["train"],
+                          [(tr, te, l2) for l2 in REGS for tr, te in folds], nclasses, cfg)
+        scores = [np.round(100 * np.mean([g[0] for g in grid[i * k:(i + 1) * k]]), 2)
+                  for i in range(len(REGS))]
+        (_, W, b), = fit_logreg(X["train"], y["train"],
+                                [(np.arange(len(y["train"])), None, REGS[int(np.argmax(scores))])],
+                                nclasses, cfg)
+        return {"devacc": float(np.max(scores)),
+                "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
     # SST2: train / dev / test
     Xs = torch.cat([X["train"], X["dev"]])
     ys = torch.cat([y["train"], y["dev"]])
     n, n_dev = len(y["train"]), len(y["dev"])
-    grid = fit_logreg(Xs, ys, [(np.arange(n), np.arange(n, n + n_dev), l2) for l2 in REGS], nclasses, cfg)
+    grid = fit_logreg(Xs, ys, [(np.arange(n), np.arange(n, n + n_dev), l2) for l2 in REGS],
+                      nclasses, cfg)
     scores = [round(100 * g[0], 2) for g in grid]
     _, W, b = grid[int(np.argmax(scores))]
-    return {"devacc": float(np.max(scores)), "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
+    return {"devacc": float(np.max(scores)),
+            "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
 
 
 def mrpc_features(a, b):
@@ -284,13 +334,15 @@ def mrpc_features(a, b):
 
 
 def evaluate_transfer(encode, data, tasks, mode="test", device=None):
-    """{task: {"devacc", "acc"}} for SentEval's transfer tasks, and the seconds spent encoding and classifying.
-    Every distinct sentence of the tasks is encoded once (length-bucketed, as for STS); SentEval's batcher
-    gets the same sentences (its word lists joined with spaces) split into per-task, per-split batches."""
+    """{task: {"devacc", "acc"}} for SentEval's transfer tasks, and the seconds spent encoding and
+    classifying. Every distinct sentence of the tasks is encoded once (length-bucketed, as for STS);
+    SentEval's batcher gets the same sentences (its word lists joined with spaces) split into
+    per-task, per-split batches."""
     device = device or common.pick_device()
     loaded = {t: load_transfer(data, t) for t in tasks}
     t0 = time.perf_counter()
-    embed = common.encode_once(encode, {s for splits in loaded.values() for texts, _ in splits.values()
+    embed = common.encode_once(encode, {s for splits in loaded.values()
+                                        for texts, _ in splits.values()
                                         for col in texts for s in col}, device)
     seconds = {"encode": time.perf_counter() - t0}
     t0, results = time.perf_counter(), {}
@@ -305,10 +357,13 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None):
 
 # ---------------------------------------------------------------- alignment and uniformity ------
 def align_uniform(encode, data, split="test"):
-    """(alignment, uniformity) of the normalised embeddings on STS-B (Wang & Isola 2020, eqs. in SimCSE §5):
-    alignment  = E_{(x, x+) ~ p_pos} ||f(x) - f(x+)||^2,  p_pos = the STS-B pairs with gold score >= 4;
-    uniformity = log E_{x, y ~ p_data} exp(-2 ||f(x) - f(y)||^2),  p_data = the distinct STS-B sentences
-    (all pairs x != y, torch.pdist). Lower is better for both; uniformity lies in [-4, 0]."""
+    """(alignment, uniformity) of the normalised embeddings on STS-B (Wang & Isola 2020, eqs. in
+    SimCSE §5):
+    alignment  = E_{(x, x+) ~ p_pos} ||f(x) - f(x+)||^2,
+                 p_pos = the STS-B pairs with gold score >= 4;
+    uniformity = log E_{x, y ~ p_data} exp(-2 ||f(x) - f(y)||^2),
+                 p_data = the distinct STS-B sentences (all pairs x != y, torch.pdist).
+    Lower is better for both; uniformity lies in [-4, 0]."""
     pairs = common.load_sts(data, "STS-B", split)[split]
     sents = sorted({s for a, b, _ in pairs for s in (a, b)})
     f = F.normalize(encode(sents).float().cpu(), dim=-1)  # (S, H), one row per distinct sentence
@@ -321,7 +376,8 @@ def align_uniform(encode, data, split="test"):
 
 
 def format_transfer(results):
-    """The papers' transfer table: MR CR SUBJ MPQA SST TREC MRPC Avg., accuracy x 100, two decimals."""
+    """The papers' transfer table: MR CR SUBJ MPQA SST TREC MRPC Avg., accuracy x 100, two
+    decimals."""
     names = [t for t in TRANSFER if t in results]
     accs = [results[t]["acc"] for t in names] + [sum(results[t]["acc"] for t in names) / len(names)]
     return (" ".join(f"{'SST' if t == 'SST2' else t:>7}" for t in names + ["Avg."]) + "\n"
@@ -332,46 +388,59 @@ def parse_tasks(spec):
     """--tasks -> (STS tasks, transfer tasks), each in the papers' order."""
     names = {"sts": common.TASKS, "transfer": TRANSFER, "all": common.TASKS + TRANSFER}
     asked = [t.strip() for t in spec.split(",") if t.strip()]
-    if unknown := [t for t in asked if t not in common.TASKS + TRANSFER and t.lower() not in names]:
-        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, all, or names from "
-                   f"{','.join(common.TASKS + TRANSFER)}")
+    if unknown := [t for t in asked
+                   if t not in common.TASKS + TRANSFER and t.lower() not in names]:
+        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, all, or "
+                   f"names from {','.join(common.TASKS + TRANSFER)}")
     chosen = {n for t in asked for n in names.get(t.lower(), [t])}
     if not chosen:
         common.die("--tasks is empty: pass sts, transfer, all, or task names")
     return [t for t in common.TASKS if t in chosen], [t for t in TRANSFER if t in chosen]
 
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--model", required=True, help="hub name or local folder: plain HF model, or one of our runs")
-p.add_argument("--pooler", default="cls", choices=["cls", "avg", "avg_first_last", "pooler", "last"],
-               help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean of the "
-                    "last layer, avg_first_last = mean of layer 1 and the last layer, pooler = BERT's "
-                    "pooler output, last = a decoder's last token after --prompt (BeLLM, zero-shot); "
-                    "ignored for our runs, whose sentemb.json decides")
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model", required=True,
+               help="hub name or local folder: plain HF model, or one of our runs")
+p.add_argument("--pooler", default="cls",
+               choices=["cls", "avg", "avg_first_last", "pooler", "last"],
+               help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean "
+                    "of the last layer, avg_first_last = mean of layer 1 and the last layer, "
+                    "pooler = BERT's pooler output, last = a decoder's last token after --prompt "
+                    "(BeLLM, zero-shot); ignored for our runs, whose sentemb.json decides")
 p.add_argument("--prompt", default='The representative word for {sentence} is:"',
                help="with --pooler last: the prompt around each sentence (BeLLM §3.3)")
-p.add_argument("--data-dir", default=None, help="SentEval's data folder: DIR/downstream/{STS,SICK,MR,...} as in "
-                                                "SimCSE's senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
-p.add_argument("--tasks", default="sts", help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,"
-                                              "TREC,MRPC (or 'transfer'), 'all' = both; default: the 7 STS tasks")
+p.add_argument("--data-dir", default=None,
+               help="SentEval's data folder: DIR/downstream/{STS,SICK,MR,...} as in SimCSE's "
+                    "senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
+p.add_argument("--tasks", default="sts",
+               help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
+                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks")
 p.add_argument("--split", default="test", choices=["test", "dev"],
                help="split for STS-B and SICK-R, and the STS-B split of --align-uniform")
 p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
-               help="SimCSE's evaluation.py modes: test = 10 folds, Adam, batch 64, tenacity 5, 4 epochs per "
-                    "check (the papers' tables); fasttest = 5 folds, RMSprop, batch 128, tenacity 3, 2 epochs")
-p.add_argument("--align-uniform", action="store_true", help="also print alignment and uniformity (Wang & Isola "
-                                                            "2020, as SimCSE computes them) on STS-B")
-p.add_argument("--batch-size", type=common.POS_INT, default=128, help="pairs per batch with --exact")
+               help="SimCSE's evaluation.py modes: test = 10 folds, Adam, batch 64, tenacity 5, "
+                    "4 epochs per check (the papers' tables); fasttest = 5 folds, RMSprop, "
+                    "batch 128, tenacity 3, 2 epochs")
+p.add_argument("--align-uniform", action="store_true",
+               help="also print alignment and uniformity (Wang & Isola 2020, as SimCSE computes "
+                    "them) on STS-B")
+p.add_argument("--batch-size", type=common.POS_INT, default=128,
+               help="pairs per batch with --exact")
 p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
-p.add_argument("--exact", action="store_true", help="STS only: SentEval's own batches (slower; for parity checks)")
-p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU as well (about 2x faster where "
-                                                    "the CPU has bf16 instructions; numbers move by ~0.01)")
-p.add_argument("--quiet", action="store_true", help="no progress bars (shown only when stderr is a terminal)")
+p.add_argument("--exact", action="store_true",
+               help="STS only: SentEval's own batches (slower; for parity checks)")
+p.add_argument("--bf16", action="store_true",
+               help="bf16 autocast on CPU as well (about 2x faster where the CPU has bf16 "
+                    "instructions; numbers move by ~0.01)")
+p.add_argument("--quiet", action="store_true",
+               help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
 common.show_ranges(p)
 
 def hf_encoder(name, pooler, max_len, device):
-    """encode(list[str]) -> (N, H) for a plain Hugging Face encoder with the usual poolings (SimCSE's names)."""
+    """encode(list[str]) -> (N, H) for a plain Hugging Face encoder with the usual poolings
+    (SimCSE's names)."""
     from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
     model = common.load_pretrained(AutoModel, name, strict=pooler == "pooler").to(device).eval()
@@ -386,7 +455,8 @@ def hf_encoder(name, pooler, max_len, device):
             return out.last_hidden_state[:, 0]
         if pooler == "avg":
             return avg(out.last_hidden_state)
-        if pooler == "avg_first_last":  # SimCSE: hidden_states[1] is the first Transformer layer's output
+        # SimCSE: hidden_states[1] is the first Transformer layer's output
+        if pooler == "avg_first_last":
             return avg((out.hidden_states[1] + out.hidden_states[-1]) / 2)
         if out.pooler_output is None:
             common.die(f"'{name}' has no pooler: choose --pooler cls, avg or avg_first_last")
@@ -399,10 +469,13 @@ def hf_encoder(name, pooler, max_len, device):
 
 
 def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
-    """Our run folder (sentemb.json) -> its method's encoder; anything else -> a plain HF encoder."""
+    """Our run folder (sentemb.json) -> its method's encoder; anything else -> a plain HF
+    encoder."""
     device = device or common.pick_device()
-    if pooler == "last":  # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
-        meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel", "prompt": prompt}
+    # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
+    if pooler == "last":
+        meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel",
+                "prompt": prompt}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
     if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # checks every file
         return runs.load_run(name, meta, device)
@@ -415,8 +488,10 @@ def main():
     transformers.logging.disable_progress_bar()
     sts_tasks, transfer_tasks = parse_tasks(a.tasks)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
-    if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
-        common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): pass a file path")
+    if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent)
+                   or not os.access(parent, os.W_OK)):
+        common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
+                   "pass a file path")
     data = common.senteval_dir(a.data_dir)
     t0 = time.perf_counter()
     encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
@@ -426,7 +501,8 @@ def main():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         if sts_tasks:
             t0 = time.perf_counter()
-            out["results"] = common.evaluate(encode, data, sts_tasks, a.split, a.batch_size, a.exact)
+            out["results"] = common.evaluate(encode, data, sts_tasks, a.split, a.batch_size,
+                                             a.exact)
             seconds["sts"] = time.perf_counter() - t0
             print(common.format_table(out["results"]))
         if transfer_tasks:
@@ -440,7 +516,8 @@ def main():
             seconds["align_uniform"] = time.perf_counter() - t0
             print(f"  align uniform\n{out['align']:7.4f} {out['uniform']:7.4f}")
     out["seconds"] = seconds
-    print(f"({a.model}, split {a.split}" + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
+    print(f"({a.model}, split {a.split}"
+          + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
     if a.json:  # a temporary file, then one rename: an old file is never left half-written
         write_json(a.json, out)

@@ -1,7 +1,8 @@
-"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given. matplotlib (headless, Agg)
-is imported here and only when a figure is drawn, so the scripts run without it. A figure is a list of panels,
-each a dict: kind "lines" (series {label: (xs, ys)}, optional marks [(x, y, text)]), "boxes" (groups {label:
-values}), or "heat" (a matrix with its row/column labels); every panel has a title and axis labels."""
+"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given. matplotlib
+(headless, Agg) is imported here and only when a figure is drawn, so the scripts run without it. A
+figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)}, optional marks
+[(x, y, text)]), "boxes" (groups {label: values}), or "heat" (a matrix with its row/column labels);
+every panel has a title and axis labels."""
 import io
 import os
 
@@ -9,14 +10,16 @@ import common
 
 
 def check(path):
-    """Before the analysis runs (so that a bad path costs nothing): a .png name in a writable folder, matplotlib."""
+    """Before the analysis runs (so that a bad path costs nothing): a .png name in a writable
+    folder, matplotlib."""
     if path is None:
         return
     if not path.lower().endswith(".png"):
         common.die(f"--plot '{path}': give a file name ending in .png")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        common.die(f"--plot '{path}': folder '{folder}' does not exist or is not writable: create it first")
+        common.die(f"--plot '{path}': folder '{folder}' does not exist or is not writable: "
+                   "create it first")
     pyplot()
 
 
@@ -26,7 +29,8 @@ def pyplot():
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        common.die("--plot needs matplotlib: pip install matplotlib (the version in requirements.txt)")
+        common.die("--plot needs matplotlib: pip install matplotlib "
+                   "(the version in requirements.txt)")
     return plt
 
 
@@ -34,8 +38,8 @@ def _lines(ax, pn):
     for label, (xs, ys) in pn["series"].items():
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
     for x, y, text in pn.get("marks", []):
-        ax.annotate(text, (x, y), xytext=(-14, -34), textcoords="offset points", ha="right", fontsize=8,
-                    arrowprops=dict(arrowstyle="->", lw=0.8))
+        ax.annotate(text, (x, y), xytext=(-14, -34), textcoords="offset points", ha="right",
+                    fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8))
     if pn.get("integer_x", True):  # layers
         from matplotlib.ticker import MaxNLocator
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -85,6 +89,7 @@ def draw(path, panels, title, ncols=2):
     try:  # a 256-colour palette: plots look the same at a third of the size
         Image.open(buf).convert("RGB").quantize(256).save(path, format="PNG", optimize=True)
     except OSError as e:
-        common.die(f"--plot '{path}': cannot write it ({e.strerror}): pass a path in a writable folder")
+        common.die(f"--plot '{path}': cannot write it ({e.strerror}): "
+                   "pass a path in a writable folder")
     plt.close(fig)
     print(f"figure written: {path}")

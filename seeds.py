@@ -1,12 +1,15 @@
-"""Results over seeds, in the papers' form: per task the mean ± standard deviation of several runs (BeLLM
-Table 1: five runs; SSCL Table 2: three; JTCSE Fig. 6: seeds 1-5), and with --against a paired t-test between
-two groups of runs (scipy.stats.ttest_rel; run i of one group paired with run i of the other, in the order the
-files are given, so give them seed by seed). Input: eval_sts.py --json files.
+"""Results over seeds, in the papers' form: per task the mean ± standard deviation of several runs
+(BeLLM Table 1: five runs; SSCL Table 2: three; JTCSE Fig. 6: seeds 1-5), and with --against a
+paired t-test between two groups of runs (scipy.stats.ttest_rel; run i of one group paired with
+run i of the other, in the order the files are given, so give them seed by seed). Input:
+eval_sts.py --json files.
 
-  for s in 1 2 3; do                                       # SSCL (layer 5) and SimCSE (layer 0): 36 min on 2 cores
+  # SSCL (layer 5) and SimCSE (layer 0): 36 min on 2 cores
+  for s in 1 2 3; do
     for m in sscl:5 simcse:0; do
-      python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt --layer ${m#*:} \\
-          --max-steps 100 --eval-steps 50 --seed $s --output-dir runs/${m%:*}_s$s --no-final-eval
+      python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
+          --layer ${m#*:} --max-steps 100 --eval-steps 50 --seed $s --output-dir runs/${m%:*}_s$s \\
+          --no-final-eval
       python eval_sts.py --model runs/${m%:*}_s$s --json runs/${m%:*}_s$s.json
     done
   done
@@ -22,10 +25,13 @@ from scipy.stats import ttest_rel
 
 import common
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("runs", nargs="+", metavar="RUN.json", help="eval_sts.py --json files, one a run (seed)")
-p.add_argument("--against", nargs="+", default=None, metavar="RUN.json", help="a second group, as many files, "
-               "paired with the first in the given order: adds its mean ± std and a paired t-test per column")
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("runs", nargs="+", metavar="RUN.json",
+               help="eval_sts.py --json files, one a run (seed)")
+p.add_argument("--against", nargs="+", default=None, metavar="RUN.json",
+               help="a second group, as many files, paired with the first in the given order: "
+                    "adds its mean ± std and a paired t-test per column")
 
 
 def number(path, key, v):
@@ -38,15 +44,17 @@ def number(path, key, v):
 
 
 def scores(path):
-    """{column: score} of one eval_sts.py --json file: STS tasks (Spearman × 100), transfer tasks (test accuracy),
-    each family's Avg. when it has all of its tasks, alignment and uniformity when present."""
+    """{column: score} of one eval_sts.py --json file: STS tasks (Spearman × 100), transfer tasks
+    (test accuracy), each family's Avg. when it has all of its tasks, alignment and uniformity when
+    present."""
     try:
         out = json.loads(common.read_text(path))
     except ValueError:
         out = None
     parts = ("results", "transfer")
     if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts):
-        common.die(f"'{path}' is not an eval_sts.py --json result: write one with eval_sts.py --json FILE")
+        common.die(f"'{path}' is not an eval_sts.py --json result: "
+                   "write one with eval_sts.py --json FILE")
     sts = {t: number(path, f"results.{t}", v) for t, v in out.get("results", {}).items()}
     transfer = {t: number(path, f"transfer.{t}.acc", v.get("acc") if isinstance(v, dict) else v)
                 for t, v in out.get("transfer", {}).items()}
@@ -61,10 +69,13 @@ def scores(path):
 
 
 def table(groups):
-    """groups: {name: [row, ...]} -> {name: {column: (mean, sample std, n)}} over the columns every run has."""
-    cols = [c for c in next(iter(groups.values()))[0] if all(c in r for rows in groups.values() for r in rows)]
-    return cols, {g: {c: (np.mean([r[c] for r in rows]), np.std([r[c] for r in rows], ddof=1) if len(rows) > 1
-                          else float("nan"), len(rows)) for c in cols} for g, rows in groups.items()}
+    """groups: {name: [row, ...]} -> {name: {column: (mean, sample std, n)}} over the columns every
+    run has."""
+    cols = [c for c in next(iter(groups.values()))[0]
+            if all(c in r for rows in groups.values() for r in rows)]
+    return cols, {g: {c: (np.mean([r[c] for r in rows]),
+                          np.std([r[c] for r in rows], ddof=1) if len(rows) > 1 else float("nan"),
+                          len(rows)) for c in cols} for g, rows in groups.items()}
 
 
 def main():
@@ -74,7 +85,8 @@ def main():
             common.die(f"'{path}' " + ("is a folder" if os.path.isdir(path) else "does not exist")
                        + ": pass eval_sts.py --json files")
     if a.against and len(a.against) != len(a.runs):
-        common.die(f"--against has {len(a.against)} files for {len(a.runs)} runs: a paired test needs one per run")
+        common.die(f"--against has {len(a.against)} files for {len(a.runs)} runs: "
+                   "a paired test needs one per run")
     groups = {"runs": [scores(f) for f in a.runs]}
     if a.against:
         groups["against"] = [scores(f) for f in a.against]
@@ -86,7 +98,8 @@ def main():
         name = f"{g} ({len(groups[g])})"
         print(f"{name:<12}" + "".join(f"{st[c][0]:>9.2f} ± {st[c][1]:<4.2f}" for c in cols))
     if a.against:  # paired over runs: run i of each group shares its seed
-        tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]]) for c in cols}
+        tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]])
+                 for c in cols}
         print(f"{'t':<12}" + "".join(f"{tests[c].statistic:>16.3f}" for c in cols))
         print(f"{'p':<12}" + "".join(f"{tests[c].pvalue:>16.4f}" for c in cols))
     print(f"mean ± sample std (ddof 1) over runs; files: {', '.join(a.runs)}"

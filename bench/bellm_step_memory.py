@@ -1,11 +1,14 @@
-"""Peak resident memory of one bellm.py training step on SmolLM2-135M (the quick run's batch: 16 SNLI triplets,
---max-len 32, one padded forward, LoRA r 32, AdamW) above the memory after loading, next to bellm.py's estimate.
+"""Peak resident memory of one bellm.py training step on SmolLM2-135M (the quick run's batch: 16
+SNLI triplets, --max-len 32, one padded forward, LoRA r 32, AdamW) above the memory after loading,
+next to bellm.py's estimate.
 
   python bench/bellm_step_memory.py                          # fp32
   python bench/bellm_step_memory.py --grad-ckpt
   python bench/bellm_step_memory.py --bf16-weights --grad-ckpt --bf16
-  MALLOC_MMAP_THRESHOLD_=65536 python bench/bellm_step_memory.py --grad-ckpt    # freed memory returned at once
-  (SMOLLM=model name or folder, NLI=triplet csv; defaults: HuggingFaceTB/SmolLM2-135M-Instruct, snli_devtest.csv)
+  # freed memory returned at once
+  MALLOC_MMAP_THRESHOLD_=65536 python bench/bellm_step_memory.py --grad-ckpt
+  (SMOLLM=model name or folder, NLI=triplet csv; defaults: HuggingFaceTB/SmolLM2-135M-Instruct,
+  snli_devtest.csv)
 """
 import csv
 import os
@@ -23,10 +26,12 @@ import common  # noqa: E402
 ckpt, bf16 = "--grad-ckpt" in sys.argv, "--bf16" in sys.argv
 dtype = torch.bfloat16 if "--bf16-weights" in sys.argv else torch.float32
 dev = torch.device("cpu")
-tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1, "convert", dev, dtype)
+tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1,
+                              "convert", dev, dtype)
 if ckpt:
     dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear")).train()
+model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
+                                       target_modules="all-linear")).train()
 net = bellm.BeLLM(dec, 1, "parallel", "convert")
 with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:
     texts = [s for r in list(csv.reader(f))[1:17] for s in r]
@@ -43,6 +48,6 @@ peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 s = 2 if dtype == torch.bfloat16 or bf16 else 4
 w, o, act = bellm.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
                                   b["input_ids"].shape[1], 32, ckpt)
-print(f"{' '.join(sys.argv[1:]) or 'fp32'}: {tuple(b['input_ids'].shape)} tokens; after loading {base:.2f} GiB, "
-      f"step peak {peak:.2f} GiB: +{peak - base:.2f} GiB; estimate +{o + act:.2f} (activations {act:.2f}, "
-      f"LoRA + AdamW {o:.2f}) over weights {w:.2f}")
+print(f"{' '.join(sys.argv[1:]) or 'fp32'}: {tuple(b['input_ids'].shape)} tokens; "
+      f"after loading {base:.2f} GiB, step peak {peak:.2f} GiB: +{peak - base:.2f} GiB; "
+      f"estimate +{o + act:.2f} (activations {act:.2f}, LoRA + AdamW {o:.2f}) over weights {w:.2f}")

@@ -1,6 +1,6 @@
-"""Zero-shot STS-B dev of bellm.py's encoder for K = 0,1,2,4 (parallel and sequential, convert) plus the
-degradation curve (k = 1..n), sharing one causal pass per batch. Checks on the first batch that every
-config equals bellm.forward (the function load_encoder/eval_sts.py use)."""
+"""Zero-shot STS-B dev of bellm.py's encoder for K = 0,1,2,4 (parallel and sequential, convert) plus
+the degradation curve (k = 1..n), sharing one causal pass per batch. Checks on the first batch that
+every config equals bellm.forward (the function load_encoder/eval_sts.py use)."""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -10,7 +10,8 @@ M, PROMPT = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else bellm.PROMPT
 tok, dec = bellm.load_decoder(M, 0, "convert", dev)
 dec.eval()
 n, KS = len(dec.layers), (1, 2, 4)
-names = ["K0"] + [f"{m}{k}" for m in ("par", "seq") for k in KS] + [f"deg{k}" for k in range(1, n + 1)]
+names = (["K0"] + [f"{m}{k}" for m in ("par", "seq") for k in KS]
+         + [f"deg{k}" for k in range(1, n + 1)])
 checked = []
 
 @torch.no_grad()

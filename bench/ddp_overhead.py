@@ -1,13 +1,15 @@
-"""DDP overhead on CPU (gloo): training throughput of one process with the global batch vs `torchrun` with 2
-processes x half the batch, same sentences, for sscl.py, jtcse.py and bellm.py on small random-weight models
-(BERT-like and LLaMA-like, 4 layers, hidden 256) with the real MiniLM / SmolLM2 tokenisers.
+"""DDP overhead on CPU (gloo): training throughput of one process with the global batch vs
+`torchrun` with 2 processes x half the batch, same sentences, for sscl.py, jtcse.py and bellm.py on
+small random-weight models (BERT-like and LLaMA-like, 4 layers, hidden 256) with the real MiniLM /
+SmolLM2 tokenisers.
 
-It shows what DDP plus gathered negatives cost, not a speed-up: on a 2-core CPU two ranks share the cores
-that one process with 2 threads uses. Figures are the scripts' own training throughput over all steps after
-the step-0 evaluation (sentences/s; BeLLM: triplets/s).
+It shows what DDP plus gathered negatives cost, not a speed-up: on a 2-core CPU two ranks share the
+cores that one process with 2 threads uses. Figures are the scripts' own training throughput over
+all steps after the step-0 evaluation (sentences/s; BeLLM: triplets/s).
 
   python bench/ddp_overhead.py [--steps 20]
-  (MINILM, SMOLLM: the tokenisers' model names or folders; WIKI, NLI: the README's wiki1m head and NLI csv)
+  (MINILM, SMOLLM: the tokenisers' model names or folders; WIKI, NLI: the README's wiki1m head and
+  NLI csv)
 """
 import argparse
 import os
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
 SMOLLM = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
 WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--scripts", default="sscl,jtcse,bellm")
 a = p.parse_args()
@@ -35,12 +38,13 @@ transformers.logging.disable_progress_bar()
 torch.manual_seed(0)
 bert_tok = AutoTokenizer.from_pretrained(MINILM)
 for name in ("bert_a", "bert_b"):
-    BertModel(BertConfig(vocab_size=len(bert_tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         intermediate_size=1024)).save_pretrained(tmp / name)
+    BertModel(BertConfig(vocab_size=len(bert_tok), hidden_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, intermediate_size=1024)).save_pretrained(tmp / name)
     bert_tok.save_pretrained(tmp / name)
 llama_tok = AutoTokenizer.from_pretrained(SMOLLM)
-LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp / "llama")
+LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_size=688,
+                       num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2)).save_pretrained(tmp / "llama")
 llama_tok.save_pretrained(tmp / "llama")
 
 common = ["--max-steps", a.steps, "--log-steps", a.steps,
@@ -57,10 +61,12 @@ runs = {  # script: (arguments, global batch, unit)
 
 def throughput(script, nproc, threads, batch):
     args, _, unit = runs[script]
-    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []),
+    cmd = [sys.executable,
+           *(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []),
            str(ROOT / f"{script}.py"), *map(str, args + common), "--batch-size", str(batch),
            "--output-dir", str(tmp / f"{script}_{nproc}_{threads}")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -73,5 +79,5 @@ for script in a.scripts.split(","):
     batch, unit = runs[script][1], runs[script][2]
     one1, one2 = throughput(script, 1, 1, batch), throughput(script, 1, 2, batch)
     two = throughput(script, 2, 1, batch // 2)
-    print(f"{script:6} {batch:>12} {one1:>14.1f} {unit[:4]:>3} {one2:>15.1f} {unit[:4]:>3} {two:>21.1f} {unit[:4]:>3} "
-          f"{two / one2:>9.2f}", flush=True)
+    print(f"{script:6} {batch:>12} {one1:>14.1f} {unit[:4]:>3} {one2:>15.1f} {unit[:4]:>3} "
+          f"{two:>21.1f} {unit[:4]:>3} {two / one2:>9.2f}", flush=True)

@@ -1,6 +1,7 @@
 """Tower I, tower II and the untrained twin (CLS(I) + CLS(II)) on STS-B dev and the 7 test tasks.
-Each tower encodes every distinct sentence once (jtcse.make_encode, no truncation); the twin's embedding
-is the sum of the two cached CLS vectors, which is what jtcse.make_encode([A, B]) computes batch by batch."""
+Each tower encodes every distinct sentence once (jtcse.make_encode, no truncation); the twin's
+embedding is the sum of the two cached CLS vectors, which is what jtcse.make_encode([A, B]) computes
+batch by batch."""
 import sys, time
 from pathlib import Path
 import torch
@@ -12,8 +13,10 @@ torch.set_grad_enabled(False)
 data = common.senteval_dir(None)
 names = sys.argv[1:3]
 tok = AutoTokenizer.from_pretrained(names[0])
-sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).values() for r in rs for s in r[:2]}
-               | {s for rs in common.load_sts(data, "STS-B", "dev").values() for r in rs for s in r[:2]})
+sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).values()
+                for r in rs for s in r[:2]}
+               | {s for rs in common.load_sts(data, "STS-B", "dev").values()
+                  for r in rs for s in r[:2]})
 emb = []
 for n in names:
     t0 = time.time()

@@ -1,6 +1,8 @@
 """Time and memory of training steps: SimCSE (sscl.py's encoder and loss with no layer-M negatives =
-`sscl.py --layer 0`) vs JTCSE (jtcse.py's Twin + eqs. 11-15), same MiniLM, batch 64, max_len 32, same text.
-Usage: [MINILM=..] [WIKI=..] python bench/jtcse_cost.py simcse|jtcse [num_cael] [tower_b]. 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
+`sscl.py --layer 0`) vs JTCSE (jtcse.py's Twin + eqs. 11-15), same MiniLM, batch 64, max_len 32,
+same text.
+Usage: [MINILM=..] [WIKI=..] python bench/jtcse_cost.py simcse|jtcse [num_cael] [tower_b].
+1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
 Memory: peak RSS (ru_maxrss) of the process after the steps minus RSS after loading the model(s)."""
 import os, resource, sys, time
 from pathlib import Path
@@ -15,8 +17,10 @@ def rss_mb():
 
 mode = sys.argv[1]
 A = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
-B = sys.argv[3] if len(sys.argv) > 3 else "runs/sscl_minilm"  # tower II: a MiniLM trained by sscl.py
-sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:5 * 64]  # the README's wiki1m head
+# tower II: a MiniLM trained by sscl.py
+B = sys.argv[3] if len(sys.argv) > 3 else "runs/sscl_minilm"
+# the README's wiki1m head
+sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:5 * 64]
 common.seed_everything(42)
 tok = AutoTokenizer.from_pretrained(A)
 if mode == "simcse":
@@ -25,7 +29,8 @@ if mode == "simcse":
         z, _ = model(batch, [])
         return sscl.sscl_loss(z[:n], z[n:], [], 0.05)
 else:
-    model = jtcse.Twin([jtcse.BertModel.from_pretrained(A), jtcse.BertModel.from_pretrained(B)], int(sys.argv[2]))
+    model = jtcse.Twin([jtcse.BertModel.from_pretrained(A), jtcse.BertModel.from_pretrained(B)],
+                       int(sys.argv[2]))
     args = jtcse.p.parse_args([])
     def step_loss(batch, n):
         h, hP, c = model(batch)
@@ -42,6 +47,7 @@ for i in range(5):
     opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
     times.append(time.perf_counter() - t0)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(f"{mode} {sys.argv[2:] } threads {torch.get_num_threads()}: {64 * 4 / sum(times[1:]):.2f} sent/s "
-      f"({sum(times[1:]) / 4:.2f} s/step, steps {[round(t, 1) for t in times]}), "
-      f"RSS after load {base:.0f} MB, peak RSS {peak:.0f} MB, step peak over load {peak - base:.0f} MB", flush=True)
+print(f"{mode} {sys.argv[2:] } threads {torch.get_num_threads()}: {64 * 4 / sum(times[1:]):.2f} "
+      f"sent/s ({sum(times[1:]) / 4:.2f} s/step, steps {[round(t, 1) for t in times]}), "
+      f"RSS after load {base:.0f} MB, peak RSS {peak:.0f} MB, "
+      f"step peak over load {peak - base:.0f} MB", flush=True)

@@ -1,13 +1,18 @@
-"""Length-grouped training steps (the scripts' default) against one padded forward (--no-length-grouping), on
-the real checkpoints: token slots, padded fraction and the median time of a whole step (forward, the method's
-loss, backward, AdamW) for each method's quick-run batch; also for other values of common.GROUP_COST (the
-fixed cost of one forward pass, in token slots, that decides where a batch is cut). Configurations alternate,
-one step each, on the same batch; 1 warm-up round, then median of --reps rounds.
+"""Length-grouped training steps (the scripts' default) against one padded forward
+(--no-length-grouping), on the real checkpoints: token slots, padded fraction and the median time of
+a whole step (forward, the method's loss, backward, AdamW) for each method's quick-run batch; also
+for other values of common.GROUP_COST (the fixed cost of one forward pass, in token slots, that
+decides where a batch is cut). Configurations alternate, one step each, on the same batch; 1 warm-up
+round, then median of --reps rounds.
 
-  python bench/length_groups.py sscl [--bf16]     # MiniLM, 64 wiki1m sentences x 2 views, max_len 32, layer 5
-  python bench/length_groups.py jtcse             # two MiniLM towers, 64 sentences x 2 views, max_len 32
-  python bench/length_groups.py bellm [--bf16]    # SmolLM2-135M, 16 SNLI triplets, max_len 32, K = 1, LoRA r 32
-  python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16   # what bellm.py --bf16 does
+  # MiniLM, 64 wiki1m sentences x 2 views, max_len 32, layer 5
+  python bench/length_groups.py sscl [--bf16]
+  # two MiniLM towers, 64 sentences x 2 views, max_len 32
+  python bench/length_groups.py jtcse
+  # SmolLM2-135M, 16 SNLI triplets, max_len 32, K = 1, LoRA r 32
+  python bench/length_groups.py bellm [--bf16]
+  # what bellm.py --bf16 does
+  python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16
   (MINILM, SMOLLM: model names or folders; WIKI, NLI: the data files; --costs 16,64,256 --reps 5)
 """
 import argparse
@@ -30,30 +35,39 @@ import sscl  # noqa: E402
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("method", choices=["sscl", "jtcse", "bellm"])
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
-p.add_argument("--costs", default=str(common.GROUP_COST), help="GROUP_COST values to compare, comma-separated")
+p.add_argument("--costs", default=str(common.GROUP_COST),
+               help="GROUP_COST values to compare, comma-separated")
 p.add_argument("--reps", type=int, default=5)
-p.add_argument("--attn", default="eager", help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
-               "(bellm.py uses eager on CPU)")
-p.add_argument("--frozen", default="float32", help="bellm: dtype(s) of the frozen base Linears to compare; with "
-               "--bf16, bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead of at every pass")
+p.add_argument("--attn", default="eager",
+               help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
+                    "(bellm.py uses eager on CPU)")
+p.add_argument("--frozen", default="float32",
+               help="bellm: dtype(s) of the frozen base Linears to compare; with --bf16, "
+                    "bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead "
+                    "of at every pass")
 a = p.parse_args()
 common.seed_everything(42)
 dev = torch.device("cpu")
 MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
-    tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1, "convert", dev)
-    model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear"))
-    models = {f: model if i == 0 else copy.deepcopy(model) for i, f in enumerate(a.frozen.split(","))}
+    tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                  1, "convert", dev)
+    model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
+                                           target_modules="all-linear"))
+    models = {f: model if i == 0 else copy.deepcopy(model)
+              for i, f in enumerate(a.frozen.split(","))}
     forwards = {}
     for f, m in models.items():  # f: the dtype of the frozen base Linears
         if f == "bfloat16":
             bellm.cast_frozen_linears(m.base_model.model)
         forwards[f] = (lambda net: lambda b: net(b["input_ids"], b["attention_mask"]))(
             bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
-    with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:  # SimCSE's NLI csv format
+    # SimCSE's NLI csv format
+    with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:
         texts = [s for r in list(csv.reader(f))[1:17] for s in r]  # 16 triplets: 48 texts
-    batch = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts), dev)
+    batch = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
+                                                 texts), dev)
 
     def loss_of(h):  # eq. 6 over (anchor, entailment, contradiction) rows
         h = h.float()
@@ -72,12 +86,14 @@ else:
             z, (zm,) = out
             return sscl.sscl_loss(z[:64].float(), z[64:].float(), [zm[:64].float()], 0.05)
     else:
-        model = jtcse.Twin([BertModel.from_pretrained(MINILM), BertModel.from_pretrained(MINILM)], 2)
+        model = jtcse.Twin([BertModel.from_pretrained(MINILM), BertModel.from_pretrained(MINILM)],
+                           2)
         args = jtcse.p.parse_args([])
         forwards = {None: model}
 
         def loss_of(out):
-            return jtcse.jtcse_loss(*[None if z is None else [t.float() for t in z] for z in out], 1, args)[0]
+            return jtcse.jtcse_loss(*[None if z is None else [t.float() for t in z] for z in out],
+                                    1, args)[0]
     models = {None: model}
 params = [q for m in models.values() for q in m.train().parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
@@ -85,9 +101,11 @@ opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
 lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn.split(",") if a.method == "bellm" else [None]
-configs = [(c, at, f) for f in forwards for at in attns for c in [None] + [int(c) for c in a.costs.split(",")]]
+configs = [(c, at, f) for f in forwards for at in attns
+           for c in [None] + [int(c) for c in a.costs.split(",")]]
 slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
-         sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c)) for c, _, _ in configs}
+         sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c))
+         for c, _, _ in configs}
 times = {k: [] for k in configs}
 for rep in range(a.reps + 1):
     for c, at, f in configs:
@@ -101,13 +119,13 @@ for rep in range(a.reps + 1):
         opt.zero_grad(set_to_none=True)
         if rep:
             times[c, at, f].append(time.perf_counter() - t)
-print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads, {len(lengths)} texts, "
-      f"{real} real tokens, median of {a.reps} steps")
+print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads, "
+      f"{len(lengths)} texts, {real} real tokens, median of {a.reps} steps")
 base = statistics.median(times[configs[0]])
 for c, at, f in configs:
     m = statistics.median(times[c, at, f])
-    name = ("padded (--no-length-grouping)" if c is None else
-            f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups") + (f", {at}" if at else "") \
-        + (f", frozen {f}" if f else "")
+    name = (("padded (--no-length-grouping)" if c is None else
+             f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups")
+            + (f", {at}" if at else "") + (f", frozen {f}" if f else ""))
     print(f"{name:<68} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
           f"{real / m:7.0f} real tok/s  x{base / m:.2f}")
