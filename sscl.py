@@ -240,9 +240,7 @@ def main():
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check of the command line that stops training (one error line, exit 2). -> the
-    layers M: '11' -> [11], '10,11' -> [10, 11], '0' -> [] (SimCSE). NOTE(authors' code): their
-    `--hard_negative_layers N` takes the top N, hidden_states[-2] down to [-1-N] (their default 2 =
-    '10,11' on BERT-base); here any list (docs/sscl.md, detail 4)."""
+    layers M."""
     if a.plot or a.sentence:
         common.die("--plot and --sentence draw the analysis: add --analyze (no training)")
     if len(a.model) > 1:
@@ -257,15 +255,21 @@ def check_args(a, world):
     if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # BERT-like encoders
         common.die(f"'{a.model}' is a {config.model_type} model, not a bidirectional encoder: SSCL "
                    "trains BERT-like models (bert, roberta, ...); pass one as --model")
-    try:
-        layers = sorted({int(x) for x in a.layer.split(",")})
-    except ValueError:
-        common.die(f"--layer '{a.layer}' is not a comma-separated list of integers: e.g. --layer 11 "
-                   "or --layer 10,11")
     common.check_max_len(a.max_len, config, a.model)
-    n = config.num_hidden_layers
+    return parse_layers(a.layer, config.num_hidden_layers)
+
+
+def parse_layers(spec, n):
+    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE); n: the model's layers.
+    NOTE(authors' code): their `--hard_negative_layers N` takes the top N, hidden_states[-2] down
+    to [-1-N] (their default 2 = '10,11' on BERT-base); here any list (docs/sscl.md, detail 4)."""
+    try:
+        layers = sorted({int(x) for x in spec.split(",")})
+    except ValueError:
+        common.die(f"--layer '{spec}' is not a comma-separated list of integers: e.g. --layer 11 "
+                   "or --layer 10,11")
     if layers != [0] and any(not 1 <= m <= n - 1 for m in layers):
-        common.die(f"--layer {a.layer}: this model has {n} layers, so M must be in 1..{n - 1} "
+        common.die(f"--layer {spec}: this model has {n} layers, so M must be in 1..{n - 1} "
                    "(or --layer 0 for plain SimCSE)")
     return [m for m in layers if m]
 

@@ -174,6 +174,7 @@ def test_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
     assert all("  " not in s and s == s.strip() for r in rows for s in r[:2])
 
 
+@pytest.mark.slow
 def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
     out = tmp_path / "r.json"
     proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg_first_last", "--data-dir", sts_dir,
@@ -183,6 +184,7 @@ def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
     assert set(json.loads(out.read_text())["results"]) == {"STS12", "SICK-R"}
 
 
+@pytest.mark.slow
 def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
     write_sts(tmp_path)
     f = tmp_path / "downstream" / "STS" / "STS14-en-test" / "STS.input.images.txt"
@@ -192,6 +194,7 @@ def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
     assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path), "STS.input.images.txt", "line 5")
 
 
+@pytest.mark.slow
 def test_missing_data_folder(bert_dir, tmp_path):
     proc = run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "nowhere")
     assert_bad_input(proc, "--data-dir", "SENTEMB_DATA")
@@ -203,10 +206,12 @@ def test_missing_data_folder(bert_dir, tmp_path):
     assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "gap"), "STS.gs.plagiarism.txt")
 
 
+@pytest.mark.slow
 def test_unknown_model_offline(sts_dir):
     assert_bad_input(run("eval_sts.py", "--model", "no-such-org/no-such-model", "--data-dir", sts_dir), "local model folder")
 
 
+@pytest.mark.slow
 def test_senteval_parity_minilm_avg(tmp_path):
     """SentEval's own numbers for all-MiniLM-L6-v2 with avg pooling, each within ±0.02."""
     minilm = MODELS / "minilm"
@@ -400,6 +405,7 @@ def test_align_uniform_by_hand(tmp_path):
     assert uniform == pytest.approx(math.log(sum(math.exp(-2 * (f[x] - f[z]).norm().item() ** 2) for x, z in pairs) / 6))
 
 
+@pytest.mark.slow
 def test_eval_transfer_end_to_end_and_bad_inputs(bert_dir, tmp_path):
     write_sts(tmp_path)
     d = write_transfer(tmp_path)
@@ -433,6 +439,7 @@ SENTEVAL_TRANSFER = {  # SentEval itself (SimCSE's copy, SimCSE's batcher), all-
 }
 
 
+@pytest.mark.slow
 def test_senteval_transfer_parity_minilm_avg(tmp_path):
     """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on four of the
     seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair features (MRPC). MR and SUBJ
@@ -536,6 +543,7 @@ def test_layer_m_reads_hidden_states_m(bert_dir, pooler):
     torch.testing.assert_close(z, pool(hs[4]))  # the last layer, = last_hidden_state
 
 
+@pytest.mark.slow
 def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "run"
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8))
@@ -560,6 +568,7 @@ def losses(stdout):
     return re.findall(r"loss (\S+)", stdout)
 
 
+@pytest.mark.slow
 def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
     kw = dict(steps=10, eval_steps=100, layer="1,2")
     a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval", **kw))
@@ -570,6 +579,7 @@ def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
     assert losses(c.stdout) != losses(a.stdout)
 
 
+@pytest.mark.slow
 def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r", "--no-aug", "--pooler", "avg",
                                      "--no-final-eval"))
@@ -586,11 +596,13 @@ def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
     (["--layer", "eleven"], ["--layer", "integers"]),
     (["--batch-size", "1"], ["--batch-size"]),
 ])
+@pytest.mark.slow
 def test_sscl_bad_arguments(bert_dir, train_txt, sts_dir, tmp_path, bad, words):
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r"), *bad), *words)
     assert not (tmp_path / "r" / "sentemb.json").exists()
 
 
+@pytest.mark.slow
 def test_sscl_bad_files(bert_dir, train_txt, sts_dir, tmp_path):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
@@ -605,6 +617,7 @@ def test_sscl_bad_files(bert_dir, train_txt, sts_dir, tmp_path):
                      "local model folder")
 
 
+@pytest.mark.slow
 def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--lr", "1e30"))
@@ -635,6 +648,7 @@ def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
     return d
 
 
+@pytest.mark.slow
 def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir, tmp_path):
     """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B
     (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
@@ -652,6 +666,7 @@ def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, 
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+@pytest.mark.slow
 def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodrop_dir, train_txt,
                                                                       sts_dir, tmp_path):
     """--objective authors under torchrun: rank 0's loss has the global batch's last-layer views
@@ -1001,6 +1016,7 @@ def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
 
 
 # ---------------------------------------------------------------- end to end ---------------------
+@pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
     o1, o2 = jt_train(jt_env, tmp_path / "run1", capsys, monkeypatch), jt_train(jt_env, tmp_path / "run2", capsys, monkeypatch)
@@ -1043,6 +1059,7 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     assert "STS-B" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     """On the real STS-B sentences: on tiny random towers and random words the cross stream moves E_CLS by less
     than the table's 4 decimals."""
@@ -1070,6 +1087,7 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     (["--no-nce", "--no-icnce", "--no-ictm"], "no loss"),
     (["--resume"], "--resume"),
 ])
+@pytest.mark.slow
 def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeypatch, args, needle):
     d, _ = jt_env
     base = ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir", tmp_path / "out",
@@ -1079,6 +1097,7 @@ def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeyp
     assert code == 2 and len(errors) == 1 and needle in errors[0], err
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_real_process(jt_env):
     d, _ = jt_env
     r = jt_run("jtcse.py", "--model-a", str(d / "a"), "--model-b", str(d / "other"), ok=False)
@@ -1086,6 +1105,7 @@ def test_bad_input_in_a_real_process(jt_env):
     assert [line for line in r.stderr.splitlines() if line.strip()][-1].startswith("error: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["paper", "authors"])
 def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
     """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all terms, the
@@ -1352,6 +1372,7 @@ def nli_csv(tmp, rows=12, cols=("sent0", "sent1", "hard_neg")):
     return path
 
 
+@pytest.mark.slow
 def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkeypatch):
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
     logs = []
@@ -1371,6 +1392,7 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
     assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # eval_sts.py = the script's final table
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
     """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted run
     (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of step 2)."""
@@ -1398,6 +1420,7 @@ def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
     assert code == 2 and "already holds a run" in err
 
 
+@pytest.mark.slow
 def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
     path = tmp_path / "csts.csv"
     with open(path, "w", newline="") as f:
@@ -1416,6 +1439,7 @@ def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
     assert code == 0 and "{condition}" in out and "left empty" in out and "STS-B" in out, err
 
 
+@pytest.mark.slow
 def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     from transformers import BertConfig, BertModel
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
@@ -1449,6 +1473,7 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
 
 
+@pytest.mark.slow
 def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the updated LoRA
     weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks; no_sync accumulation)."""
@@ -1489,6 +1514,7 @@ def save_versions(out, pause):
             runs.save_state({"v": v, "w": w}, str(out), [w])
 
 
+@pytest.mark.slow
 def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
     """40 SIGKILLs at random instants of a process that saves without pause: after each (and the completion
     that the next command of the project runs first) the folder holds one whole version, never older than
@@ -1518,6 +1544,7 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
     assert inside >= 10 and last > 20
 
 
+@pytest.mark.slow
 def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatch, capsys):
     out, w = tmp_path / "run", torch.ones(3)
     out.mkdir()
@@ -1585,6 +1612,7 @@ def weights(out, key):
     return torch.load(out / runs.CKPT, weights_only=False)[key]
 
 
+@pytest.mark.slow
 def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir, tmp_path, capsys,
                                                                 monkeypatch):
     """SIGKILL inside each part of a save (SENTEMB_SAVE_PAUSE makes them last) and at random instants: after
@@ -1613,6 +1641,7 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
         assert torch.equal(a, weights(out, "encoder")[key]), key
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval")) for _ in range(2)]
@@ -1622,6 +1651,7 @@ def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp
     assert any("is in use by another training run" in t or "already holds a run" in t for t in logs)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys, monkeypatch):
     """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two Ctrl-Cs (out
     at once, exit 130); --resume ends on the uninterrupted run's weights."""
@@ -1656,6 +1686,7 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
         assert torch.equal(a, weights(out, "model")[key]), key
 
 
+@pytest.mark.slow
 def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monkeypatch):
     """A kill while a new best adapter is moved into place: eval_sts.py completes that save and reads the
     adapter, PeftModel loads it, and --resume logs the uninterrupted run's losses."""
@@ -1680,6 +1711,7 @@ def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monk
     assert losses(text(log)) + losses(rest) == losses(whole)
 
 
+@pytest.mark.slow
 def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r"
     assert main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
@@ -1959,6 +1991,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,words,prep", PROBES, ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
 def test_bad_input_table(script, args, words, prep, sscl_template, run_templates, bert_dir,
                          train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
@@ -2060,6 +2093,7 @@ def test_resume_of_a_finished_run_says_it_is_complete(method, steps, run_templat
     assert "eval_sts.py --model" in stdout and " loss " not in stdout and files_of(out) == before
 
 
+@pytest.mark.slow
 def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, sts_dir, tmp_path,
                                                                      capsys, monkeypatch):
     """--json fails only after the whole evaluation: the table is printed first, the error is one
@@ -2138,6 +2172,7 @@ def st_python(code):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch,
                                                     pooler="avg", proj="8"):  # CLS: the distilled tower's test
     out = tmp_path / "run"
@@ -2163,6 +2198,7 @@ print(float((st - eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu")
     assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
 
 
+@pytest.mark.slow
 def test_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
     jt_train(jt_env, tmp_path / "twin", capsys, monkeypatch)
@@ -2303,6 +2339,7 @@ def test_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
         same_step(list(dec.parameters()), loss_of)
 
 
+@pytest.mark.slow
 def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_dir, train_txt, sts_dir, tok_dir,
                                                                      jt_env, tmp_path, capsys, monkeypatch):
     """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged losses of
@@ -2333,6 +2370,7 @@ def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_
 
 
 # ---------------------------------------------------------------- the GPU configuration, on CPU --------
+@pytest.mark.slow
 def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, capsys, monkeypatch):
     """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite losses close to
     the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16) prints the run's final table."""
@@ -2423,6 +2461,7 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
 
 
+@pytest.mark.slow
 def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir, jt_env, tmp_path,
                                                             capsys, monkeypatch):
     """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a saved model."""
@@ -2492,6 +2531,7 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
         assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic for j in ids]), abs=1e-9)
 
 
+@pytest.mark.slow
 def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops before the work."""
     sts = write_sts(tmp_path / "sts")
@@ -2525,6 +2565,7 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     assert_bad_input(run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png"), "--plot", "--analyze")
 
 
+@pytest.mark.slow
 def test_seed_summary_equals_numpy_and_scipy(tmp_path):
     from scipy.stats import ttest_rel
     import seeds
