@@ -1,5 +1,5 @@
 """SSCL: "Alleviating Over-smoothing for Unsupervised Sentence Representation"
-Chen, Shou, Gong, Pei, Cao, Chang, Jiang, Li. Findings of ACL 2023. arXiv:2305.06154.
+Chen, Shou, Pei, Gong, Cao, Chang, Li, Jiang. ACL 2023 (2023.acl-long.197). arXiv:2305.06154.
 
 Unsupervised SimCSE encodes every sentence twice with dropout and contrasts the two views against
 the other sentences of the batch. SSCL sees that the last layers of a PLM over-smooth (adjacent
