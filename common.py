@@ -1,7 +1,7 @@
 """What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and nothing method-specific:
-finding the data, reading training text, range-checked argument types, tokenisation with dynamic padding,
-and the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100).
-Run folders (saving, resuming, locking) are in runs.py.
+finding the data, reading training text, range-checked argument types, tokenisation with dynamic
+padding, and the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test;
+Spearman x 100). Run folders (saving, resuming, locking) are in runs.py.
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
@@ -25,7 +25,8 @@ STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as 
     "STS15": ["answers-forums", "answers-students", "belief", "headlines", "images"],
     "STS16": ["answer-answer", "headlines", "plagiarism", "postediting", "question-question"],
 }
-HUB_DATASET = "princeton-nlp/datasets-for-simcse"  # holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
+# holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
+HUB_DATASET = "princeton-nlp/datasets-for-simcse"
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sentemb")
 META = "sentemb.json"  # written beside every checkpoint: how eval_sts.py must encode with it
 
@@ -40,8 +41,8 @@ QUIET = False  # --quiet: no progress bars
 
 
 def progress(iterable, desc, total=None, unit="it"):
-    """A progress bar (tqdm, on stderr) for loops that can take more than ~10 s on a CPU. It is off when stderr
-    is not a terminal (logs stay parseable) and with --quiet."""
+    """A progress bar (tqdm, on stderr) for loops that can take more than ~10 s on a CPU. It is off
+    when stderr is not a terminal (logs stay parseable) and with --quiet."""
     from tqdm import tqdm
     return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr,
                 disable=True if QUIET else None)
@@ -52,17 +53,21 @@ def pick_device():
 
 
 def bf16_note(device):
-    """For the start-up line with --bf16: whether this CPU has the instructions that make bf16 faster."""
+    """For the start-up line with --bf16: whether this CPU has the instructions that make bf16
+    faster."""
     if device.type != "cpu":
         return "bf16 autocast"
-    has = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+    has = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"),
+                          ("AMX", "_is_amx_tile_supported"))
            if getattr(torch.cpu, f, lambda: False)()]
     return (f"bf16 autocast; this CPU has {' and '.join(has)}" if has else
-            "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than fp32")
+            "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than "
+            "fp32")
 
 
 def autocast(device, cpu_bf16=False):
-    """bf16 autocast on CUDA; on CPU plain fp32, unless cpu_bf16 (--bf16: for CPUs with bf16 instructions)."""
+    """bf16 autocast on CUDA; on CPU plain fp32, unless cpu_bf16 (--bf16: for CPUs with bf16
+    instructions)."""
     if device.type == "cuda" or cpu_bf16:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -77,8 +82,8 @@ def seed_everything(seed):
 
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
 def init_distributed():
-    """-> (rank, world_size, device). Under `torchrun`, one process per GPU (NCCL), or per CPU process
-    (gloo); without it, (0, 1, pick_device())."""
+    """-> (rank, world_size, device). Under `torchrun`, one process per GPU (NCCL), or per CPU
+    process (gloo); without it, (0, 1, pick_device())."""
     if "RANK" not in os.environ:
         return 0, 1, pick_device()
     import torch.distributed as dist
@@ -91,8 +96,8 @@ def init_distributed():
 
 
 def gather(z):
-    """(B, D) on each rank -> (world·B, D), ranks in order. all_gather returns tensors without a graph,
-    so the local slot is replaced by z itself: gradients flow into this rank's embeddings."""
+    """(B, D) on each rank -> (world·B, D), ranks in order. all_gather returns tensors without a
+    graph, so the local slot is replaced by z itself: gradients flow into this rank's embeddings."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return z
@@ -116,7 +121,8 @@ def _from_hub(filename):
 
 def senteval_dir(flag=None):
     """The folder holding `downstream/STS` and `downstream/SICK` (SimCSE's senteval.tar, unpacked).
-    Order: --data-dir, then $SENTEMB_DATA, then ~/.cache/sentemb/senteval (downloaded when missing)."""
+    Order: --data-dir, then $SENTEMB_DATA, then ~/.cache/sentemb/senteval (downloaded when
+    missing)."""
     root = flag or os.environ.get("SENTEMB_DATA") or os.path.join(CACHE, "senteval")
     for d in (os.path.join(root, "downstream"), root):  # accept the folder itself or its parent
         if os.path.isdir(os.path.join(d, "STS")) and os.path.isdir(os.path.join(d, "SICK")):
@@ -126,13 +132,14 @@ def senteval_dir(flag=None):
         with tarfile.open(tar) as t:
             t.extractall(root, filter="data")
         return senteval_dir(root)
-    die(f"no STS data in '{root}': pass --data-dir DIR or set SENTEMB_DATA=DIR, where DIR/downstream/"
-        "STS/STS12-en-test/... and DIR/downstream/SICK/... are SimCSE's senteval.tar, unpacked")
+    die(f"no STS data in '{root}': pass --data-dir DIR or set SENTEMB_DATA=DIR, where "
+        "DIR/downstream/STS/STS12-en-test/... and DIR/downstream/SICK/... are SimCSE's "
+        "senteval.tar, unpacked")
 
 
 def check_sts(data, tasks=TASKS):
-    """Read every evaluation file now (STS-B dev and the tasks' test sets), so that a malformed one stops a
-    training run before it starts rather than at its final table."""
+    """Read every evaluation file now (STS-B dev and the tasks' test sets), so that a malformed one
+    stops a training run before it starts rather than at its final table."""
     load_sts(data, "STS-B", "dev")
     for t in tasks:
         load_sts(data, t)
@@ -152,9 +159,10 @@ def train_file(path, hub_name):
 
 
 def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation of
-    range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the last
-    incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that takes."""
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
     if n < per_step:
         die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
     per_epoch = n // per_step
@@ -281,7 +289,8 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
 # ---------------------------------------------------------------- tokenisation ------------------
 def tokenize(tokenizer, sentences, max_len, device):
     """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
-    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
+                      return_tensors="pt")
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -289,11 +298,13 @@ GROUP_COST = 64  # a forward pass's fixed cost, in token slots (bench/length_gro
 
 
 def length_groups(lengths, cost=GROUP_COST):
-    """Rows sorted by length, cut into groups where cutting pays: the cuts minimise Σ_groups (rows x longest +
-    cost), i.e. padded token slots plus a fixed cost per forward pass (dynamic programming, O(n²)).
-    lengths: real tokens per row -> list of groups of row indices, shortest group first."""
+    """Rows sorted by length, cut into groups where cutting pays: the cuts minimise Σ_groups (rows x
+    longest + cost), i.e. padded token slots plus a fixed cost per forward pass (dynamic
+    programming, O(n²)). lengths: real tokens per row -> list of groups of row indices, shortest
+    group first."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: cheapest split of order[:j]
+    # best[j]: cheapest split of order[:j]
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
         for i in range(j):  # last group = order[i:j], padded to its longest, lengths[order[j-1]]
             c = best[i] + (j - i) * lengths[order[j - 1]] + cost
@@ -307,10 +318,11 @@ def length_groups(lengths, cost=GROUP_COST):
 
 
 def by_length(forward, batch, cost=GROUP_COST):
-    """forward(batch) computed on length groups of the batch's rows, each padded only to its own longest,
-    and put back in row order: the same rows and the same result as forward(batch) (up to float rounding)
-    for the cost of the real tokens. batch: dict of (N, L) tensors with an attention_mask, padded on
-    either side; forward's outputs: (N, ...) tensors, or tuples / lists of them (nested; None kept)."""
+    """forward(batch) computed on length groups of the batch's rows, each padded only to its own
+    longest, and put back in row order: the same rows and the same result as forward(batch) (up to
+    float rounding) for the cost of the real tokens. batch: dict of (N, L) tensors with an
+    attention_mask, padded on either side; forward's outputs: (N, ...) tensors, or tuples / lists of
+    them (nested; None kept)."""
     mask = batch["attention_mask"]  # (N, L)
     lengths = mask.sum(1).tolist()
     groups = length_groups(lengths, cost)
@@ -320,8 +332,11 @@ def by_length(forward, batch, cost=GROUP_COST):
     parts = []
     for g in groups:
         idx, L = torch.tensor(g, device=mask.device), max(lengths[i] for i in g)
-        parts.append(forward({k: v[idx, -L:] if left else v[idx, :L] for k, v in batch.items()}))  # (n_g, L_g)
-    inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()  # grouped row -> row
+        parts.append(forward({k: v[idx, -L:] if left else v[idx, :L]
+                              for k, v in batch.items()}))  # (n_g, L_g)
+
+    # grouped row -> row
+    inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()
 
     def merge(outs):  # the groups' outputs -> one output in row order
         if outs[0] is None:
@@ -353,8 +368,8 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
 
 
 def encode_once(encode, sentences, device="cpu"):
-    """Encode every distinct sentence once, in one call (batched by token length); -> embed(list[str]) ->
-    (n, H) float32 on `device`, looked up from that cache."""
+    """Encode every distinct sentence once, in one call (batched by token length); ->
+    embed(list[str]) -> (n, H) float32 on `device`, looked up from that cache."""
     distinct = sorted(set(sentences))
     cache = dict(zip(distinct, encode(distinct).float().to(device)))
     return lambda sents: torch.stack([cache[s] for s in sents])
@@ -363,35 +378,44 @@ def encode_once(encode, sentences, device="cpu"):
 # ---------------------------------------------------------------- STS data ----------------------
 def _lines(path):
     if not os.path.isfile(path):
-        die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix --data-dir")
+        die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix "
+            "--data-dir")
     lines = read_text(path).split("\n")
-    return lines[:-1] if lines[-1] == "" else lines  # as iterating over the file: no line after the last \n
+    # as iterating over the file: no line after the last \n
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def _row(path, i, s1, s2, gold):
-    """(sent1, sent2, score) as SentEval reads them: whitespace-split and re-joined with single spaces."""
+    """(sent1, sent2, score) as SentEval reads them: whitespace-split and re-joined with single
+    spaces."""
     try:
         return " ".join(s1.split()), " ".join(s2.split()), float(gold)
     except ValueError:
-        die(f"{path}, line {i}: malformed line (expected a score, got {gold!r}); fix it or re-download senteval.tar")
+        die(f"{path}, line {i}: malformed line (expected a score, got {gold!r}); fix it or "
+            "re-download senteval.tar")
 
 
 def load_sts(data, task, split="test"):
-    """{subset: [(sent1, sent2, gold)]}; STS pairs with an empty gold line are dropped (as SentEval)."""
+    """{subset: [(sent1, sent2, gold)]}; STS pairs with an empty gold line are dropped (as
+    SentEval)."""
     if task in STS_SUBSETS:
         subsets = {}
         for name in STS_SUBSETS[task]:
             base = os.path.join(data, "STS", f"{task}-en-test", f"STS.%s.{name}.txt")
-            pairs, gold = [l.split("\t") for l in _lines(base % "input")], [g.strip() for g in _lines(base % "gs")]
+            pairs, gold = ([l.split("\t") for l in _lines(base % "input")],
+                           [g.strip() for g in _lines(base % "gs")])
             if len(gold) != len(pairs):
-                die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; re-download senteval.tar")
+                die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; "
+                    "re-download senteval.tar")
             if bad := next((i for i, p in enumerate(pairs, 1) if len(p) != 2), None):
                 die(f"{base % 'input'}, line {bad}: malformed line (expected two tab-separated "
                     "sentences); fix it or re-download senteval.tar")
-            subsets[name] = [_row(base % "gs", i, *p, g) for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
+            subsets[name] = [_row(base % "gs", i, *p, g)
+                             for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
         return subsets
     if task == "STS-B":  # gold = 5th field, sentences = 6th and 7th
-        path, skip, cols = os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0, (5, 6, 4)
+        path, skip, cols = (os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0,
+                            (5, 6, 4))
     elif task == "SICK-R":  # header line; sentences = 2nd and 3rd field, gold = 4th
         name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
         path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
@@ -417,7 +441,8 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
     pairs a batch, each side encoded separately): slower, for bit-level comparisons."""
     loaded = {t: load_sts(data, t, split if t in ("STS-B", "SICK-R") else "test") for t in tasks}
     embed = encode if exact else encode_once(
-        encode, {s for subsets in loaded.values() for rs in subsets.values() for r in rs for s in r[:2]})
+        encode, {s for subsets in loaded.values() for rs in subsets.values() for r in rs
+                 for s in r[:2]})
     results = {}
     for t in tasks:
         sims, gold = [], []

@@ -1,8 +1,8 @@
-"""Run folders that lose nothing, shared by sscl.py, jtcse.py and bellm.py (and read by eval_sts.py): atomic
-saves of the best model and the training state, a lock per folder, the checks of --resume, stopping at a step
-boundary on SIGINT/SIGTERM, and the sentence-transformers files beside a saved model.
-Reading is checked here too: every model and run folder the scripts load goes through
-load_pretrained / read_meta / load_run, which turn any broken file into one line naming it.
+"""Run folders that lose nothing, shared by sscl.py, jtcse.py and bellm.py (and read by
+eval_sts.py): atomic saves of the best model and the training state, a lock per folder, the checks
+of --resume, stopping at a step boundary on SIGINT/SIGTERM, and the sentence-transformers files
+beside a saved model. Reading is checked here too: every model and run folder the scripts load goes
+through load_pretrained / read_meta / load_run, which turn any broken file into one line naming it.
 """
 import contextlib
 import errno
@@ -25,12 +25,12 @@ STAGING, PENDING, LOCK = ".best.staging", ".best.pending", ".lock"  # see save_b
 
 
 # ---------------------------------------------------------------- nothing lost ------------------
-# A run folder holds the best model (plain HF or peft files + sentemb.json) and checkpoint.pt (the training
-# state). Every write is atomic: a kill, a full disk or a power cut at any instant leaves the old version or
-# the new one. Only one process at a time may write a run folder (lock_run).
+# A run folder holds the best model (plain HF or peft files + sentemb.json) and checkpoint.pt (the
+# training state). Every write is atomic: a kill, a full disk or a power cut at any instant leaves
+# the old version or the new one. Only one process at a time may write a run folder (lock_run).
 def _pause():
-    """For tests: SENTEMB_SAVE_PAUSE=seconds makes every save wait between its writes, so that a kill can
-    be aimed inside a save."""
+    """For tests: SENTEMB_SAVE_PAUSE=seconds makes every save wait between its writes, so that a
+    kill can be aimed inside a save."""
     if t := os.environ.get("SENTEMB_SAVE_PAUSE"):
         time.sleep(float(t))
 
@@ -54,19 +54,20 @@ def _save_failed(what, e):
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
     if full or any(s in str(e) for s in FULL_DISK):
         reason = "No space left on device"
-    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; what was saved before "
-               "is kept, and --resume continues from it")
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
 
 
 def _check_finite(params, out_dir):
     if not all(bool(torch.isfinite(q).all()) for q in params):
-        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good step: "
-                   "resume from it with a lower --lr (--resume --lr ...)")
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+                   "step: resume from it with a lower --lr (--resume --lr ...)")
 
 
 def save_state(state, out_dir, params):
-    """torch.save(state, OUT_DIR/checkpoint.pt) atomically: a temporary file beside it, fsync, one rename.
-    Weights that are no longer finite are never saved: the checkpoint of the last good step stays."""
+    """torch.save(state, OUT_DIR/checkpoint.pt) atomically: a temporary file beside it, fsync, one
+    rename. Weights that are no longer finite are never saved: the checkpoint of the last good step
+    stays."""
     _check_finite(params, out_dir)
     path = os.path.join(out_dir, CKPT)
     try:
@@ -84,12 +85,12 @@ def save_state(state, out_dir, params):
 
 
 def save_best(out_dir, write, state, params, **meta):
-    """A new best model and the training state, replaced together as one. write(folder) saves the weights
-    and tokenizer into an empty staging folder; checkpoint.pt (state) and sentemb.json (meta) are added,
-    every file is synced, and the folder is renamed to .best.pending: the commit point. Before it a kill
-    leaves the previous save untouched; after it the files are moved over the old ones, sentemb.json
-    last, and a move cut short by a kill is completed by finish_save() the next time a command of this
-    project opens the folder (training, --resume, eval_sts.py)."""
+    """A new best model and the training state, replaced together as one. write(folder) saves the
+    weights and tokenizer into an empty staging folder; checkpoint.pt (state) and sentemb.json
+    (meta) are added, every file is synced, and the folder is renamed to .best.pending: the commit
+    point. Before it a kill leaves the previous save untouched; after it the files are moved over
+    the old ones, sentemb.json last, and a move cut short by a kill is completed by finish_save()
+    the next time a command of this project opens the folder (training, --resume, eval_sts.py)."""
     _check_finite(params, out_dir)
     staging = os.path.join(out_dir, STAGING)
     try:
@@ -113,19 +114,22 @@ def save_best(out_dir, write, state, params, **meta):
 
 
 def finish_save(out_dir):
-    """Complete an interrupted save (call it holding the folder's lock): an uncommitted staging folder is
-    dropped (the old model stands), a committed one is moved into place; stray temporary files go."""
+    """Complete an interrupted save (call it holding the folder's lock): an uncommitted staging
+    folder is dropped (the old model stands), a committed one is moved into place; stray temporary
+    files go."""
     shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, CKPT + ".tmp"))
     pending = os.path.join(out_dir, PENDING)
     if not os.path.isdir(pending):
         return
-    if os.path.exists(os.path.join(pending, common.META)):  # files still to move: meanwhile the folder describes no run
+    # files still to move: meanwhile the folder describes no run
+    if os.path.exists(os.path.join(pending, common.META)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, common.META))
-    files = sorted((os.path.relpath(os.path.join(root, n), pending) for root, _, names in os.walk(pending)
-                    for n in names), key=lambda rel: (rel == common.META, rel))  # sentemb.json last
+    files = sorted((os.path.relpath(os.path.join(root, n), pending)
+                    for root, _, names in os.walk(pending) for n in names),
+                   key=lambda rel: (rel == common.META, rel))  # sentemb.json last
     for rel in files:
         os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
         os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
@@ -139,8 +143,9 @@ _held = {}  # real path -> open lock file, for the run folders this process hold
 
 
 def lock_run(out_dir):
-    """An exclusive lock on OUT_DIR/.lock that lasts as long as this process (the kernel drops it when the
-    process ends, however it ends). True when this process holds it, False when another process does."""
+    """An exclusive lock on OUT_DIR/.lock that lasts as long as this process (the kernel drops it
+    when the process ends, however it ends). True when this process holds it, False when another
+    process does."""
     key = os.path.realpath(out_dir)
     if key in _held:
         return True
@@ -166,34 +171,38 @@ def lock_run(out_dir):
 
 
 def open_run(out_dir, resume, models=(), rank=0):
-    """-> OUT_DIR/checkpoint.pt, once rank 0 has made sure that nothing already saved can be lost: the folder
-    is not one of the input models and is writable; it is locked for this run; an interrupted save is
-    completed; a folder that holds a run (sentemb.json or checkpoint.pt) needs --resume, and --resume needs
-    a checkpoint. Other ranks wait for that (they read the checkpoint next)."""
+    """-> OUT_DIR/checkpoint.pt, once rank 0 has made sure that nothing already saved can be lost:
+    the folder is not one of the input models and is writable; it is locked for this run; an
+    interrupted save is completed; a folder that holds a run (sentemb.json or checkpoint.pt) needs
+    --resume, and --resume needs a checkpoint. Other ranks wait for that (they read the checkpoint
+    next)."""
     ckpt = os.path.join(out_dir, CKPT)
     if rank == 0:
         for m in models:
             if m and os.path.isdir(m) and os.path.isdir(out_dir) and os.path.samefile(m, out_dir):
-                common.die(f"--output-dir '{out_dir}' is the input model '{m}': training would overwrite its weights; "
-                           "pass another --output-dir")
+                common.die(f"--output-dir '{out_dir}' is the input model '{m}': training would "
+                           "overwrite its weights; pass another --output-dir")
         try:
             os.makedirs(out_dir, exist_ok=True)
             open(os.path.join(out_dir, ".write_test"), "w").close()
             os.remove(os.path.join(out_dir, ".write_test"))
         except OSError as e:
-            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable --output-dir")
+            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a "
+                       "writable --output-dir")
         if not lock_run(out_dir):
             with open(os.path.join(out_dir, LOCK)) as f:
                 pid = f.read().strip()
-            common.die(f"'{out_dir}' is in use by another training run (pid {pid or '?'}): wait for it to end, or pass "
-                       "another --output-dir")
+            common.die(f"'{out_dir}' is in use by another training run (pid {pid or '?'}): wait "
+                       "for it to end, or pass another --output-dir")
         finish_save(out_dir)
         holds_run = os.path.exists(os.path.join(out_dir, common.META)) or os.path.exists(ckpt)
         if not resume and holds_run:
-            common.die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another --output-dir")
-        if not holds_run and any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json",
-                                                                                     "adapter_config.json")):
-            common.die(f"'{out_dir}' holds a model that is not a run of this project: pass a new or empty --output-dir")
+            common.die(f"'{out_dir}' already holds a run: pass --resume to continue it, or "
+                       "another --output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out_dir, f))
+                                 for f in ("config.json", "adapter_config.json")):
+            common.die(f"'{out_dir}' holds a model that is not a run of this project: pass a new "
+                       "or empty --output-dir")
         if resume and not os.path.isfile(ckpt):
             common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -202,8 +211,8 @@ def open_run(out_dir, resume, models=(), rank=0):
 
 
 def settle(run_dir):
-    """Before reading a run folder: complete a save that a kill cut short after its commit point. If a
-    training run holds the folder, it completes its own save within moments: wait for it."""
+    """Before reading a run folder: complete a save that a kill cut short after its commit point. If
+    a training run holds the folder, it completes its own save within moments: wait for it."""
     key = os.path.realpath(run_dir)
     for _ in range(300):
         if not os.path.isdir(os.path.join(run_dir, PENDING)):
@@ -216,7 +225,8 @@ def settle(run_dir):
                     _held.pop(key).close()
                 return
         except OSError as e:
-            common.die(f"'{run_dir}' holds an interrupted save that cannot be completed ({e.strerror}): make the "
+            common.die(f"'{run_dir}' holds an interrupted save that cannot be completed "
+                       f"({e.strerror}): make the "
                        "folder writable and run again")
         time.sleep(0.1)
     common.die(f"'{run_dir}' is being saved by a training run: try again in a moment")
@@ -448,14 +458,16 @@ def load_run(run_dir, meta, device):
 
 
 # settings that may change on --resume; any other difference is refused, listing the flags
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval", "data_dir",
-             "output_dir", "bf16", "tasks", "eval_first", "quiet",
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "tasks", "eval_first", "quiet",
              "length_grouping", "grad_ckpt"}
 
 
 def run_args(args):
-    """The settings a checkpoint records; paths that exist are made absolute (a resume may start elsewhere)."""
-    return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v for k, v in vars(args).items()}
+    """The settings a checkpoint records; paths that exist are made absolute (a resume may start
+    elsewhere)."""
+    return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+            for k, v in vars(args).items()}
 
 
 _dict, _tensor = (lambda v: isinstance(v, dict)), (lambda v: isinstance(v, torch.Tensor))
@@ -478,10 +490,11 @@ def load_state(path, method, args, device):
     try:
         state = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"--resume: {path} cannot be read ({type(e).__name__}); it is damaged: start again without --resume "
-                   "in another --output-dir")
+        common.die(f"--resume: {path} cannot be read ({type(e).__name__}); it is damaged: start "
+                   "again without --resume in another --output-dir")
     if not isinstance(state, dict) or state.get("method", method) != method:
-        common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a {method}.py run")
+        common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a "
+                   f"{method}.py run")
     old, new = state.get("args", {}), run_args(args)
     if not isinstance(old, dict):
         old = {}  # refused below: a state without its settings
@@ -490,8 +503,10 @@ def load_state(path, method, args, device):
                and (k in new or old[k])]
     if changed:
         flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
-        common.die(f"--resume: the run was started with {', '.join(flag(k, old[k]) for k in changed)}, this command "
-                   f"says {', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own settings")
+        common.die("--resume: the run was started with "
+                   f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                   f"{', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own "
+                   "settings")
     checks = {**STATE_ALL, **STATE_KEYS[method]}
     if bad := [k for k, ok in checks.items() if k not in state or not ok(state[k])]:
         common.die(f"--resume: {path} is damaged ({', '.join(bad)} missing or of the wrong "
@@ -528,13 +543,14 @@ def fit(load, what):
     try:
         load()
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        common.die(f"--resume: the checkpoint does not fit {what} ({type(e).__name__}): pass the --output-dir of a run "
+        common.die(f"--resume: the checkpoint does not fit {what} ({type(e).__name__}): pass the "
+                   "--output-dir of a run "
                    "of this model and settings")
 
 
 def resume_lr(opt, lr, state, log, sched=None):
-    """A new --lr on --resume: the optimizer's groups (and a LambdaLR's base) take it from the resumed step on,
-    and the log says so. The same lr as the run's: nothing to do."""
+    """A new --lr on --resume: the optimizer's groups (and a LambdaLR's base) take it from the
+    resumed step on, and the log says so. The same lr as the run's: nothing to do."""
     if lr == state["args"].get("lr", lr):
         return
     for i, g in enumerate(opt.param_groups):
@@ -546,9 +562,10 @@ def resume_lr(opt, lr, state, log, sched=None):
 
 
 class StopOnSignal(contextlib.AbstractContextManager):
-    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption): training stops at the next step boundary,
-    saves its state and exits with 128 + the signal number; a second signal exits at once (every save is
-    atomic, so that loses nothing already saved). The previous handlers come back on exit."""
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption): training stops at the next step
+    boundary, saves its state and exits with 128 + the signal number; a second signal exits at once
+    (every save is atomic, so that loses nothing already saved). The previous handlers come back on
+    exit."""
 
     def __enter__(self):
         self.signum, self.now = 0, False  # now: exit at the first signal (training has ended)
@@ -562,10 +579,12 @@ class StopOnSignal(contextlib.AbstractContextManager):
             os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
             os._exit(128 + signum)
         self.signum = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at once)\n".encode())
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at once)\n"
+                 .encode())
 
     def __call__(self, device, world):
-        """True on every rank once any rank has had a signal (ranks must leave the loop at the same step)."""
+        """True on every rank once any rank has had a signal (ranks must leave the loop at the same
+        step)."""
         if world > 1:
             t = torch.tensor(self.signum, device=device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -573,8 +592,9 @@ class StopOnSignal(contextlib.AbstractContextManager):
         return bool(self.signum)
 
     def exit(self, step, out_dir):
-        print(f"stopped at step {step} ({signal.Signals(self.signum).name}): the training state is in "
-              f"{os.path.join(out_dir, CKPT)}; run the same command with --resume to continue", flush=True)
+        print(f"stopped at step {step} ({signal.Signals(self.signum).name}): the training state "
+              f"is in {os.path.join(out_dir, CKPT)}; run the same command with --resume to "
+              "continue", flush=True)
         sys.exit(128 + self.signum)
 
     def __exit__(self, *exc):
@@ -589,21 +609,23 @@ def given(option):
 
 
 class Run:
-    """What a training script does besides its method, one call each, shared by sscl.py, jtcse.py and
-    bellm.py: processes (torchrun), the run folder (lock, --resume checks), logging from rank 0,
-    micro-batches, resuming, the NaN guard, evaluation on rank 0, atomic saves of the best model and the
-    training state, and stopping at a step boundary on SIGINT/SIGTERM (saved, exit 128 + signal)."""
+    """What a training script does besides its method, one call each, shared by sscl.py, jtcse.py
+    and bellm.py: processes (torchrun), the run folder (lock, --resume checks), logging from rank 0,
+    micro-batches, resuming, the NaN guard, evaluation on rank 0, atomic saves of the best model and
+    the training state, and stopping at a step boundary on SIGINT/SIGTERM (saved, exit 128 +
+    signal)."""
 
     def __init__(self, args, method):
         self.args, self.method = args, method
-        self.rank, self.world, self.device = common.init_distributed()  # torchrun: one process per GPU
+        # torchrun: one process per GPU
+        self.rank, self.world, self.device = common.init_distributed()
         self.state, self.step, self.best, self._lr, self._stop = None, 0, -float("inf"), None, None
 
     def open(self, inputs, total):
-        """Lock --output-dir (refusing to overwrite an input model or another run) and, with --resume,
-        read its training state (same script, same settings; a run already at its last step of
-        `total` says so and exits 0). -> the learning rate: the resumed run's unless the command
-        line gives --lr."""
+        """Lock --output-dir (refusing to overwrite an input model or another run) and, with
+        --resume, read its training state (same script, same settings; a run already at its last
+        step of `total` says so and exits 0). -> the learning rate: the resumed run's unless the
+        command line gives --lr."""
         path = open_run(self.args.output_dir, self.args.resume, inputs, self.rank)
         if self.args.resume:
             self.state = load_state(path, self.method, self.args, self.device)
@@ -618,7 +640,8 @@ class Run:
             print(msg, flush=True)
 
     def wrap(self, module):
-        """The module DDP runs under torchrun (gradients averaged over the ranks); itself on one process."""
+        """The module DDP runs under torchrun (gradients averaged over the ranks); itself on one
+        process."""
         return module if self.world == 1 else torch.nn.parallel.DistributedDataParallel(module)
 
     def rows(self, step_rows, k, batch_size):
@@ -632,10 +655,11 @@ class Run:
         return contextlib.nullcontext() if last else ddp.no_sync()
 
     def resume(self, what, **objects):
-        """With --resume, each object (model, optimiser, scheduler: load_state_dict; a torch.Generator:
-        set_state; a list of tensors: copied) takes its saved state, as do torch's, Python's and NumPy's RNGs; a new --lr applies
-        from here. From now on SIGINT/SIGTERM stop the run at the next step boundary, saved. what: named
-        in the error line of a checkpoint that does not fit."""
+        """With --resume, each object (model, optimiser, scheduler: load_state_dict; a
+        torch.Generator: set_state; a list of tensors: copied) takes its saved state, as do torch's,
+        Python's and NumPy's RNGs; a new --lr applies from here. From now on SIGINT/SIGTERM stop the
+        run at the next step boundary, saved. what: named in the error line of a checkpoint that
+        does not fit."""
         if self.state:
             def load():
                 for name, obj in objects.items():
@@ -643,7 +667,9 @@ class Run:
                         obj.set_state(self.state[name])
                     elif isinstance(obj, list):  # tensors (e.g. LoRA weights), copied in place
                         if len(obj) != len(self.state[name]):
-                            raise ValueError(f"{len(self.state[name])} saved tensors, {len(obj)} here")
+                            raise ValueError(
+                                f"{len(self.state[name])} saved tensors, {len(obj)} here")
+
                         for q, v in zip(obj, self.state[name]):
                             q.data.copy_(v)
                     else:
@@ -659,23 +685,24 @@ class Run:
         self._stop = StopOnSignal().__enter__()
 
     def steps(self, total):
-        """Step numbers, each = the optimisation steps done: 0 for a new run (the model as loaded), then
-        1..total; a resumed run continues after its saved step. run.step follows."""
+        """Step numbers, each = the optimisation steps done: 0 for a new run (the model as loaded),
+        then 1..total; a resumed run continues after its saved step. run.step follows."""
         self._clock = (time.perf_counter(), self.step)
         for step in range(self.step + 1 if self.state else 0, total + 1):
             self.step = step
             yield step
 
     def check_finite(self, loss):
-        """The NaN guard, before opt.step(): the weights and the run folder are still the last good ones."""
+        """The NaN guard, before opt.step(): the weights and the run folder are still the last good
+        ones."""
         if not torch.isfinite(loss):
             common.die(f"loss became {loss.item()} at step {self.step}: resume with a lower --lr "
                        f"(now {self._lr:g}; --resume --lr ...) or check the data; "
                        f"the run in {self.args.output_dir} is kept")
 
     def log_step(self, text, rows, unit="sent", tokens=None):
-        """'step N  <text>  sent/s X [tok/s Y]': rows (real tokens) per second of all ranks since the last
-        such line or evaluation."""
+        """'step N  <text>  sent/s X [tok/s Y]': rows (real tokens) per second of all ranks since
+        the last such line or evaluation."""
         t0, s0 = self._clock
         dt = time.perf_counter() - t0
         line = f"step {self.step:>5}  {text}  {unit}/s {rows * (self.step - s0) / dt:.2f}"
@@ -698,9 +725,10 @@ class Run:
         return dev
 
     def save(self, state, params, dev=None, write=None, metric="stsb_dev", **meta):
-        """Rank 0 writes the training state (state + method, args, step, best, RNGs) to checkpoint.pt and,
-        when dev is a new best, the model too (write(folder), and sentemb.json = meta), atomically, as
-        one; weights that are no longer finite are never saved. All ranks wait. With dev: a log line."""
+        """Rank 0 writes the training state (state + method, args, step, best, RNGs) to
+        checkpoint.pt and, when dev is a new best, the model too (write(folder), and sentemb.json =
+        meta), atomically, as one; weights that are no longer finite are never saved. All ranks
+        wait. With dev: a log line."""
         if self.rank == 0:
             new_best = dev is not None and dev > self.best
             self.best = dev if new_best else self.best
@@ -718,37 +746,45 @@ class Run:
         self._clock = (time.perf_counter(), self.step)
 
     def stopping(self):
-        """True on every rank once any rank has had SIGINT/SIGTERM: save this step and leave the loop."""
+        """True on every rank once any rank has had SIGINT/SIGTERM: save this step and leave the
+        loop."""
         return self._stop(self.device, self.world)
 
     def end(self):
-        """After the loop: a stop by signal exits (128 + signal) with the --resume hint; otherwise a signal
-        now ends the process at once (nothing is left to save)."""
+        """After the loop: a stop by signal exits (128 + signal) with the --resume hint; otherwise a
+        signal now ends the process at once (nothing is left to save)."""
         if self._stop.signum:
             self._stop.exit(self.step, self.args.output_dir)
         self._stop.now = True
 
 
 def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):
-    """The small files sentence-transformers reads beside a plain HF model (its classic layout, which v2 to v6
-    load), so that SentenceTransformer(folder) encodes as we evaluate: Transformer (no truncation below
-    max_len) -> Pooling (pooling: "cls" or "mean") [-> Dense, the linear projection `dense`]. No normalisation:
-    cosine similarity does not need it."""
-    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")] if dense is not None else [])
-    files = {"modules.json": [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+    """The small files sentence-transformers reads beside a plain HF model (its classic layout,
+    which v2 to v6 load), so that SentenceTransformer(folder) encodes as we evaluate: Transformer
+    (no truncation below max_len) -> Pooling (pooling: "cls" or "mean") [-> Dense, the linear
+    projection `dense`]. No normalisation: cosine similarity does not need it."""
+    modules = ([("", "Transformer"), ("1_Pooling", "Pooling")]
+               + ([("2_Dense", "Dense")] if dense is not None else []))
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
+                               "type": f"sentence_transformers.models.{kind}"}
                               for i, (path, kind) in enumerate(modules)],
              "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
-             "1_Pooling/config.json": {"word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
-                                       "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+             "1_Pooling/config.json": {"word_embedding_dimension": hidden,
+                                       "pooling_mode_cls_token": pooling == "cls",
+                                       "pooling_mode_mean_tokens": pooling == "mean",
+                                       "pooling_mode_max_tokens": False,
                                        "pooling_mode_mean_sqrt_len_tokens": False}}
     if dense is not None:
-        files["2_Dense/config.json"] = {"in_features": dense.in_features, "out_features": dense.out_features,
+        files["2_Dense/config.json"] = {"in_features": dense.in_features,
+                                        "out_features": dense.out_features,
                                         "bias": dense.bias is not None,
                                         "activation_function": "torch.nn.modules.linear.Identity"}
         from safetensors.torch import save_file
         os.makedirs(os.path.join(folder, "2_Dense"))
-        save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in dense.state_dict().items()},
+        save_file({f"linear.{k}": v.detach().contiguous().cpu()
+                   for k, v in dense.state_dict().items()},
                   os.path.join(folder, "2_Dense", "model.safetensors"))
+
     for name, content in files.items():
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "w") as f:
