@@ -39,9 +39,11 @@ import common
 import runs
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3
-warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft
+# peft on transformers 5
+warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="a decoder LLM "
                "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); --dependency takes several")
@@ -64,12 +66,14 @@ p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential
 p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"], help="convert the "
                "last K layers, or add K bidirectional copies of them on top (Table 4)")
 p.add_argument("--prompt", default=PROMPT, help="with {sentence}; may contain {condition} (C-STS, "
-               "§5.1: 'Given the context {condition}, summarize the sentence {sentence} in one word:\"')")
+               "§5.1: 'Given the context {condition}, summarize the sentence {sentence} in one "
+               "word:\"')")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau of eq. 6 (paper: 0.05)")
 p.add_argument("--lora-r", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-alpha", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1")
-p.add_argument("--csts", help="a C-STS dev csv: scored at every evaluation, it selects the checkpoint")
+p.add_argument("--csts", help="a C-STS dev csv: scored at every evaluation, it selects the "
+               "checkpoint")
 p.add_argument("--degradation", action="store_true", help="no training: STS of the causal LLM cut "
                "after each layer (Fig. 4; bellm_analysis.py)")
 p.add_argument("--dependency", action="store_true", help="no training: Spearman of the pooled "
@@ -87,7 +91,7 @@ def fill(prompt, sentence, condition=None):
 def attn_mask(attention_mask, causal, dtype):
     """(b, L) 1 = real token -> (b, 1, L, L) additive mask, 0 where query i may read key j."""
     L = attention_mask.shape[1]
-    keep = attention_mask[:, None, None, :].bool()  # keys: real tokens only, every layer (eq. 4 too)
+    keep = attention_mask[:, None, None, :].bool()  # keys: real tokens only (eq. 4 too)
     if causal:  # eq. 3: j <= i
         keep = keep & torch.ones(L, L, dtype=torch.bool, device=keep.device).tril()
     keep = keep | torch.eye(L, dtype=torch.bool, device=keep.device)  # no empty row (padding)
@@ -115,7 +119,8 @@ def forward(dec, input_ids, attention_mask, bi_layers, bi_mode, bi_strategy, all
         g = x if bi_mode == "parallel" else h  # eq. 5 reads x; BiLLM continues the causal stack
         for layer in bi:  # BiLLM<->: bidirectional
             g = layer(g, attention_mask=m, **kw)
-        # eq. 5: h = LLM->(x) + BiLLM<->(x); NOTE(authors' code): no causal layer left (K = n): BiLLM(x)
+        # eq. 5: h = LLM->(x) + BiLLM<->(x)
+        # NOTE(authors' code): with no causal layer left (K = n), h = BiLLM(x)
         h = g if bi_mode == "sequential" or len(causal_layers) == 0 else h + g
     return (dec.norm(h), hs) if all_hidden else dec.norm(h)
 
@@ -139,7 +144,8 @@ class BeLLM(torch.nn.Module):
 
 # ---------------------------------------------------------------- the loss ----------------------
 def bellm_loss(h, h_pos, h_neg, temp):
-    """eq. 6: -log e^{cos(h_i,h_i+)/t} / Σ_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t}); h*: (B, H)."""
+    """eq. 6: -log e^{cos(h_i,h_i+)/t} / Σ_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t});
+    h, h_pos, h_neg: (B, H)."""
     h = F.normalize(h, dim=-1)
     sim = h @ F.normalize(torch.cat([h_pos, h_neg]), dim=-1).T / temp  # (B, 2B)
     return F.cross_entropy(sim, torch.arange(len(h), device=h.device))
@@ -193,8 +199,8 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     if device.type == "cpu":  # PyTorch's CPU SDPA backward with a mask is slow (docs/operations.md)
         dec.set_attn_implementation("eager")
     if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "rotary_emb", "norm")):
-        common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, layers, "
-                   "rotary_emb and norm: pass a LLaMA / Mistral / Qwen2-style model")
+        common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, "
+                   "layers, rotary_emb and norm: pass a LLaMA / Mistral / Qwen2-style model")
     n = len(dec.layers)
     if not 0 <= bi_layers <= n:
         common.die(f"--bi-layers {bi_layers} is outside 0..{n} ('{name}' has {n} layers)")
@@ -281,8 +287,9 @@ def read_csv(path):
     elif {"sentence1", "sentence2", "condition", "label"} <= cols:
         kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
     else:
+        has = ",".join(sorted(cols)) or "no header"
         common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-                   f"sentence2,condition,label (C-STS); it has {','.join(sorted(cols)) or 'no header'}")
+                   f"sentence2,condition,label (C-STS); it has {has}")
     rows = []
     for r in reader:
         if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
@@ -332,7 +339,8 @@ def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
     per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
     w, o, act = est[grad_ckpt]
     return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
-            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB for "
+            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
+            f"for "
             f"{texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
             f"{w + o + act:.2f} GiB in all")
 
@@ -375,8 +383,9 @@ def main():
     grad_ckpt = run.device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
     if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (docs/operations.md)
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha,
-                                           lora_dropout=a.lora_dropout, target_modules="all-linear"))
+    lora = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
+                      target_modules="all-linear")  # every Linear; AutoModel has no LM head
+    model = get_peft_model(dec, lora)
     if a.bf16 or run.device.type == "cuda":  # autocast on: the frozen Linears cast once
         cast_frozen_linears(dec)
     net = run.wrap(BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy))  # DDP under torchrun
@@ -442,7 +451,8 @@ def check_prompt(prompt, conditional):
     if ("{condition}" in prompt) != conditional:
         common.die("--prompt has {condition} but the data has no condition column"
                    if not conditional else "C-STS data needs a --prompt with {condition}, e.g. "
-                   "'Given the context {condition}, summarize the sentence {sentence} in one word:\"'")
+                   "'Given the context {condition}, summarize the sentence {sentence} in one "
+                   "word:\"'")
 
 
 def check_tasks(spec):

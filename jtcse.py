@@ -1,5 +1,5 @@
-"""JTCSE: "Joint Tensor-Modulus Constraints and Cross-Attention for Unsupervised Contrastive Learning
-of Sentence Embeddings". Zong, Yi, Shi, Wang, Xu. 2025. arXiv:2505.02366.
+"""JTCSE: "Joint Tensor-Modulus Constraints and Cross-Attention for Unsupervised Contrastive
+Learning of Sentence Embeddings". Zong, Yi, Shi, Wang, Xu. 2025. arXiv:2505.02366.
 
 Two BERT towers (I and II, each already trained with unsupervised SimCSE) are trained together. Each
 keeps SimCSE's InfoNCE (eq. 11); the towers are each other's positives (ICNCE, eq. 12), on their
@@ -32,7 +32,8 @@ from transformers import AutoConfig, AutoTokenizer, BertModel
 import common
 import runs
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model-a", default="bert-base-uncased", help="tower I, a BERT (paper: "
                "bert-base-uncased trained with unsupervised SimCSE on round-trip-translated data)")
@@ -43,8 +44,8 @@ common.training_flags(p, output_dir="runs/jtcse", lr=1.3e-6, max_len=64, batch_s
                       eval_steps=100, lr_note=" (the towers are trained already); --distill: 1e-5")
 # --- JTCSE ---
 p.add_argument("--num-cael", type=common.NONNEG_INT, help="cross-attention layers (eq. 7, Table "
-               "IX): layer j is a CAEL when j mod (layers/num_cael) = 0; default layers/2 (1 if odd); "
-               "0 = no cross stream")
+               "IX): layer j is a CAEL when j mod (layers/num_cael) = 0; default layers/2 "
+               "(1 if odd); 0 = no cross stream")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau (paper: 0.05)")
 p.add_argument("--add-sick", action=argparse.BooleanOptionalAction, default=True,
                help="add SICK train's sentences to --train (footnote 7)")
@@ -84,7 +85,8 @@ def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
     SA, V = [], []
     for layer, x in zip(layers, xs):
         att = layer.attention.self
-        heads = lambda t: t.view(*t.shape[:-1], -1, att.attention_head_size).transpose(1, 2)  # noqa: E731
+        d = att.attention_head_size
+        heads = lambda t: t.view(*t.shape[:-1], -1, d).transpose(1, 2)  # noqa: E731
         q = heads(att.query(x[:, :1] if cls_only else x))  # (N, heads, L, d)
         k, v = heads(att.key(x)), heads(att.value(x))
         sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # eq. 8
@@ -295,7 +297,8 @@ def main():
     teacher = None
     if a.distill:
         twin, tokenizer = load_towers(teacher_towers)
-        teacher = make_encode([t.to(run.device).eval() for t in twin], tokenizer, a.max_len, run.device)
+        twin = [t.to(run.device).eval() for t in twin]
+        teacher = make_encode(twin, tokenizer, a.max_len, run.device)
         towers, names = load_towers([a.model_a])[0], ["."]
         net = towers[0]
     else:
@@ -400,7 +403,8 @@ def check_args(a, world):
         common.die(f"--distill '{a.distill}' holds no {common.META}: pass the --output-dir of a "
                    "jtcse.py twin run")
     if meta["method"] != "jtcse" or len(meta["towers"]) != 2:
-        common.die(f"--distill '{a.distill}' is not a jtcse.py twin run: pass the --output-dir of one")
+        common.die(f"--distill '{a.distill}' is not a jtcse.py twin run: pass the --output-dir "
+                   "of one")
     teacher = [os.path.join(a.distill, t) for t in meta["towers"]]
     check_towers(teacher)
     check_towers([a.model_a], max_len=a.max_len)

@@ -13,7 +13,7 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   one step: two dropout views, the loss      train_step
   eqs. 1-2, Figs. 1, 4, 5 (--analyze)        sscl_analysis.py
 
-  python sscl.py --layer 11             # the paper's setting: bert-base-uncased, wiki1m, 1 epoch (GPU)
+  python sscl.py --layer 11             # the paper's setting: BERT-base, wiki1m, 1 epoch (GPU)
   python sscl.py --layer 10,11          # Progressive SSCL, the paper's best (GPU)
   python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm   # CPU: minutes
@@ -30,7 +30,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 import common
 import runs
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model", nargs="+", default=["bert-base-uncased"],
                help="hub name or local folder (paper: bert-base-uncased); --analyze takes several")

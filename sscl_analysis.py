@@ -1,6 +1,7 @@
-"""SSCL's analyses, no training (run them as `sscl.py --analyze`): for each --model, eq. 1 token-wise
-similarity and eq. 2 inter-layer similarity per layer on the STS-B test sentences (Fig. 1, Fig. 4), and
-with --sentence the last layer's token-by-token cosines of one sentence (Fig. 5); --plot draws them.
+"""SSCL's analyses, no training (run them as `sscl.py --analyze`): for each --model, eq. 1
+token-wise similarity and eq. 2 inter-layer similarity per layer on the STS-B test sentences
+(Fig. 1, Fig. 4), and with --sentence the last layer's token-by-token cosines of one sentence
+(Fig. 5); --plot draws them.
 
   python sscl.py --analyze --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse runs/sscl \\
       --sentence "A man is playing a guitar." --plot fig.png
