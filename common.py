@@ -334,7 +334,6 @@ def by_length(forward, batch, cost=GROUP_COST):
         idx, L = torch.tensor(g, device=mask.device), max(lengths[i] for i in g)
         parts.append(forward({k: v[idx, -L:] if left else v[idx, :L]
                               for k, v in batch.items()}))  # (n_g, L_g)
-
     # grouped row -> row
     inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()
 

@@ -669,7 +669,6 @@ class Run:
                         if len(obj) != len(self.state[name]):
                             raise ValueError(
                                 f"{len(self.state[name])} saved tensors, {len(obj)} here")
-
                         for q, v in zip(obj, self.state[name]):
                             q.data.copy_(v)
                     else:
@@ -784,7 +783,6 @@ def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):
         save_file({f"linear.{k}": v.detach().contiguous().cpu()
                    for k, v in dense.state_dict().items()},
                   os.path.join(folder, "2_Dense", "model.safetensors"))
-
     for name, content in files.items():
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "w") as f:
