@@ -1,7 +1,8 @@
-"""All tests: `python -m pytest test_all.py -q`. Three kinds (STYLE.md 11): subprocess smoke runs of each
-script on tiny random-weight models, equivalence tests (patch off = stock model, loss = the paper's
-equation), determinism. Tiny models and tokenisers are built here, offline. The SentEval-parity test
-needs the real data and MiniLM checkpoint (../shared; `bash ../shared/bench/setup_models.sh`)."""
+"""All tests: `python -m pytest test_all.py -q`. Three kinds (STYLE.md 11): subprocess smoke runs of
+each script on tiny random-weight models, equivalence tests (patch off = stock model, loss = the
+paper's equation), determinism. Tiny models and tokenisers are built here, offline. The
+SentEval-parity test needs the real data and MiniLM checkpoint (../shared; `bash
+../shared/bench/setup_models.sh`)."""
 import codecs
 import copy
 import csv
@@ -38,19 +39,23 @@ import sscl
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
-REAL_STS = Path(os.environ.get("SENTEMB_DATA", SHARED / "data" / "senteval"))  # SimCSE's senteval.tar, unpacked
+# SimCSE's senteval.tar, unpacked
+REAL_STS = Path(os.environ.get("SENTEMB_DATA", SHARED / "data" / "senteval"))
 MODELS = Path(os.environ.get("SENTEMB_MODELS", Path.home() / ".cache" / "sentemb-models"))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONHASHSEED": "0",
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+       "PYTHONHASHSEED": "0",
        "OMP_NUM_THREADS": "1"}  # tiny models: a second thread costs more than it gives
 torch.set_num_threads(1)
-WORDS = ("a man woman dog cat is are the on in with playing eating running riding sitting red blue big small "
-         "guitar horse car ball grass street water bread piano bike table two three people child girl boy").split()
+WORDS = ("a man woman dog cat is are the on in with playing eating running riding sitting red blue "
+         "big small guitar horse car ball grass street water bread piano bike table two three "
+         "people child girl boy").split()
 
 
 def run(script, *args, env=None, timeout=600):
     """Run one of our scripts; returns the CompletedProcess (stdout + stderr as text)."""
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, cwd=ROOT, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)],
+                          capture_output=True, text=True, env={**ENV, **(env or {})}, cwd=ROOT,
+                          timeout=timeout)
 
 
 def assert_bad_input(proc, *words):
@@ -64,8 +69,8 @@ def assert_bad_input(proc, *words):
 
 
 def need(*paths):
-    """A test on real data or checkpoints skips, with the reason, when they are missing; in CI (CI=true) a
-    missing prerequisite is a failure, so that CI never passes by skipping."""
+    """A test on real data or checkpoints skips, with the reason, when they are missing; in CI
+    (CI=true) a missing prerequisite is a failure, so that CI never passes by skipping."""
     if missing := [str(p) for p in paths if not Path(p).exists()]:
         why = f"needs {', '.join(missing)} (README: Set up and test)"
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
@@ -81,7 +86,8 @@ def bert_tokenizer_dir(tmp_path_factory):
     """A real WordPiece tokenizer, built offline from a word list."""
     from transformers import BertTokenizerFast
     d = tmp_path_factory.mktemp("bert_tok")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+             + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"])
     vocab += list("abcdefghijklmnopqrstuvwxyz0123456789.,")
     (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizerFast(vocab_file=str(d / "vocab.txt"), do_lower_case=True).save_pretrained(d)
@@ -93,8 +99,9 @@ def tiny_bert(path, tok_dir, seed=0, layers=4, hidden=32):
     from transformers import AutoTokenizer, BertConfig, BertModel
     tok = AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=2 * hidden, max_position_embeddings=64)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=2 * hidden,
+                     max_position_embeddings=64)
     BertModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -113,18 +120,24 @@ def write_sts(root, n=24, seed=0):
         (d / "STS" / f"{task}-en-test").mkdir(parents=True, exist_ok=True)
         for s in subsets:
             pairs = [(sentence(rng), sentence(rng)) for _ in range(n)]
-            gold = [f"{rng.uniform(0, 5):.2f}" if i % 7 else "" for i in range(n)]  # every 7th pair unscored
-            (d / "STS" / f"{task}-en-test" / f"STS.input.{s}.txt").write_text("".join(f"{a}\t{b}\n" for a, b in pairs))
-            (d / "STS" / f"{task}-en-test" / f"STS.gs.{s}.txt").write_text("".join(g + "\n" for g in gold))
+            # every 7th pair unscored
+            gold = [f"{rng.uniform(0, 5):.2f}" if i % 7 else "" for i in range(n)]
+            (d / "STS" / f"{task}-en-test" / f"STS.input.{s}.txt").write_text(
+                "".join(f"{a}\t{b}\n" for a, b in pairs))
+            (d / "STS" / f"{task}-en-test" / f"STS.gs.{s}.txt").write_text(
+                "".join(g + "\n" for g in gold))
     (d / "STS" / "STSBenchmark").mkdir(parents=True, exist_ok=True)
     for split in ("train", "dev", "test"):
-        rows = [f"genre\tfile\tyear\t{i}\t{rng.uniform(0, 5):.3f}\t{sentence(rng)}\t{sentence(rng)}\n" for i in range(n)]
+        rows = [f"genre\tfile\tyear\t{i}\t{rng.uniform(0, 5):.3f}\t{sentence(rng)}\t"
+                f"{sentence(rng)}\n" for i in range(n)]
         (d / "STS" / "STSBenchmark" / f"sts-{split}.csv").write_text("".join(rows))
     (d / "SICK").mkdir(parents=True, exist_ok=True)
     for name in ("SICK_train", "SICK_trial", "SICK_test_annotated"):
-        rows = [f"{i}\t{sentence(rng)}\t{sentence(rng)}\t{rng.uniform(1, 5):.1f}\tNEUTRAL\n" for i in range(n)]
-        (d / "SICK" / f"{name}.txt").write_text("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
-                                               + "".join(rows))
+        rows = [f"{i}\t{sentence(rng)}\t{sentence(rng)}\t{rng.uniform(1, 5):.1f}\tNEUTRAL\n"
+                for i in range(n)]
+        (d / "SICK" / f"{name}.txt").write_text(
+            "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+            + "".join(rows))
     return Path(root)
 
 
@@ -146,7 +159,8 @@ def train_txt(tmp_path_factory):
 # ---------------------------------------------------------------- common.py / eval_sts.py -------
 def hashed_encode(sentences):
     """A fixed random vector per sentence: any evaluator bug changes the numbers."""
-    return torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(sum(map(ord, s)) * 7919 + len(s)))
+    return torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(
+                            sum(map(ord, s)) * 7919 + len(s)))
                         for s in sentences])
 
 
@@ -161,7 +175,8 @@ def test_evaluate_equals_scipy_on_pooled_subsets(sts_dir):
                 sims.append(F.cosine_similarity(hashed_encode([a]), hashed_encode([b])).item())
                 gold.append(g)
         assert results[task] == pytest.approx(100 * spearmanr(sims, gold).statistic, abs=1e-4), task
-    exact = common.evaluate(hashed_encode, data, exact=True, batch_size=5)  # SentEval's batches: same numbers
+    # SentEval's batches: same numbers
+    exact = common.evaluate(hashed_encode, data, exact=True, batch_size=5)
     assert exact == pytest.approx(results, abs=1e-4)
 
 
@@ -177,8 +192,8 @@ def test_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
 @pytest.mark.slow
 def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
     out = tmp_path / "r.json"
-    proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg_first_last", "--data-dir", sts_dir,
-               "--tasks", "STS12,SICK-R", "--json", out)
+    proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg_first_last", "--data-dir",
+               sts_dir, "--tasks", "STS12,SICK-R", "--json", out)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"STS12\s+SICK-R\s+Avg\.", proc.stdout)
     assert set(json.loads(out.read_text())["results"]) == {"STS12", "SICK-R"}
@@ -191,7 +206,8 @@ def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
     lines = f.read_text().splitlines()
     lines[4] = lines[4].replace("\t", " ")
     f.write_text("\n".join(lines) + "\n")
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path), "STS.input.images.txt", "line 5")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path),
+                     "STS.input.images.txt", "line 5")
 
 
 @pytest.mark.slow
@@ -200,15 +216,18 @@ def test_missing_data_folder(bert_dir, tmp_path):
     assert_bad_input(proc, "--data-dir", "SENTEMB_DATA")
     write_sts(tmp_path / "partial")
     shutil.rmtree(tmp_path / "partial" / "downstream" / "SICK")  # incomplete
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "partial"), "--data-dir")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "partial"),
+                     "--data-dir")
     write_sts(tmp_path / "gap")
     (tmp_path / "gap" / "downstream" / "STS" / "STS16-en-test" / "STS.gs.plagiarism.txt").unlink()
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "gap"), "STS.gs.plagiarism.txt")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "gap"),
+                     "STS.gs.plagiarism.txt")
 
 
 @pytest.mark.slow
 def test_unknown_model_offline(sts_dir):
-    assert_bad_input(run("eval_sts.py", "--model", "no-such-org/no-such-model", "--data-dir", sts_dir), "local model folder")
+    assert_bad_input(run("eval_sts.py", "--model", "no-such-org/no-such-model", "--data-dir",
+                         sts_dir), "local model folder")
 
 
 @pytest.mark.slow
@@ -217,8 +236,8 @@ def test_senteval_parity_minilm_avg(tmp_path):
     minilm = MODELS / "minilm"
     need(minilm / "model.safetensors", REAL_STS / "downstream" / "STS")
     out = tmp_path / "r.json"
-    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--json", out,
-               env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())})
     assert proc.returncode == 0, proc.stderr
     senteval = {"STS12": 72.37, "STS13": 80.60, "STS14": 75.59, "STS15": 85.39, "STS16": 78.99,
                 "STS-B": 82.03, "SICK-R": 77.15}
@@ -227,7 +246,8 @@ def test_senteval_parity_minilm_avg(tmp_path):
 
 # ---------------------------------------------------------------- eval_sts.py: transfer tasks ---
 def write_transfer(root, n=40, seed=0):
-    """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns downstream/."""
+    """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns
+    downstream/."""
     rng = random.Random(seed)
     d = Path(root) / "downstream"
     files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"), "CR": ("custrev.pos", "custrev.neg"),
@@ -242,40 +262,47 @@ def write_transfer(root, n=40, seed=0):
             "".join(f"{sentence(rng)}\t{rng.randint(0, 1)}\n" for _ in range(n)))
     (d / "TREC").mkdir(parents=True, exist_ok=True)
     for name in ("train_5500.label", "TREC_10.label"):
-        (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n" for c in list(eval_sts.TREC_CLASSES) * (n // 6 + 2)))
+        (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n"
+                                               for c in list(eval_sts.TREC_CLASSES) * (n // 6 + 2)))
     (d / "MRPC").mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
-        rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n" for i in range(n)]
-        (d / "MRPC" / f"msr_paraphrase_{split}.txt").write_text("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
-                                                                + "".join(rows))
+        rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n"
+                for i in range(n)]
+        (d / "MRPC" / f"msr_paraphrase_{split}.txt").write_text(
+            "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(rows))
     return d
 
 
 def test_stratified_kfold_equals_scikit_learn():
-    """Folds printed by scikit-learn 1.9.1: StratifiedKFold(5, shuffle=True, random_state=1111).split(y, y)."""
+    """Folds printed by scikit-learn 1.9.1: StratifiedKFold(5, shuffle=True,
+    random_state=1111).split(y, y)."""
     y = np.array([1] * 20 + [0] * 13 + [2] * 9)
     sklearn_test_folds = [[4, 5, 6, 16, 22, 26, 27, 38, 41], [2, 13, 15, 19, 20, 23, 31, 37, 39],
-                          [3, 7, 11, 14, 24, 28, 30, 35], [9, 10, 12, 17, 21, 29, 34, 40], [0, 1, 8, 18, 25, 32, 33, 36]]
+                          [3, 7, 11, 14, 24, 28, 30, 35], [9, 10, 12, 17, 21, 29, 34, 40],
+                          [0, 1, 8, 18, 25, 32, 33, 36]]
     folds = eval_sts.stratified_kfold(y, 5)
     assert [list(te) for _, te in folds] == sklearn_test_folds
     assert all(sorted(np.concatenate([tr, te])) == list(range(len(y))) for tr, te in folds)
 
 
 def senteval_fit(X, y, nclasses, l2, cfg, validation_data=None, validation_split=None):
-    """Transcription of SentEval's tools/classifier.py (MLP with nhid=0: __init__, prepare_split, fit, trainepoch,
-    score), one run at a time, on the global RNGs as SentEval uses them. -> (best dev accuracy, model)."""
+    """Transcription of SentEval's tools/classifier.py (MLP with nhid=0: __init__, prepare_split,
+    fit, trainepoch, score), one run at a time, on the global RNGs as SentEval uses them. -> (best
+    dev accuracy, model)."""
     np.random.seed(1111)
     torch.manual_seed(1111)
     model = torch.nn.Sequential(torch.nn.Linear(X.shape[1], nclasses))
     loss_fn = torch.nn.CrossEntropyLoss()
-    optimizer = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]](model.parameters())
+    optimizer = {"adam": torch.optim.Adam,
+                 "rmsprop": torch.optim.RMSprop}[cfg["optim"]](model.parameters())
     optimizer.param_groups[0]["weight_decay"] = l2
     if validation_data is not None:
         trainX, trainy, (devX, devy) = X, y, validation_data
     else:
         permutation = np.random.permutation(len(X))
         cut = int(validation_split * len(X))
-        trainX, trainy, devX, devy = X[permutation[cut:]], y[permutation[cut:]], X[permutation[:cut]], y[permutation[:cut]]
+        trainX, trainy, devX, devy = (X[permutation[cut:]], y[permutation[cut:]],
+                                      X[permutation[:cut]], y[permutation[:cut]])
     nepoch, bestaccuracy, stop_train, early_stop_count = 0, -1, False, 0
     while not stop_train and nepoch <= 200:
         for _ in range(cfg["epoch_size"]):
@@ -309,24 +336,27 @@ SMALL = dict(kfold=3, optim="adam", batch_size=16, tenacity=2, epoch_size=2)
 def synthetic(n, d=6, nclasses=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g)
-    y = (X @ torch.randn(d, nclasses, generator=g) + 1.5 * torch.randn(n, nclasses, generator=g)).argmax(1)
+    y = (X @ torch.randn(d, nclasses, generator=g)
+         + 1.5 * torch.randn(n, nclasses, generator=g)).argmax(1)
     return X, y
 
 
 @pytest.mark.parametrize("optim", ["adam", "rmsprop"])
 def test_batched_runs_equal_senteval_one_by_one(optim):
-    """Runs of different sizes, L2 values and dev sets, trained as batched models, each equal to SentEval's
-    own loop run alone: same best dev accuracy, same weights."""
+    """Runs of different sizes, L2 values and dev sets, trained as batched models, each equal to
+    SentEval's own loop run alone: same best dev accuracy, same weights."""
     cfg = {**SMALL, "optim": optim}
     X, y = synthetic(90)
-    runs = [(np.arange(0, 60), np.arange(60, 90), 1e-3), (np.arange(0, 60), np.arange(60, 90), 1e-2),
+    runs = [(np.arange(0, 60), np.arange(60, 90), 1e-3), (np.arange(0, 60), np.arange(60, 90),
+                                                          1e-2),
             (np.arange(5, 62), np.arange(62, 80), 1e-4), (np.arange(10, 90), None, 1e-5)]
     got = eval_sts.fit_logreg(X, y, runs, 2, cfg)
     for (tr, dev, l2), (acc, W, b) in zip(runs, got):
         kw = dict(validation_split=0.05) if dev is None else dict(validation_data=(X[dev], y[dev]))
         want_acc, model = senteval_fit(X[tr], y[tr], 2, l2, cfg, **kw)
         assert acc == want_acc
-        assert torch.allclose(W, model[0].weight, atol=1e-5) and torch.allclose(b, model[0].bias, atol=1e-5)
+        assert (torch.allclose(W, model[0].weight, atol=1e-5)
+                and torch.allclose(b, model[0].bias, atol=1e-5))
 
 
 def test_inner_kfold_protocol_equals_senteval():
@@ -341,32 +371,37 @@ def test_inner_kfold_protocol_equals_senteval():
                          for itr, ite in eval_sts.stratified_kfold(y[tr].numpy(), k)]
             scores.append(round(100 * np.mean(regscores), 2))
         dev.append(np.max(scores))
-        _, model = senteval_fit(X[tr], y[tr], 2, REGS[np.argmax(scores)], SMALL, validation_split=0.05)
+        _, model = senteval_fit(X[tr], y[tr], 2, REGS[np.argmax(scores)], SMALL,
+                                validation_split=0.05)
         test.append(round(100 * senteval_score(model, X[te], y[te]), 2))
     got = eval_sts.classify("MR", {"all": X}, {"all": y}, SMALL)
     assert got == {"devacc": round(np.mean(dev), 2), "acc": round(np.mean(test), 2)}
 
 
 def test_kfold_and_split_protocols_equal_senteval():
-    """TREC/MRPC: KFoldClassifier.run; SST-2: SplitClassifier.run (whose final refit is the grid's model)."""
+    """TREC/MRPC: KFoldClassifier.run; SST-2: SplitClassifier.run (whose final refit is the grid's
+    model)."""
     X, y = synthetic(70, nclasses=6, seed=2)
     Xt, yt = synthetic(30, nclasses=6, seed=3)
     scores = []
     for l2 in REGS:
-        scores.append(round(100 * np.mean([senteval_fit(X[tr], y[tr], 6, l2, SMALL, validation_data=(X[te], y[te]))[0]
-                                           for tr, te in eval_sts.stratified_kfold(y.numpy(), SMALL["kfold"])]), 2))
+        scores.append(round(100 * np.mean(
+            [senteval_fit(X[tr], y[tr], 6, l2, SMALL, validation_data=(X[te], y[te]))[0]
+             for tr, te in eval_sts.stratified_kfold(y.numpy(), SMALL["kfold"])]), 2))
     _, model = senteval_fit(X, y, 6, REGS[np.argmax(scores)], SMALL, validation_split=0.05)
     want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
-    assert eval_sts.classify("TREC", {"train": X, "test": Xt}, {"train": y, "test": yt}, SMALL) == want
+    assert eval_sts.classify("TREC", {"train": X, "test": Xt}, {"train": y, "test": yt},
+                             SMALL) == want
 
     X, y = synthetic(60, seed=4)
     Xd, yd = synthetic(25, seed=5)
     Xt, yt = synthetic(25, seed=6)
-    scores = [round(100 * senteval_fit(X, y, 2, l2, SMALL, validation_data=(Xd, yd))[0], 2) for l2 in REGS]
+    scores = [round(100 * senteval_fit(X, y, 2, l2, SMALL, validation_data=(Xd, yd))[0], 2)
+              for l2 in REGS]
     _, model = senteval_fit(X, y, 2, REGS[np.argmax(scores)], SMALL, validation_data=(Xd, yd))
     want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
-    assert eval_sts.classify("SST2", {"train": X, "dev": Xd, "test": Xt}, {"train": y, "dev": yd, "test": yt},
-                             SMALL) == want
+    assert eval_sts.classify("SST2", {"train": X, "dev": Xd, "test": Xt},
+                             {"train": y, "dev": yd, "test": yt}, SMALL) == want
 
 
 def test_mrpc_features_and_loading_order(tmp_path):
@@ -378,7 +413,8 @@ def test_mrpc_features_and_loading_order(tmp_path):
     assert keys == sorted(keys) and len(keys) == 40  # header skipped, SentEval's order
     (texts,), y = eval_sts.load_transfer(str(d), "SUBJ")["all"]
     assert len(texts) == 82 and texts.count("") == 2  # empty lines kept, as SentEval keeps them
-    assert [(len(s.split()), l) for s, l in zip(texts, y)] == sorted((len(s.split()), l) for s, l in zip(texts, y))
+    assert ([(len(s.split()), l) for s, l in zip(texts, y)]
+            == sorted((len(s.split()), l) for s, l in zip(texts, y)))
     obj = (d / "SUBJ" / "subj.objective").read_text().splitlines()[0]
     assert y[texts.index(obj)] == 1  # SentEval: objective = 1
 
@@ -391,18 +427,22 @@ def test_transfer_table_format():
 
 
 def test_align_uniform_by_hand(tmp_path):
-    """Four sentences, STS-B test pairs with gold 4.5 / 4.0 / 1.0: alignment over the first two pairs."""
+    """Four sentences, STS-B test pairs with gold 4.5 / 4.0 / 1.0: alignment over the first two
+    pairs."""
     d = write_sts(tmp_path)
     sts_b = d / "downstream" / "STS" / "STSBenchmark" / "sts-test.csv"
-    sts_b.write_text("g\tf\ty\t0\t4.5\ta man\ta dog\ng\tf\ty\t1\t4.0\ta cat\ta man\ng\tf\ty\t2\t1.0\tthe car\ta dog\n")
+    sts_b.write_text("g\tf\ty\t0\t4.5\ta man\ta dog\ng\tf\ty\t1\t4.0\ta cat\ta man\n"
+                     "g\tf\ty\t2\t1.0\tthe car\ta dog\n")
     vec = {"a man": [1.0, 0.0], "a dog": [0.0, 2.0], "a cat": [3.0, 4.0], "the car": [-1.0, -1.0]}
     encode = lambda sents: torch.tensor([vec[s] for s in sents])  # noqa: E731
     align, uniform = eval_sts.align_uniform(encode, str(d / "downstream"))
     f = {s: torch.tensor(v) / torch.tensor(v).norm() for s, v in vec.items()}
-    assert align == pytest.approx(((f["a man"] - f["a dog"]).norm() ** 2 + (f["a cat"] - f["a man"]).norm() ** 2).item() / 2)
+    assert align == pytest.approx(((f["a man"] - f["a dog"]).norm() ** 2
+                                   + (f["a cat"] - f["a man"]).norm() ** 2).item() / 2)
     s = list(f)
     pairs = [(s[i], s[j]) for i in range(4) for j in range(i + 1, 4)]
-    assert uniform == pytest.approx(math.log(sum(math.exp(-2 * (f[x] - f[z]).norm().item() ** 2) for x, z in pairs) / 6))
+    assert uniform == pytest.approx(math.log(sum(math.exp(-2 * (f[x] - f[z]).norm().item() ** 2)
+                                                 for x, z in pairs) / 6))
 
 
 @pytest.mark.slow
@@ -410,47 +450,57 @@ def test_eval_transfer_end_to_end_and_bad_inputs(bert_dir, tmp_path):
     write_sts(tmp_path)
     d = write_transfer(tmp_path)
     out = tmp_path / "r.json"
-    proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg", "--data-dir", tmp_path, "--tasks", "all",
-               "--transfer-mode", "fasttest", "--align-uniform", "--json", out)
+    proc = run("eval_sts.py", "--model", bert_dir, "--pooler", "avg", "--data-dir", tmp_path,
+               "--tasks", "all", "--transfer-mode", "fasttest", "--align-uniform", "--json", out)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == common.TASKS + ["Avg."] and lines[2].split()[-1] == "Avg."
     r = json.loads(out.read_text())
     assert set(r["results"]) == set(common.TASKS) and set(r["transfer"]) == set(eval_sts.TRANSFER)
-    assert all(0 <= v["acc"] <= 100 for v in r["transfer"].values()) and r["transfer_mode"] == "fasttest"
+    assert (all(0 <= v["acc"] <= 100 for v in r["transfer"].values())
+            and r["transfer_mode"] == "fasttest")
     assert r["align"] >= 0 and -4 <= r["uniform"] <= 0
     assert {"transfer_encode", "transfer_classifier"} <= set(r["seconds"])
 
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "MR,POS"),
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks",
+                         "MR,POS"),
                      "POS", "transfer")
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", ","), "--tasks")
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks",
+                         ","), "--tasks")
     trec = d / "TREC" / "train_5500.label"
     trec.write_text(trec.read_text().replace("HUM:fine", "HUMAN fine", 1))
-    line = 1 + trec.read_text().splitlines().index(next(l for l in trec.read_text().splitlines() if l.startswith("HUMAN")))
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "TREC"),
+    line = 1 + trec.read_text().splitlines().index(next(l for l in trec.read_text().splitlines()
+                                                        if l.startswith("HUMAN")))
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks",
+                         "TREC"),
                      "train_5500.label", f"line {line}")
     shutil.rmtree(d / "CR")
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks", "transfer"),
+    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks",
+                         "transfer"),
                      "custrev.pos", "--data-dir")
 
 
-SENTEVAL_TRANSFER = {  # SentEval itself (SimCSE's copy, SimCSE's batcher), all-MiniLM-L6-v2, avg pooling
-    "fasttest": {"MR": 75.06, "CR": 82.07, "SUBJ": 91.89, "MPQA": 86.96, "SST2": 81.55, "TREC": 88.40, "MRPC": 71.71},
+# SentEval itself (SimCSE's copy, SimCSE's batcher), all-MiniLM-L6-v2, avg pooling
+SENTEVAL_TRANSFER = {
+    "fasttest": {"MR": 75.06, "CR": 82.07, "SUBJ": 91.89, "MPQA": 86.96, "SST2": 81.55,
+                 "TREC": 88.40, "MRPC": 71.71},
 }
 
 
 @pytest.mark.slow
 def test_senteval_transfer_parity_minilm_avg(tmp_path):
-    """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on four of the
-    seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair features (MRPC). MR and SUBJ
-    repeat CR's protocol; SST-2 (train/dev/test) is two thirds of the encoding (70k phrases) and its protocol is
-    checked against SentEval's code above; all seven: the README's command."""
+    """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on
+    four of the seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair
+    features (MRPC). MR and SUBJ repeat CR's protocol; SST-2 (train/dev/test) is two thirds of the
+    encoding (70k phrases) and its protocol is checked against SentEval's code above; all seven: the
+    README's command."""
     minilm, tasks = MODELS / "minilm", ["CR", "MPQA", "TREC", "MRPC"]
     need(minilm / "model.safetensors", REAL_STS / "downstream" / "MR")
     out = tmp_path / "r.json"
-    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS, "--tasks", ",".join(tasks),
-               "--transfer-mode", "fasttest", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())},
-               timeout=1800)
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--tasks", ",".join(tasks),
+               "--transfer-mode", "fasttest", "--json", out,
+               env={"OMP_NUM_THREADS": str(os.cpu_count())}, timeout=1800)
     assert proc.returncode == 0, proc.stderr
     got = {t: v["acc"] for t, v in json.loads(out.read_text())["transfer"].items()}
     assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
@@ -458,13 +508,14 @@ def test_senteval_transfer_parity_minilm_avg(tmp_path):
 
 # ---------------------------------------------------------------- SSCL ---------------------------
 def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
-    return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out, "--batch-size", 8,
-            "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps, "--max-steps", steps, "--log-steps", 1,
-            *extra]
+    return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
+            "--batch-size", 8, "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps,
+            "--max-steps", steps, "--log-steps", 1, *extra]
 
 
 def test_sscl_loss_equals_transcription():
-    """Row i: -log e^{cos(h_i,h_i⁺)/τ} / (Σ_j e^{cos(h_i,h_j⁺)/τ} + Σ_M Σ_j e^{cos(h_i,h_j^M)/τ})."""
+    """Row i: -log e^{cos(h_i,h_i⁺)/τ} / (Σ_j e^{cos(h_i,h_j⁺)/τ} + Σ_M Σ_j
+    e^{cos(h_i,h_j^M)/τ})."""
     import sscl
     torch.manual_seed(0)
     B, D, tau = 5, 7, 0.05
@@ -481,12 +532,14 @@ def test_sscl_loss_equals_transcription():
 
 
 def sscl_authors_by_hand(z1, z2, negs, temp):
-    """A transcription of the authors' arithmetic (nuochenpku/SSCL, sscl/models.py): `cl_forward` builds
-    cos_sim = Similarity(z1, z2) and r_loss = CrossEntropy(cos_sim, arange); `construct_negtives` appends,
-    for every negative layer, Similarity(z1, n1) and Similarity(z1, n2) as columns and takes the
-    CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2 (do_neg), else r_loss.
-    negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) / temp."""
-    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0), dim=-1) / temp  # noqa: E731
+    """A transcription of the authors' arithmetic (nuochenpku/SSCL, sscl/models.py): `cl_forward`
+    builds cos_sim = Similarity(z1, z2) and r_loss = CrossEntropy(cos_sim, arange);
+    `construct_negtives` appends, for every negative layer, Similarity(z1, n1) and Similarity(z1,
+    n2) as columns and takes the CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2
+    (do_neg), else r_loss. negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) /
+    temp."""
+    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0),  # noqa: E731
+                                           dim=-1) / temp
     labels = torch.arange(len(z1))
     cos_sim = sim(z1, z2)
     r_loss = torch.nn.CrossEntropyLoss()(cos_sim, labels)
@@ -499,8 +552,8 @@ def sscl_authors_by_hand(z1, z2, negs, temp):
 
 
 def test_sscl_authors_objective_equals_their_code():
-    """--objective authors: both views' layer-M vectors and the mean with SimCSE's loss, as their code
-    computes it (float64, <= 1e-10); and it is not the paper's objective."""
+    """--objective authors: both views' layer-M vectors and the mean with SimCSE's loss, as their
+    code computes it (float64, <= 1e-10); and it is not the paper's objective."""
     torch.manual_seed(0)
     B, D, tau = 6, 9, 0.05
     z1, z2 = torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64)
@@ -515,12 +568,14 @@ def test_sscl_authors_objective_equals_their_code():
 
 
 def test_layer_zero_is_simcse():
-    """--layer 0 adds no negative, and the loss is SimCSE's (its Similarity + CrossEntropy, written out)."""
+    """--layer 0 adds no negative, and the loss is SimCSE's (its Similarity + CrossEntropy, written
+    out)."""
     import sscl
     assert sscl.parse_layers("0", 12) == []
     torch.manual_seed(1)
     z1, z2 = torch.randn(6, 16), torch.randn(6, 16)
-    simcse = F.cross_entropy(F.cosine_similarity(z1.unsqueeze(1), z2.unsqueeze(0), dim=-1) / 0.05, torch.arange(6))
+    simcse = F.cross_entropy(F.cosine_similarity(z1.unsqueeze(1), z2.unsqueeze(0), dim=-1) / 0.05,
+                             torch.arange(6))
     assert sscl.sscl_loss(z1, z2, [], 0.05).item() == pytest.approx(simcse.item(), rel=1e-6)
     assert sscl.parse_layers("11,10", 12) == [10, 11]
 
@@ -553,13 +608,15 @@ def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path)
     assert meta["method"] == "sscl" and meta["proj_dim"] == 8 and meta["layers"] == [2]
     from transformers import AutoModel
     AutoModel.from_pretrained(out)  # a plain HF folder
-    ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split", "dev")
+    ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split",
+             "dev")
     assert ev.returncode == 0, ev.stderr
     best = re.findall(r"best (\d+\.\d+)", proc.stdout)[-1]
-    assert f"{float(ev.stdout.split()[2]):.2f}" == best  # eval_sts.py reproduces the dev score of the best step
+    # eval_sts.py reproduces the dev score of the best step
+    assert f"{float(ev.stdout.split()[2]):.2f}" == best
     # resume: continue the same run to 6 steps
-    again = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8, "--resume",
-                                      "--no-final-eval", steps=6))
+    again = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8,
+                                      "--resume", "--no-final-eval", steps=6))
     assert again.returncode == 0, again.stderr
     assert "step     6" in again.stdout and "step     0" not in again.stdout
 
@@ -571,18 +628,21 @@ def losses(stdout):
 @pytest.mark.slow
 def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
     kw = dict(steps=10, eval_steps=100, layer="1,2")
-    a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval", **kw))
-    b = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "b", "--no-final-eval", **kw))
+    a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval",
+                                  **kw))
+    b = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "b", "--no-final-eval",
+                                  **kw))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert len(losses(a.stdout)) == 10 and losses(a.stdout) == losses(b.stdout)
-    c = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "c", "--no-final-eval", "--seed", 7, **kw))
+    c = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "c", "--no-final-eval",
+                                  "--seed", 7, **kw))
     assert losses(c.stdout) != losses(a.stdout)
 
 
 @pytest.mark.slow
 def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
-    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r", "--no-aug", "--pooler", "avg",
-                                     "--no-final-eval"))
+    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r", "--no-aug",
+                                     "--pooler", "avg", "--no-final-eval"))
     assert proc.returncode == 0, proc.stderr
     an = run("sscl.py", "--analyze", "--model", tmp_path / "r", "--data-dir", sts_dir)
     assert an.returncode == 0, an.stderr
@@ -598,7 +658,8 @@ def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
 ])
 @pytest.mark.slow
 def test_sscl_bad_arguments(bert_dir, train_txt, sts_dir, tmp_path, bad, words):
-    assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r"), *bad), *words)
+    assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r"), *bad),
+                     *words)
     assert not (tmp_path / "r" / "sentemb.json").exists()
 
 
@@ -606,14 +667,17 @@ def test_sscl_bad_arguments(bert_dir, train_txt, sts_dir, tmp_path, bad, words):
 def test_sscl_bad_files(bert_dir, train_txt, sts_dir, tmp_path):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
-    assert_bad_input(run("sscl.py", *sscl_args(bert_dir, blank, sts_dir, tmp_path / "r")), "--train")
+    assert_bad_input(run("sscl.py", *sscl_args(bert_dir, blank, sts_dir, tmp_path / "r")),
+                     "--train")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    if os.access(ro, os.W_OK):  # root ignores permissions: a path under a regular file is unwritable for all
+    # root ignores permissions: a path under a regular file is unwritable for all
+    if os.access(ro, os.W_OK):
         ro = train_txt / "sub"
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, ro)), "--output-dir")
-    assert_bad_input(run("sscl.py", *sscl_args("no-such-org/no-such-model", train_txt, sts_dir, tmp_path / "r")),
+    assert_bad_input(run("sscl.py", *sscl_args("no-such-org/no-such-model", train_txt, sts_dir,
+                                               tmp_path / "r")),
                      "local model folder")
 
 
@@ -632,9 +696,12 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
 
 # ---------------------------------------------------------------- multi-GPU (torchrun, gloo on CPU)
 def torchrun(script, nproc, *args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--master_port", str(29500 + random.randint(0, 999)), str(ROOT / script), *map(str, args)],
-                          capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                           "--nproc_per_node", str(nproc),
+                           "--master_port", str(29500 + random.randint(0, 999)), str(ROOT / script),
+                           *map(str, args)],
+                          capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT, timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -650,10 +717,11 @@ def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
 
 @pytest.mark.slow
 def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir, tmp_path):
-    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 × 2B
-    (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
-    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                     "--batch-size", bs, "--grad-accum", 2, steps=3, eval_steps=100, layer="1,3")
+    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 ×
+    2B (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
+    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
+                                     "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
+                                     steps=3, eval_steps=100, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
@@ -675,14 +743,16 @@ def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodro
     from transformers import AutoModel, AutoTokenizer
     B, layers = 4, [1, 3]
     out = tmp_path / "two"
-    two = torchrun("sscl.py", 2, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",
-                                            "--batch-size", B, "--pooler", "avg", "--objective",
-                                            "authors", steps=1, eval_steps=100, layer="1,3"))
+    two = torchrun("sscl.py", 2, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
+                                            "--no-final-eval", "--batch-size", B, "--pooler", "avg",
+                                            "--objective", "authors", steps=1, eval_steps=100,
+                                            layer="1,3"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads((out / common.META).read_text())["objective"] == "authors"
     sents = common.read_sentences(train_txt)
     order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
-    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()  # no dropout
+    # no dropout
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()
     tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
     with torch.no_grad():
         per_rank = [enc(common.tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
@@ -691,36 +761,41 @@ def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodro
     own = [m.double() for m in per_rank[0][1]]  # rank 0's layer-M vectors, (B, D) per M
     want = sscl_authors_by_hand(z, z, [(m, m) for m in own], 0.05).item()
     assert float(losses(two.stdout)[0]) == pytest.approx(want, abs=2e-4)
-    gathered = sscl_authors_by_hand(z, z, [(m, m) for m in [torch.cat([r[1][i] for r in per_rank])
-                                                          .double() for i in range(2)]], 0.05).item()
+    gathered = sscl_authors_by_hand(
+        z, z, [(m, m) for m in [torch.cat([r[1][i] for r in per_rank]).double() for i in range(2)]],
+        0.05).item()
     assert abs(gathered - want) > 1e-3  # gathering the negatives too would have given another loss
 
 
 # ================================================================ JTCSE (jtcse.py) ===============
 jt_WORDS = ("a man is playing a guitar . the cat sits on the mat . two dogs run in the park . "
-         "a woman slices an onion . children play football outside . the sky is blue today").split(" . ")
+            "a woman slices an onion . children play football outside . the sky is blue "
+            "today").split(" . ")
 
 
 def jt_make_tokenizer(path, sentences):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(), pre_tokenizers.BertPreTokenizer()
+    tok.normalizer, tok.pre_tokenizer = (normalizers.BertNormalizer(),
+                                         pre_tokenizers.BertPreTokenizer())
     tok.train_from_iterator(sentences, trainers.WordPieceTrainer(
         vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids",
+                                                      "attention_mask"])
     fast.save_pretrained(path)
     return fast
 
 
 def jt_tiny_bert(tok, seed, layers=4):
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=128)
     return BertModel(cfg)
 
 
@@ -730,7 +805,8 @@ JT_DATA = {}  # paths made by jt_env
 @pytest.fixture(scope="module")
 def jt_env(tmp_path_factory):
     d = tmp_path_factory.mktemp("jtcse")
-    JT_DATA["sts"] = write_sts(d / "sts", seed=3)  # the STS data of every jtcse.py run here (SENTEMB_DATA)
+    # the STS data of every jtcse.py run here (SENTEMB_DATA)
+    JT_DATA["sts"] = write_sts(d / "sts", seed=3)
     jt_train = d / "train.txt"
     lines = [f"{w} number {i}" for i in range(40) for w in jt_WORDS]
     jt_train.write_text("\n".join(lines) + "\n")
@@ -738,7 +814,8 @@ def jt_env(tmp_path_factory):
     for name, seed in (("a", 0), ("b", 1)):
         m = jt_tiny_bert(tok, seed)
         m.save_pretrained(d / name), tok.save_pretrained(d / name)
-    other = jt_make_tokenizer(d / "other_tok", ["completely different words here", "zebra xylophone quartz"])
+    other = jt_make_tokenizer(d / "other_tok", ["completely different words here",
+                                                "zebra xylophone quartz"])
     m = jt_tiny_bert(other, 2)
     m.save_pretrained(d / "other"), other.save_pretrained(d / "other")
     (d / "llama").mkdir()
@@ -748,16 +825,18 @@ def jt_env(tmp_path_factory):
 
 def jt_run(*args, ok=True):
     """A real subprocess: python SCRIPT ARGS (import cost ~5-10 s on a loaded 2-core machine)."""
-    e = dict(os.environ, SENTEMB_DATA=str(JT_DATA["sts"]), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-             OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=e, timeout=300)
+    e = dict(os.environ, SENTEMB_DATA=str(JT_DATA["sts"]), HF_HUB_OFFLINE="1",
+             TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=e,
+                       timeout=300)
     if ok:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
 
 
 def jt_main(capsys, monkeypatch, *args, ok=True):
-    """jtcse.main() in this process (same code path as the command line, without the import cost)."""
+    """jtcse.main() in this process (same code path as the command line, without the import
+    cost)."""
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     code, out, err = main_of(jtcse, capsys, monkeypatch, *args)
     if ok:
@@ -767,17 +846,21 @@ def jt_main(capsys, monkeypatch, *args, ok=True):
 
 def jt_train(jt_env, out, capsys, monkeypatch, *extra):
     d, _ = jt_env
-    return jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
-                "--output-dir", out, "--batch-size", "8", "--max-len", "16", "--max-steps", "3",
-                "--eval-steps", "2", "--lr", "1e-3", "--no-add-sick", "--no-final-eval", *extra)[1]
+    return jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b", "--train",
+                   d / "train.txt", "--output-dir", out, "--batch-size", "8", "--max-len", "16",
+                   "--max-steps", "3", "--eval-steps", "2", "--lr", "1e-3", "--no-add-sick",
+                   "--no-final-eval", *extra)[1]
 
 
 def jt_nodrop(jt_env, out):
-    """Towers a and b of jt_env with dropout off, saved under out/a and out/b; -> [BertModel a, b]."""
+    """Towers a and b of jt_env with dropout off, saved under out/a and out/b; -> [BertModel a,
+    b]."""
     d, _ = jt_env
-    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) for t in "ab"]
+    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0) for t in "ab"]
     for t, m in zip("ab", towers):
-        m.save_pretrained(out / t), PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t)
+        (m.save_pretrained(out / t),
+         PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t))
     return towers
 
 
@@ -789,20 +872,25 @@ def jt_batch_of(tok, sents):
 def test_towers_without_cross_attention_equal_stock_bert(jt_env):
     d, tok = jt_env
     a, b = BertModel.from_pretrained(d / "a").eval(), BertModel.from_pretrained(d / "b").eval()
-    batch = jt_batch_of(tok, ["a man is playing a guitar", "the cat", "two dogs run in the park today"])
+    batch = jt_batch_of(tok, ["a man is playing a guitar", "the cat",
+                              "two dogs run in the park today"])
     ref = [copy.deepcopy(m)(**batch) for m in (a, b)]
     h, hP, c = jtcse.Twin([a, b], 0).eval()(batch)
     assert c is None
     for t in range(2):  # primitive streams are the stock model: bit-identical
-        assert torch.equal(h[t], ref[t].last_hidden_state[:, 0]) and torch.equal(hP[t], ref[t].pooler_output)
-    # our layer-by-layer path (used by the cross stream) without CAELs reproduces stock BERT per token
-    xs = [m.embeddings(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"]) for m in (a, b)]
+        assert (torch.equal(h[t], ref[t].last_hidden_state[:, 0])
+                and torch.equal(hP[t], ref[t].pooler_output))
+    # our layer-by-layer path (used by the cross stream) without CAELs reproduces stock BERT per
+    # token
+    xs = [m.embeddings(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"])
+          for m in (a, b)]
     mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)
     for j in range(4):
         xs = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
     real = batch["attention_mask"].bool()
     for t in range(2):
-        torch.testing.assert_close(xs[t][real], ref[t].last_hidden_state[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(xs[t][real], ref[t].last_hidden_state[real], atol=1e-5,
+                                   rtol=1e-5)
     # a tower twinned with an exact copy of itself: swapping values changes nothing, c = stock CLS
     h, hP, c = jtcse.Twin([a, copy.deepcopy(a)], 2).eval()(batch)
     torch.testing.assert_close(c[0], ref[0].last_hidden_state[:, 0], atol=1e-5, rtol=1e-5)
@@ -815,7 +903,8 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env):
     x = [torch.randn(2, batch["input_ids"].shape[1], 32) for _ in range(2)]
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
     ctxs = []
-    out = jtcse.layer_forward([la, lb], x, jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
+    out = jtcse.layer_forward([la, lb], x,
+                              jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
                               ctxs=ctxs)
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
@@ -825,16 +914,18 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env):
 
     (qa, ka, va), (qb, kb, vb) = qkv(la, x[0]), qkv(lb, x[1])
     pad = (batch["attention_mask"] == 0)[:, None, None, :]
-    sa = lambda q, k: torch.softmax((q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(pad, -1e30), -1)  # noqa: E731
+    sa = lambda q, k: torch.softmax(  # noqa: E731
+        (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(pad, -1e30), -1)
     cact_a = (sa(qa, ka) @ vb).transpose(1, 2).reshape(2, -1, 32)  # eq. 10: SA_I · V_II
     cact_b = (sa(qb, kb) @ va).transpose(1, 2).reshape(2, -1, 32)  # SA_II · V_I
     torch.testing.assert_close(ctxs[0], cact_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ctxs[1], cact_b, atol=1e-5, rtol=1e-5)
     o = la.attention.output  # then tower I's own W_O, residual + LayerNorm, FFN
-    att = F.layer_norm(cact_a @ o.dense.weight.T + o.dense.bias + x[0], (32,), o.LayerNorm.weight, o.LayerNorm.bias,
-                       o.LayerNorm.eps)
+    att = F.layer_norm(cact_a @ o.dense.weight.T + o.dense.bias + x[0], (32,), o.LayerNorm.weight,
+                       o.LayerNorm.bias, o.LayerNorm.eps)
     torch.testing.assert_close(out[0], la.output(la.intermediate(att), att), atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(ctxs[0], (sa(qa, ka) @ va).transpose(1, 2).reshape(2, -1, 32), atol=1e-3)
+    assert not torch.allclose(ctxs[0], (sa(qa, ka) @ va).transpose(1, 2).reshape(2, -1, 32),
+                              atol=1e-3)
 
 
 # ---------------------------------------------------------------- losses = equations -------------
@@ -842,7 +933,8 @@ def nce_by_hand(z, zp, tau=0.05):
     total = 0.0
     for i in range(len(z)):
         cos = [float(F.cosine_similarity(z[i], zp[j], dim=0)) for j in range(len(z))]
-        total += -torch.log(torch.exp(torch.tensor(cos[i] / tau)) / torch.exp(torch.tensor(cos) / tau).sum())
+        total += -torch.log(torch.exp(torch.tensor(cos[i] / tau))
+                            / torch.exp(torch.tensor(cos) / tau).sum())
     return total / len(z)
 
 
@@ -850,7 +942,8 @@ def tmc_by_hand(h, hp, P, Pp, half=False):
     total = 0.0
     for i in range(len(h)):
         cos = max(float(h[i] @ hp[i] / (h[i].norm() * hp[i].norm())), 1e-4)
-        total += -torch.log(torch.tensor(cos)) * (P[i] - Pp[i]).norm() / (P[i].norm() + Pp[i].norm()) / (2 if half else 1)
+        total += (-torch.log(torch.tensor(cos)) * (P[i] - Pp[i]).norm()
+                  / (P[i].norm() + Pp[i].norm()) / (2 if half else 1))
     return total / len(h)
 
 
@@ -858,34 +951,42 @@ def test_each_loss_term_equals_its_equation():
     torch.manual_seed(0)
     B, H = 6, 16
     h, hP, c = ([torch.randn(2 * B, H) for _ in range(2)] for _ in range(3))
-    h[1][B:] = h[0][:B] + 0.3 * torch.randn(B, H)  # some positive cosines, some clamped negatives elsewhere
+    # some positive cosines, some clamped negatives elsewhere
+    h[1][B:] = h[0][:B] + 0.3 * torch.randn(B, H)
     z, zp = torch.randn(B, H), torch.randn(B, H)
-    torch.testing.assert_close(jtcse.nce(z, zp, 0.05), nce_by_hand(z, zp), atol=1e-4, rtol=1e-5)  # eq. 11
+    # eq. 11
+    torch.testing.assert_close(jtcse.nce(z, zp, 0.05), nce_by_hand(z, zp), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(jtcse.tmc(z, zp, h[0][:B], h[1][:B]),  # eq. 13
                                tmc_by_hand(z, zp, h[0][:B], h[1][:B]), atol=1e-5, rtol=1e-5)
     a = jtcse.p.parse_args([])
     for R in (0, 1):
         loss, t = jtcse.jtcse_loss(h, hP, c, R, a)
         v1, v2 = lambda x: x[:B], lambda x: x[B:]  # noqa: E731
-        nce = nce_by_hand(v1(h[0]), v2(h[0])) + nce_by_hand(v1(h[1]), v2(h[1]))  # eq. 11, both towers
+        # eq. 11, both towers
+        nce = nce_by_hand(v1(h[0]), v2(h[0])) + nce_by_hand(v1(h[1]), v2(h[1]))
         I_II = nce_by_hand(v1(h[0]), v2(h[1])) + nce_by_hand(v1(c[0]), v2(c[1]))
         II_I = nce_by_hand(v1(h[1]), v2(h[0])) + nce_by_hand(v1(c[1]), v2(c[0]))
         icnce = R * I_II + (1 - R) * II_I  # eq. 12
         ictm = (tmc_by_hand(v1(h[0]), v2(h[1]), v1(hP[0]), v2(hP[1]))  # eq. 14
                 + tmc_by_hand(v1(h[1]), v2(h[0]), v1(hP[1]), v2(hP[0])))
-        for got, want in ((t["nce"], nce), (t["icnce"], icnce), (t["ictm"], ictm), (loss, nce + icnce + ictm)):
-            torch.testing.assert_close(got, torch.as_tensor(want, dtype=torch.float32), atol=1e-4, rtol=1e-5)
+        for got, want in ((t["nce"], nce), (t["icnce"], icnce), (t["ictm"], ictm),
+                          (loss, nce + icnce + ictm)):
+            torch.testing.assert_close(got, torch.as_tensor(want, dtype=torch.float32), atol=1e-4,
+                                       rtol=1e-5)
     a = jtcse.p.parse_args(["--no-nce", "--no-ictm"])
     r1, r0 = jtcse.jtcse_loss(h, hP, c, 1, a)[0], jtcse.jtcse_loss(h, hP, c, 0, a)[0]
     assert not torch.allclose(r1, r0)  # R flips the direction of ICNCE
-    torch.testing.assert_close(r1, jtcse.nce(h[0][:B], h[1][B:], 0.05) + jtcse.nce(c[0][:B], c[1][B:], 0.05))
-    torch.testing.assert_close(r0, jtcse.nce(h[1][:B], h[0][B:], 0.05) + jtcse.nce(c[1][:B], c[0][B:], 0.05))
+    torch.testing.assert_close(r1, jtcse.nce(h[0][:B], h[1][B:], 0.05)
+                               + jtcse.nce(c[0][:B], c[1][B:], 0.05))
+    torch.testing.assert_close(r0, jtcse.nce(h[1][:B], h[0][B:], 0.05)
+                               + jtcse.nce(c[1][:B], c[0][B:], 0.05))
     _, t = jtcse.jtcse_loss(h, hP, None, 1, jtcse.p.parse_args(["--no-icnce"]))
     assert set(t) == {"nce", "ictm"}
 
 
 def interleave(z):
-    """Ours: (2B, H) rows [view 1; view 2]. The authors' batches: rows [s0 v1, s0 v2, s1 v1, ...]."""
+    """Ours: (2B, H) rows [view 1; view 2]. The authors' batches: rows [s0 v1, s0 v2, s1 v1,
+    ...]."""
     B = len(z) // 2
     return torch.stack([z[:B], z[B:]], 1).reshape(z.shape)
 
@@ -925,9 +1026,9 @@ def authors_LTN_loss(y_pred_L, y_pred_a_L, y_pred_P, y_pred_a_P):  # model_dual.
 
 def test_jtcse_authors_objective_equals_their_code():
     """--objective authors = train_jtcse_bert.py's L_nce + L_icnce + L_ictm (model_dual.py's
-    unsup_infonce_loss, icnce, LTN_loss, transcribed above, on the authors' interleaved rows), float64,
-    <= 1e-10, for both directions (their random_data = 1 - R), with some positive-pair cosines negative
-    and one in [0, 1e-4), where the paper's clamp and their raw log differ."""
+    unsup_infonce_loss, icnce, LTN_loss, transcribed above, on the authors' interleaved rows),
+    float64, <= 1e-10, for both directions (their random_data = 1 - R), with some positive-pair
+    cosines negative and one in [0, 1e-4), where the paper's clamp and their raw log differ."""
     torch.manual_seed(0)
     B, H = 6, 16
     d64 = dict(dtype=torch.float64)
@@ -1005,29 +1106,37 @@ def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
     torch.manual_seed(1)
     a, b = torch.randn(100, 8), torch.randn(100, 8) * torch.rand(100, 1) * 3
     k, t = b.norm(dim=-1) / a.norm(dim=-1), F.cosine_similarity(a, b, dim=-1)
-    torch.testing.assert_close(jtcse.modulus_ratio(a, b), (1 + k ** 2 - 2 * k * t).sqrt() / (1 + k))  # eq. 5
+    # eq. 5
+    torch.testing.assert_close(jtcse.modulus_ratio(a, b), (1 + k ** 2 - 2 * k * t).sqrt() / (1 + k))
     assert jtcse.modulus_ratio(a, a.clone()).abs().max() < 1e-6  # equal norm, same direction: 0
     assert (jtcse.modulus_ratio(a, 1.5 * a) > 0.1).all()  # same direction, other norm: > 0
     rot = torch.stack([a[:, 1], -a[:, 0], *a[:, 2:].T], 1)  # same norm, other direction: > 0
     assert (jtcse.modulus_ratio(a, rot) > 0.01).all()
-    kk = torch.linspace(0.2, 3, 57)  # over k and t the eq. 5 form is minimal (0) only at k = 1, t = 1
+    # over k and t the eq. 5 form is minimal (0) only at k = 1, t = 1
+    kk = torch.linspace(0.2, 3, 57)
     f = lambda k, t: (1 + k ** 2 - 2 * k * t).sqrt() / (1 + k)  # noqa: E731
-    assert f(kk, torch.ones_like(kk)).argmin() == (kk - 1).abs().argmin() and f(torch.tensor(1.), torch.tensor(1.)) == 0
+    assert (f(kk, torch.ones_like(kk)).argmin() == (kk - 1).abs().argmin()
+            and f(torch.tensor(1.), torch.tensor(1.)) == 0)
 
 
 # ---------------------------------------------------------------- end to end ---------------------
 @pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
-    o1, o2 = jt_train(jt_env, tmp_path / "run1", capsys, monkeypatch), jt_train(jt_env, tmp_path / "run2", capsys, monkeypatch)
+    o1, o2 = (jt_train(jt_env, tmp_path / "run1", capsys, monkeypatch),
+              jt_train(jt_env, tmp_path / "run2", capsys, monkeypatch))
     strip = lambda s: re.sub(r"sent/s \S+", "", s)  # noqa: E731
     assert "step     3  loss" in o1 and "icnce" in o1 and "stsb_dev" in o1
-    assert strip(o1.replace("run1", "run")) == strip(o2.replace("run2", "run"))  # same seed, same losses
+    # same seed, same losses
+    assert strip(o1.replace("run1", "run")) == strip(o2.replace("run2", "run"))
     run_dir = tmp_path / "run1"
-    assert (run_dir / "tower_a" / "config.json").is_file() and (run_dir / "tower_b" / "tokenizer.json").is_file()
-    e = jt_run("eval_sts.py", "--model", str(run_dir), "--tasks", "STS-B", "--split", "dev")  # a separate process
+    assert ((run_dir / "tower_a" / "config.json").is_file()
+            and (run_dir / "tower_b" / "tokenizer.json").is_file())
+    # a separate process
+    e = jt_run("eval_sts.py", "--model", str(run_dir), "--tasks", "STS-B", "--split", "dev")
     dev = re.findall(r"stsb_dev (\S+)", o1)
-    assert e.stdout.split()[:2] == ["STS-B", "Avg."] and e.stdout.split()[2] in dev  # same encode as in training
+    # same encode as in training
+    assert e.stdout.split()[:2] == ["STS-B", "Avg."] and e.stdout.split()[2] in dev
     # the saved twin = CLS(I) + CLS(II) of two plain AutoModel folders
     import common
     meta = __import__("json").loads((run_dir / "sentemb.json").read_text())
@@ -1038,9 +1147,11 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     b = common.tokenize(tok, ["a man is playing a guitar"], 16, "cpu")
     with torch.no_grad():
         torch.testing.assert_close(enc(["a man is playing a guitar"]),
-                                   sum(t(**b).last_hidden_state[:, 0] for t in towers), atol=1e-5, rtol=1e-5)
-    code, _, err = jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
-                        "--output-dir", run_dir, "--no-add-sick", ok=False)
+                                   sum(t(**b).last_hidden_state[:, 0] for t in towers), atol=1e-5,
+                                   rtol=1e-5)
+    code, _, err = jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b",
+                           "--train", d / "train.txt", "--output-dir", run_dir, "--no-add-sick",
+                           ok=False)
     assert code == 2 and "already holds a run" in err
     # resume: 2 steps, then --resume to 3, ends where the uninterrupted run ended
     jt_train(jt_env, tmp_path / "res", capsys, monkeypatch, "--max-steps", "2")
@@ -1048,9 +1159,9 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     assert re.findall(r"step +3 .*", strip(o3)) == re.findall(r"step +3 .*", strip(o1))
     # distillation into one tower, saved as a plain AutoModel folder that eval_sts.py reads
     dd = tmp_path / "distilled"
-    _, o, _ = jt_main(capsys, monkeypatch, "--distill", run_dir, "--model-a", d / "a", "--train", d / "train.txt",
-                   "--output-dir", dd, "--batch-size", "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick",
-                   "--no-final-eval")
+    _, o, _ = jt_main(capsys, monkeypatch, "--distill", run_dir, "--model-a", d / "a", "--train",
+                      d / "train.txt", "--output-dir", dd, "--batch-size", "8", "--max-len", "16",
+                      "--max-steps", "2", "--no-add-sick", "--no-final-eval")
     assert "step     2  loss" in o and "lr 1e-05" in o
     assert isinstance(AutoModel.from_pretrained(dd), BertModel)
     monkeypatch.setattr(sys, "argv", ["eval_sts.py", "--model", str(dd), "--tasks", "STS-B"])
@@ -1061,19 +1172,21 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
 
 @pytest.mark.slow
 def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
-    """On the real STS-B sentences: on tiny random towers and random words the cross stream moves E_CLS by less
-    than the table's 4 decimals."""
+    """On the real STS-B sentences: on tiny random towers and random words the cross stream moves
+    E_CLS by less than the table's 4 decimals."""
     d, _ = jt_env
     need(REAL_STS / "downstream" / "STS")
     monkeypatch.setenv("SENTEMB_DATA", str(REAL_STS))
-    code, out, err = main_of(jtcse, capsys, monkeypatch, "--analyze", "--model-a", d / "a", "--model-b", d / "b",
-                             "--num-cael", "2", "--max-len", "16")
+    code, out, err = main_of(jtcse, capsys, monkeypatch, "--analyze", "--model-a", d / "a",
+                             "--model-b", d / "b", "--num-cael", "2", "--max-len", "16")
     assert code == 0, err
     assert re.search(r"layer +single +I +II +I\+CA +II\+CA", out)
     rows = [line.split() for line in out.splitlines() if re.match(r" +\d ", line)]
     assert len(rows) == 4
-    assert all(row[1] == row[2] for row in rows)  # single = --model-a = tower I without cross-attention
-    assert rows[0][2:4] == rows[0][4:6] and rows[1][2:4] != rows[1][4:6]  # layer 1 ordinary, layer 2 a CAEL
+    # single = --model-a = tower I without cross-attention
+    assert all(row[1] == row[2] for row in rows)
+    # layer 1 ordinary, layer 2 a CAEL
+    assert rows[0][2:4] == rows[0][4:6] and rows[1][2:4] != rows[1][4:6]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -1090,8 +1203,8 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
 @pytest.mark.slow
 def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeypatch, args, needle):
     d, _ = jt_env
-    base = ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir", tmp_path / "out",
-            "--no-add-sick"]
+    base = ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir",
+            tmp_path / "out", "--no-add-sick"]
     code, _, err = jt_main(capsys, monkeypatch, *base, *[x.format(d=d) for x in args], ok=False)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and needle in errors[0], err
@@ -1108,19 +1221,21 @@ def test_bad_input_in_a_real_process(jt_env):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["paper", "authors"])
 def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
-    """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all terms, the
-    same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is off so that both
-    see the same computation."""
+    """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all
+    terms, the same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is
+    off so that both see the same computation."""
     d, _ = jt_env
     jt_nodrop(jt_env, tmp_path)  # the towers without dropout
-    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt",  # noqa: E731
-                            "--data-dir", sts_dir, "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
-                            "--max-len", 16, "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
+    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa: E731
+                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                            "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
+                            "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
                             "--no-add-sick", "--no-final-eval", "--objective", objective]
     one = run("jtcse.py", *args(tmp_path / "one", 8))
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
-    terms = lambda out: [(float(x), float(y), float(z), float(w), r) for x, y, z, w, r in re.findall(  # noqa: E731
+    terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
+                         for x, y, z, w, r in re.findall(
         r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
     assert len(terms(one.stdout)) == 2
     for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
@@ -1132,11 +1247,12 @@ def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, 
 
 
 # ================================================================ BeLLM (bellm.py) ===============
-bl_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT),
-       "OMP_NUM_THREADS": "1"}
+bl_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+          "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 bl_CPU = torch.device("cpu")
-SENTS = ["a man is playing a guitar .", "two dogs run in the park", "the cat sleeps", "a woman cuts an onion .",
-         "kids are playing football outside on a sunny day", "nobody is here", "a plane takes off",
+SENTS = ["a man is playing a guitar .", "two dogs run in the park", "the cat sleeps",
+         "a woman cuts an onion .", "kids are playing football outside on a sunny day",
+         "nobody is here", "a plane takes off",
          "the sun is shining brightly over the quiet sea"]
 
 
@@ -1145,21 +1261,27 @@ def tok_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     t = Tokenizer(models.BPE())
-    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.pre_tokenizer, t.decoder = (pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                  decoders.ByteLevel())
     t.train_from_iterator(SENTS * 3 + [bellm.PROMPT], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     d = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>", eos_token="</s>").save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(d)
     return d
 
 
 def bl_make_model(tok_dir, tmp, family="llama", layers=4):
     """A tiny random decoder saved with the tokenizer; returns its folder."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = cfg_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    cfg_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if family == "llama"
+                          else (Qwen2Config, Qwen2ForCausalLM))
+    cfg = cfg_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, pad_token_id=0)
     torch.manual_seed(0)
     d = tmp / f"{family}-{layers}"
     model_cls(cfg).save_pretrained(d)
@@ -1173,12 +1295,14 @@ def bl_batch(tok, sents, side="right", prompt=bellm.PROMPT):
     return common.tokenize(tok, texts, n, bl_CPU)
 
 
-def pad_mask(am):  # (b, L) -> (b, 1, L, L): padding-only additive mask, written independently of bellm.attn_mask
+# (b, L) -> (b, 1, L, L): padding-only additive mask, written independently of bellm.attn_mask
+def pad_mask(am):
     return (1.0 - am[:, None, None, :].float()) * torch.finfo(torch.float32).min
 
 
 def bl_stock(dec, b):
-    """Stock HF decoder: all hidden states (embeddings, layer 1..n outputs before the final norm)."""
+    """Stock HF decoder: all hidden states (embeddings, layer 1..n outputs before the final
+    norm)."""
     pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     return dec(**b, position_ids=pos, output_hidden_states=True), pos
 
@@ -1187,9 +1311,11 @@ def bl_real(h, am):  # the real positions of (b, L, H), flattened
     return h[am.bool()]
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")])
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
+                                         ("qwen2", "eager")])
 def test_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path, family)), 1, "convert", bl_CPU)
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path, family)), 1, "convert",
+                                  bl_CPU)
     dec.set_attn_implementation(attn)
     dec.eval()
     assert dec.config._attn_implementation == attn
@@ -1201,13 +1327,16 @@ def test_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
         # --bi-layers 0 is the stock model, exactly
         ours = bellm.forward(dec, b["input_ids"], am, 0, "parallel", "convert")
         assert torch.equal(bl_real(ours, am), bl_real(out.last_hidden_state, am))
-        # sequential K = 1: the last layer run by hand on the causal stack's output with a padding-only mask
+        # sequential K = 1: the last layer run by hand on the causal stack's output with a
+        # padding-only mask
         pe = dec.rotary_emb(hs[0], pos)
-        last = dec.layers[-1](hs[n - 1], attention_mask=pad_mask(am), position_embeddings=pe, position_ids=pos)
+        last = dec.layers[-1](hs[n - 1], attention_mask=pad_mask(am), position_embeddings=pe,
+                              position_ids=pos)
         ours = bellm.forward(dec, b["input_ids"], am, 1, "sequential", "convert")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(last), am))
         # parallel K = 1, eq. 5: h = LLM->^{1:n-1}(x) + BiLLM<->^{n}(x), then the final norm
-        bi = dec.layers[-1](hs[0], attention_mask=pad_mask(am), position_embeddings=pe, position_ids=pos)
+        bi = dec.layers[-1](hs[0], attention_mask=pad_mask(am), position_embeddings=pe,
+                            position_ids=pos)
         ours = bellm.forward(dec, b["input_ids"], am, 1, "parallel", "convert")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(hs[n - 1] + bi), am))
         # K = n (every layer bidirectional): both wirings are the bidirectional stack on x
@@ -1215,8 +1344,9 @@ def test_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
         for layer in dec.layers:
             g = layer(g, attention_mask=pad_mask(am), position_embeddings=pe, position_ids=pos)
         for mode in ("parallel", "sequential"):
-            torch.testing.assert_close(bl_real(bellm.forward(dec, b["input_ids"], am, n, mode, "convert"), am),
-                                       bl_real(dec.norm(g), am))
+            torch.testing.assert_close(
+                bl_real(bellm.forward(dec, b["input_ids"], am, n, mode, "convert"), am),
+                bl_real(dec.norm(g), am))
         # the bidirectional layer does read the right context: non-last positions change
         assert not torch.allclose(bl_real(ours, am), bl_real(out.last_hidden_state, am))
 
@@ -1226,7 +1356,8 @@ def test_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
     dec.eval()
     assert len(dec.layers) == 4 and len(dec.bellm_added) == 2
     for new, old in zip(dec.bellm_added, dec.layers[2:]):
-        assert new is not old and all(torch.equal(a, b) for a, b in zip(new.parameters(), old.parameters()))
+        assert new is not old and all(torch.equal(a, b)
+                                      for a, b in zip(new.parameters(), old.parameters()))
     b = bl_batch(tok, SENTS[:3])
     am = b["attention_mask"]
     with torch.no_grad():
@@ -1235,25 +1366,33 @@ def test_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
         g = out.hidden_states[0]
         for layer in dec.bellm_added:
             g = layer(g, attention_mask=pad_mask(am), position_embeddings=pe, position_ids=pos)
-        L = am.shape[1]  # hidden_states[n] is after the final norm: run layer n by hand, causal + padding mask
+        # hidden_states[n] is after the final norm: run layer n by hand, causal + padding mask
+        L = am.shape[1]
         causal = pad_mask(am) + torch.full((L, L), torch.finfo(torch.float32).min).triu(1)
-        h4 = dec.layers[3](out.hidden_states[3], attention_mask=causal, position_embeddings=pe, position_ids=pos)
+        h4 = dec.layers[3](out.hidden_states[3], attention_mask=causal, position_embeddings=pe,
+                           position_ids=pos)
         torch.testing.assert_close(bl_real(dec.norm(h4), am), bl_real(out.last_hidden_state, am))
-        ours = bellm.forward(dec, b["input_ids"], am, 2, "parallel", "add")  # all 4 causal layers + 2 new on x
+        # all 4 causal layers + 2 new on x
+        ours = bellm.forward(dec, b["input_ids"], am, 2, "parallel", "add")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(h4 + g), am))
 
 
 def test_last_token_k1_sequential_equals_k0(tok_dir, tmp_path):
-    """The README's property: with last-token pooling, only the final layer bidirectional changes nothing."""
+    """The README's property: with last-token pooling, only the final layer bidirectional changes
+    nothing."""
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
     dec.eval()
     b = bl_batch(tok, SENTS)
     with torch.no_grad():
-        e = {(k, m): bellm.last_token(bellm.forward(dec, b["input_ids"], b["attention_mask"], k, m, "convert"),
-                                      b["attention_mask"]) for k in (0, 1, 2) for m in ("parallel", "sequential")}
+        e = {(k, m): bellm.last_token(
+                 bellm.forward(dec, b["input_ids"], b["attention_mask"], k, m, "convert"),
+                 b["attention_mask"])
+             for k in (0, 1, 2) for m in ("parallel", "sequential")}
     torch.testing.assert_close(e[1, "sequential"], e[0, "sequential"])
-    assert not torch.allclose(e[2, "sequential"], e[0, "sequential"], atol=1e-4)  # K = 2 reaches the last token
-    assert not torch.allclose(e[1, "parallel"], e[0, "parallel"], atol=1e-4)  # eq. 5's wiring changes it
+    # K = 2 reaches the last token
+    assert not torch.allclose(e[2, "sequential"], e[0, "sequential"], atol=1e-4)
+    # eq. 5's wiring changes it
+    assert not torch.allclose(e[1, "parallel"], e[0, "parallel"], atol=1e-4)
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen2", "eager")])
@@ -1265,7 +1404,8 @@ def test_padding_invariance(tok_dir, tmp_path, family, attn):
         dec.eval()
         for k in (0, 1, 2):
             for mode in ("parallel", "sequential"):
-                cfg = dict(bi_layers=k, bi_mode=mode, bi_strategy=strategy, prompt=bellm.PROMPT, max_len=64)
+                cfg = dict(bi_layers=k, bi_mode=mode, bi_strategy=strategy, prompt=bellm.PROMPT,
+                           max_len=64)
                 enc = bellm.make_encoder(dec, tok, cfg, bl_CPU)
                 for side in ("right", "left"):
                     tok.padding_side = side
@@ -1285,8 +1425,10 @@ def test_last_token_position():
 def test_mask_is_padding_only_or_causal():
     am = torch.tensor([[1, 1, 0]])
     neg = torch.finfo(torch.float32).min
-    assert bellm.attn_mask(am, False, torch.float32)[0, 0].tolist() == [[0, 0, neg], [0, 0, neg], [0, 0, 0]]
-    assert bellm.attn_mask(am, True, torch.float32)[0, 0].tolist() == [[0, neg, neg], [0, 0, neg], [0, 0, 0]]
+    assert (bellm.attn_mask(am, False, torch.float32)[0, 0].tolist()
+            == [[0, 0, neg], [0, 0, neg], [0, 0, 0]])
+    assert (bellm.attn_mask(am, True, torch.float32)[0, 0].tolist()
+            == [[0, neg, neg], [0, 0, neg], [0, 0, 0]])
 
 
 def test_loss_is_eq6():
@@ -1296,13 +1438,15 @@ def test_loss_is_eq6():
     want = 0
     for i in range(4):  # eq. 6, term by term
         num = torch.exp(cos(h[i], hp[i], dim=0) / t)
-        den = sum(torch.exp(cos(h[i], hp[j], dim=0) / t) + torch.exp(cos(h[i], hn[j], dim=0) / t) for j in range(4))
+        den = sum(torch.exp(cos(h[i], hp[j], dim=0) / t) + torch.exp(cos(h[i], hn[j], dim=0) / t)
+                  for j in range(4))
         want = want - torch.log(num / den) / 4
     torch.testing.assert_close(bellm.bellm_loss(h, hp, hn, t), want)
     # C-STS (CoSENT): log(1 + sum over pairs with y_i > y_j of e^{20 (cos_j - cos_i)})
     y = torch.tensor([1.0, 3.0, 2.0, 3.0])
     c = cos(h, hp) * 20
-    want = torch.log(1 + sum(torch.exp(c[j] - c[i]) for i in range(4) for j in range(4) if y[i] > y[j]))
+    want = torch.log(1 + sum(torch.exp(c[j] - c[i]) for i in range(4) for j in range(4)
+                             if y[i] > y[j]))
     torch.testing.assert_close(bellm.cosent_loss(h, hp, y), want)
 
 
@@ -1310,8 +1454,8 @@ def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     path = str(bl_make_model(tok_dir, tmp_path))
     for strategy in ("convert", "add"):
-        meta = dict(method="bellm", base_model=path, bi_mode="parallel", bi_layers=1, bi_strategy=strategy,
-                    prompt=bellm.PROMPT, max_len=64)
+        meta = dict(method="bellm", base_model=path, bi_mode="parallel", bi_layers=1,
+                    bi_strategy=strategy, prompt=bellm.PROMPT, max_len=64)
         tok, dec = bellm.load_decoder(path, 1, strategy, bl_CPU)
         model = get_peft_model(dec, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
         torch.manual_seed(1)
@@ -1324,7 +1468,8 @@ def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
         model.save_pretrained(bl_run)
         (bl_run / common.META).write_text(json.dumps(meta))
         torch.testing.assert_close(bellm.load_encoder(str(bl_run), meta, bl_CPU)(SENTS), want)
-        zero_shot = bellm.load_encoder(None, {k: meta[k] for k in ("method", "base_model", "bi_layers", "bi_mode",
+        zero_shot = bellm.load_encoder(None, {k: meta[k] for k in ("method", "base_model",
+                                                                   "bi_layers", "bi_mode",
                                                                    "prompt")}, bl_CPU)(SENTS)
         assert not torch.allclose(zero_shot, want)
 
@@ -1337,7 +1482,8 @@ def bl_sts_dir(tmp):
     for split in ("dev", "test"):
         with open(d / "STS" / "STSBenchmark" / f"sts-{split}.csv", "w") as f:
             for i in range(16):
-                f.write(f"g\tf\t2012\t{i}\t{i % 5 + 0.5}\t{SENTS[i % 8]}\t{SENTS[(i * 3 + 1) % 8]}\n")
+                f.write(f"g\tf\t2012\t{i}\t{i % 5 + 0.5}\t{SENTS[i % 8]}\t"
+                        f"{SENTS[(i * 3 + 1) % 8]}\n")
     return d
 
 
@@ -1347,14 +1493,16 @@ def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
     data = common.senteval_dir(str(bl_sts_dir(tmp_path)))
     a = Namespace(prompt=bellm.PROMPT, max_len=64, plot=None)
     curve = bellm_analysis.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
-    meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT, max_len=64)
+    meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
+                max_len=64)
     normal = common.evaluate(bellm.make_encoder(dec, tok, meta, bl_CPU), data, ["STS-B"])
     assert len(curve) == 4 and curve[4] == pytest.approx(normal, abs=1e-6)
     assert curve[1] != curve[4]
 
 
 def bl_run(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=bl_ENV, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=bl_ENV, capture_output=True,
+                          text=True, timeout=600)
 
 
 def bl_main(capsys, monkeypatch, *args):
@@ -1377,29 +1525,36 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
     logs = []
     for i in range(2):
-        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train, "--data-dir", data,
-                              "--output-dir", tmp_path / f"run{i}", "--batch-size", 4, "--max-steps", 3,
-                              "--eval-steps", 2, "--log-steps", 1, "--bi-layers", 2, "--tasks", "STS-B",
-                              "--lora-r", 4, *(["--no-final-eval"] if i == 0 else []))
+        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
+                                 "--data-dir", data, "--output-dir", tmp_path / f"run{i}",
+                                 "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
+                                 "--log-steps", 1, "--bi-layers", 2, "--tasks", "STS-B",
+                                 "--lora-r", 4, *(["--no-final-eval"] if i == 0 else []))
         assert code == 0, err
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
     assert out.splitlines()[-2].split() == ["STS-B", "Avg."]  # the final table
     meta = json.load(open(tmp_path / "run1" / "sentemb.json"))
     assert meta["method"] == "bellm" and meta["bi_layers"] == 2 and meta["bi_mode"] == "parallel"
-    e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks", "STS-B")
+    e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks",
+               "STS-B")
     assert e.returncode == 0, e.stderr
-    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # eval_sts.py = the script's final table
+    # eval_sts.py = the script's final table
+    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]
 
 
 @pytest.mark.slow
 def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
-    """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted run
-    (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of step 2)."""
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=20)
-    args = ["--model", model, "--train", train, "--data-dir", data, "--batch-size", 4, "--eval-steps", 2,
-            "--log-steps", 1, "--lora-r", 4, "--no-final-eval", "--no-eval-first", "--max-steps", 4]
-    losses = lambda out: [line.split("rows/s")[0] for line in out.splitlines() if " loss " in line]  # noqa: E731
+    """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted
+    run (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of
+    step 2)."""
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=20))
+    args = ["--model", model, "--train", train, "--data-dir", data, "--batch-size", 4,
+            "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4, "--no-final-eval",
+            "--no-eval-first", "--max-steps", 4]
+    losses = lambda out: [line.split("rows/s")[0] for line in out.splitlines()  # noqa: E731
+                          if " loss " in line]
     code, whole, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "a")
     assert code == 0, err
     calls, eq6 = [], bellm.bellm_loss
@@ -1413,10 +1568,12 @@ def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
     code, first, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b")
     assert code == 9
     monkeypatch.setattr(bellm, "bellm_loss", eq6)
-    code, rest, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b", "--resume")
+    code, rest, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b",
+                              "--resume")
     assert code == 0, err
     assert len(losses(whole)) == 4 and losses(first) + losses(rest) == losses(whole)
-    code, _, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b")  # without --resume
+    # without --resume
+    code, _, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "b")
     assert code == 2 and "already holds a run" in err
 
 
@@ -1428,14 +1585,17 @@ def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
         w.writerow(["sentence1", "sentence2", "condition", "label"])
         for i in range(8):
             w.writerow([SENTS[i], SENTS[(i + 1) % 8], "the number of people", i % 5 + 1])
-    code, out, err = bl_main(capsys, monkeypatch, "--model", bl_make_model(tok_dir, tmp_path), "--train", path,
-                          "--csts", path, "--data-dir", bl_sts_dir(tmp_path), "--output-dir", tmp_path / "run",
-                          "--batch-size", 4, "--max-steps", 2, "--no-final-eval", "--lora-r", 4, "--prompt",
-                          "Given the context {condition}, summarize the sentence {sentence} in one word:\"")
+    code, out, err = bl_main(capsys, monkeypatch, "--model", bl_make_model(tok_dir, tmp_path),
+                             "--train", path, "--csts", path, "--data-dir", bl_sts_dir(tmp_path),
+                             "--output-dir", tmp_path / "run", "--batch-size", 4, "--max-steps", 2,
+                             "--no-final-eval", "--lora-r", 4, "--prompt",
+                             "Given the context {condition}, summarize the sentence {sentence} "
+                             "in one word:\"")
     assert code == 0, err
     assert "csts_dev" in out
-    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "run", "--data-dir",
-                             tmp_path / "senteval", "--tasks", "STS-B")  # STS has no condition: left empty, said
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "run",
+                             "--data-dir", # STS has no condition: left empty, said
+                             tmp_path / "senteval", "--tasks", "STS-B")
     assert code == 0 and "{condition}" in out and "left empty" in out and "STS-B" in out, err
 
 
@@ -1449,13 +1609,14 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     for f in os.listdir(tok_dir):
         os.link(tok_dir / f, bert / f)
     (tmp_path / "empty").mkdir()
-    base = ["bellm.py", "--train", str(train), "--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
-            "--batch-size", "4", "--max-steps", "1", "--no-final-eval"]
+    base = ["bellm.py", "--train", str(train), "--data-dir", str(data), "--output-dir",
+            str(tmp_path / "o"), "--batch-size", "4", "--max-steps", "1", "--no-final-eval"]
     cases = {
         "not a decoder": ["--model", str(bert)],
         "outside 0..4": ["--model", str(model), "--bi-layers", "5"],
         "has no {sentence}": ["--model", str(model), "--prompt", "The representative word is:"],
-        "sent0,sent1,hard_neg": ["--model", str(model), "--train", str(nli_csv(tmp_path, cols=("sent0", "sent1")))],
+        "sent0,sent1,hard_neg": ["--model", str(model), "--train",
+                                 str(nli_csv(tmp_path, cols=("sent0", "sent1")))],
         "needs in-batch negatives": ["--model", str(model), "--batch-size", "1"],
         "--max-steps": ["--model", str(model), "--max-steps", "0"],
         "training file": ["--model", str(model), "--train", str(tmp_path / "missing.csv")],
@@ -1463,30 +1624,37 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
         "cannot load": ["--model", str(tmp_path / "empty")],
         "no STS data": ["--model", str(model), "--data-dir", str(tmp_path / "empty")],
         "is not a C-STS csv": ["--model", str(model), "--csts", str(train)],
-        "has {condition} but": ["--model", str(model), "--prompt", "In {condition}, {sentence} means:"],
+        "has {condition} but": ["--model", str(model), "--prompt",
+                                "In {condition}, {sentence} means:"],
     }
     for want, extra in cases.items():
         code, _, err = bl_main(capsys, monkeypatch, *base[1:], *extra)
         lines = [line for line in err.splitlines() if "error:" in line]  # (+ progress bars)
         assert code == 2 and len(lines) == 1 and want in lines[0], (want, err)
-    r = bl_run(*base, "--model", str(bert))  # and once as a user sees it: exit code 2, one line, no traceback
-    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    # and once as a user sees it: exit code 2, one line, no traceback
+    r = bl_run(*base, "--model", str(bert))
+    assert (r.returncode == 2 and "Traceback" not in r.stderr
+            and r.stderr.count("error:") == 1), r.stderr
 
 
 @pytest.mark.slow
 def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
-    """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the updated LoRA
-    weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks; no_sync accumulation)."""
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=24)
-    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,  # noqa: E731
-                            "--batch-size", bs, "--grad-accum", 2, "--max-steps", 2, "--eval-steps", 100,
+    """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the
+    updated LoRA weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks;
+    no_sync accumulation)."""
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=24))
+    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
+                            "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
+                            "--max-steps", 2, "--eval-steps", 100,
                             "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
                             "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
     one = run("bellm.py", *args(tmp_path / "one", 4))
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
-    assert len(loss(one.stdout)) == 2 and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-5)
+    assert (len(loss(one.stdout)) == 2
+            and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-5))
     w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["trainable"]
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["trainable"]
     assert len(w1) == len(w2) > 0
@@ -1494,10 +1662,11 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- nothing lost: kills, signals, full disks
+# ---------------------------------------------------------------- nothing lost: kills, signals,
+# full disks
 def save_versions(out, pause):
-    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a new best
-    model with its training state every other save, the training state alone otherwise)."""
+    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a
+    new best model with its training state every other save, the training state alone otherwise)."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
     v = torch.load(out / runs.CKPT)["v"] if (out / runs.CKPT).exists() else 0
     while True:
@@ -1516,9 +1685,9 @@ def save_versions(out, pause):
 
 @pytest.mark.slow
 def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
-    """40 SIGKILLs at random instants of a process that saves without pause: after each (and the completion
-    that the next command of the project runs first) the folder holds one whole version, never older than
-    before the kill; most kills land inside a save."""
+    """40 SIGKILLs at random instants of a process that saves without pause: after each (and the
+    completion that the next command of the project runs first) the folder holds one whole version,
+    never older than before the kill; most kills land inside a save."""
     rng, out, last, inside = random.Random(0), tmp_path / "run", 0, 0
     out.mkdir()
     for _ in range(40):
@@ -1533,13 +1702,16 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
         os.waitpid(pid, 0)
         inside += any((out / n).exists() for n in (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))
         runs.finish_save(str(out))
-        assert sorted(p.name for p in out.iterdir()) in ([], [runs.CKPT, "model.pt", common.META, "tower"])
+        assert sorted(p.name for p in out.iterdir()) in (
+            [], [runs.CKPT, "model.pt", common.META, "tower"])
         if (out / common.META).exists():
-            best = json.loads((out / common.META).read_text())["v"]  # the best model: all its files of one save
+            # the best model: all its files of one save
+            best = json.loads((out / common.META).read_text())["v"]
             assert torch.load(out / "model.pt")["w"].eq(best).all()
             assert (out / "tower" / "weights.txt").read_text() == str(best) * 2000
             state = torch.load(out / runs.CKPT)  # the training state: at or after that save, whole
-            assert state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all() and state["v"] >= last
+            assert (state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all()
+                    and state["v"] >= last)
             last = state["v"]
     assert inside >= 10 and last > 20
 
@@ -1585,8 +1757,8 @@ def main_of(module, capsys, monkeypatch, *args):
 
 def popen(script, *args, env=None):
     log = open(Path(tempfile.mkdtemp()) / "log", "w+")
-    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**ENV, **(env or {})}, cwd=ROOT), log
+    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log,
+                            stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, cwd=ROOT), log
 
 
 def text(log):
@@ -1595,11 +1767,12 @@ def text(log):
 
 
 def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
-    """Send signum once `trigger` holds: seconds elapsed, or one of the named files appears in out (a save is
-    under way); -> whether it fired."""
+    """Send signum once `trigger` holds: seconds elapsed, or one of the named files appears in out
+    (a save is under way); -> whether it fired."""
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:
-        if (time.time() - t0 > trigger) if isinstance(trigger, float) else any((out / n).exists() for n in trigger):
+        if ((time.time() - t0 > trigger) if isinstance(trigger, float)
+                else any((out / n).exists() for n in trigger)):
             proc.send_signal(signum)
             proc.wait()
             return True
@@ -1613,12 +1786,14 @@ def weights(out, key):
 
 
 @pytest.mark.slow
-def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir, tmp_path, capsys,
-                                                                monkeypatch):
-    """SIGKILL inside each part of a save (SENTEMB_SAVE_PAUSE makes them last) and at random instants: after
-    every kill eval_sts.py reads the folder, its score is the one sentemb.json records (weights and
-    description of one step), AutoModel loads it, and --resume goes on to the uninterrupted run's weights."""
-    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--proj-dim", 8, steps=6)  # noqa: E731
+def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir,
+                                                                tmp_path, capsys, monkeypatch):
+    """SIGKILL inside each part of a save (SENTEMB_SAVE_PAUSE makes them last) and at random
+    instants: after every kill eval_sts.py reads the folder, its score is the one sentemb.json
+    records (weights and description of one step), AutoModel loads it, and --resume goes on to the
+    uninterrupted run's weights."""
+    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
+                                 "--proj-dim", 8, steps=6)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out, rng, fired = tmp_path / "killed", random.Random(0), []
     saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # any save under way
@@ -1627,14 +1802,15 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
         proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
         fired.append(kill_when(proc, out, trigger))
         if (out / common.META).exists() or (out / runs.PENDING).exists():
-            code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", sts_dir, "--tasks",
-                                    "STS-B", "--split", "dev")
+            code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
+                                    sts_dir, "--tasks", "STS-B", "--split", "dev")
             assert code == 0, err
             meta = json.loads((out / common.META).read_text())
             assert f"{float(ev.split()[2]):.2f}" == f"{meta['stsb_dev']:.2f}"
             assert weights(out, "best") == meta["stsb_dev"] and weights(out, "step") >= meta["step"]
             AutoModel.from_pretrained(out)
-        assert not (out / runs.PENDING).exists()  # eval_sts.py completed a save cut after its commit
+        # eval_sts.py completed a save cut after its commit
+        assert not (out / runs.PENDING).exists()
     assert sum(fired) >= 4, fired
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     for key, a in weights(tmp_path / "whole", "encoder").items():
@@ -1644,7 +1820,8 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
 @pytest.mark.slow
 def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
-    procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval")) for _ in range(2)]
+    procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval"))
+             for _ in range(2)]
     codes = sorted(p.wait() for p, _ in procs)
     logs = [text(log) for _, log in procs]
     assert codes == [0, 2], logs
@@ -1652,18 +1829,23 @@ def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp
 
 
 @pytest.mark.slow
-def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys, monkeypatch):
-    """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two Ctrl-Cs (out
-    at once, exit 130); --resume ends on the uninterrupted run's weights."""
+def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys,
+                                                                       monkeypatch):
+    """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two
+    Ctrl-Cs (out at once, exit 130); --resume ends on the uninterrupted run's weights."""
     d, _ = jt_env
-    args = lambda out: ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir", out,  # noqa: E731
-                        "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3, "--log-steps", 1,
-                        "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
+    args = lambda out: ["--model-a", d / "a", "--model-b", d / "b", "--train",  # noqa: E731
+                        d / "train.txt", "--output-dir", out,
+                        "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3,
+                        "--log-steps", 1, "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}, time.time()
-    proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})  # first, a SIGKILL while
-    assert kill_when(proc, out, (runs.PENDING,))  # the twin's files move: both towers must come from one step
-    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B", "--split", "dev")
+    # first, a SIGKILL while
+    proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})
+    # the twin's files move: both towers must come from one step
+    assert kill_when(proc, out, (runs.PENDING,))
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
+                            "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
     proc, log = popen("jtcse.py", *args(out), "--resume", env=env)
     while "step     1  loss" not in text(log) and time.time() - t0 < 300:
@@ -1673,7 +1855,8 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
     said = text(log)
     stopped = int(re.search(r"stopped at step (\d+) \(SIGTERM\)", said).group(1))
     assert 1 <= stopped < 6 and "--resume" in said and "Traceback" not in said
-    assert weights(out, "step") == stopped  # saved at the step it stopped, not at the last evaluation
+    # saved at the step it stopped, not at the last evaluation
+    assert weights(out, "step") == stopped
     proc, log = popen("jtcse.py", *args(out), "--resume", env=env)  # a second signal: out at once
     while not re.search(r"step +\d+  loss", text(log)) and time.time() - t0 < 300:
         time.sleep(0.05)
@@ -1688,21 +1871,24 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
 
 @pytest.mark.slow
 def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monkeypatch):
-    """A kill while a new best adapter is moved into place: eval_sts.py completes that save and reads the
-    adapter, PeftModel loads it, and --resume logs the uninterrupted run's losses."""
+    """A kill while a new best adapter is moved into place: eval_sts.py completes that save and
+    reads the adapter, PeftModel loads it, and --resume logs the uninterrupted run's losses."""
     from peft import PeftModel
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path, rows=20)
-    args = lambda out: ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,  # noqa: E731
-                        "--batch-size", 4, "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4, "--no-final-eval",
-                        "--no-eval-first", "--max-steps", 4]
-    losses = lambda text: [l.split("rows/s")[0] for l in text.splitlines() if " loss " in l]  # noqa: E731
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=20))
+    args = lambda out: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
+                        "--output-dir", out,
+                        "--batch-size", 4, "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
+                        "--no-final-eval", "--no-eval-first", "--max-steps", 4]
+    losses = lambda text: [l.split("rows/s")[0] for l in text.splitlines()  # noqa: E731
+                           if " loss " in l]
     code, whole, err = bl_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     assert code == 0, err
     out = tmp_path / "killed"
     proc, log = popen("bellm.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.3"})
     assert kill_when(proc, out, (runs.PENDING,))
-    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data, "--tasks", "STS-B",
-                            "--split", "dev")
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data,
+                            "--tasks", "STS-B", "--split", "dev")
     assert code == 0, err
     assert f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}"
     PeftModel.from_pretrained(AutoModel.from_pretrained(model), out)
@@ -1712,21 +1898,26 @@ def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monk
 
 
 @pytest.mark.slow
-def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys,
+                                         monkeypatch):
     out = tmp_path / "r"
-    assert main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
-                                                         steps=2))[0] == 0
-    code, again, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
-                                                                     "--no-final-eval", "--lr", "1e-4", steps=4))
+    assert main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out,
+                                                         "--no-final-eval", steps=2))[0] == 0
+    code, again, err = main_of(sscl, capsys, monkeypatch,
+                               *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+                                                                     "--no-final-eval", "--lr",
+                                          "1e-4", steps=4))
     assert code == 0, err
     assert "--lr 0.0001 replaces the run's 3e-05 from step 2 on" in again
     assert "step     3  loss" in again and "lr 2.50e-05" in again  # 1e-4 x (1 - 3/4), linear decay
-    code, same, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+    code, same, err = main_of(sscl, capsys, monkeypatch,
+                              *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
                                                                     "--no-final-eval", steps=8))
     assert "lr 3.75e-05" in same  # without --lr the run keeps its own, now 1e-4: 1e-4 x (1 - 5/8)
 
 
-# ---------------------------------------------------------------- bad inputs, all scripts, one table
+# ---------------------------------------------------------------- bad inputs, all scripts, one
+# table
 @pytest.fixture(scope="session")
 def sscl_template(tmp_path_factory, bert_dir, train_txt, sts_dir):
     out = tmp_path_factory.mktemp("tpl") / "run"
@@ -1796,14 +1987,17 @@ def malformed_sts12(c):
     c.sts = bad
 
 
-SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts, "--output-dir", c.out,  # noqa: E731
-                      "--batch-size", 8, "--max-len", 16, "--layer", 2, "--max-steps", 2, "--eval-steps", 2,
-                      "--no-final-eval", *x]
-JT = lambda c, *x: ["--model-a", c.jt / "a", "--model-b", c.jt / "b", "--train", c.jt / "train.txt",  # noqa: E731
-                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2, "--no-add-sick",
+SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
+                      "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
+                      "--max-steps", 2,
+                      "--eval-steps", 2, "--no-final-eval", *x]
+JT = lambda c, *x: ["--model-a", c.jt / "a", "--model-b", c.jt / "b", "--train",  # noqa: E731
+                    c.jt / "train.txt",
+                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+                    "--no-add-sick", "--no-final-eval", *x]
+BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts,  # noqa: E731
+                    "--output-dir", c.out, "--batch-size", 4, "--max-steps", 1, "--lora-r", 4,
                     "--no-final-eval", *x]
-BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts, "--output-dir", c.out,  # noqa: E731
-                    "--batch-size", 4, "--max-steps", 1, "--lora-r", 4, "--no-final-eval", *x]
 EV = lambda c, *x: ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
 # the commands of run_templates, and eval_sts.py on their copies (c.srun, c.jrun, c.brun)
 SSCL_RUN = lambda c, out, *x: SSCL(Namespace(**{**vars(c), "out": out}),  # noqa: E731
@@ -1818,7 +2012,8 @@ EJ = lambda c, *x: ["--model", c.jrun, "--data-dir", JT_DATA["sts"],  # noqa: E7
                     "--tasks", "STS-B", *x]
 PROBES = [  # (script, arguments, words of the error line, preparation)
     *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
-        ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan", "finite"), ("--temp", "-0.05", "> 0"),
+        ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan",
+                                                      "finite"), ("--temp", "-0.05", "> 0"),
         ("--max-len", "0", ">= 1"), ("--log-steps", "0", ">= 1"), ("--grad-accum", "0", ">= 1"),
         ("--seed", "-1", "0..2**32-1"), ("--proj-dim", "-1", ">= 0"), ("--eval-steps", "0", ">= 1"),
         ("--epochs", "0", ">= 1"), ("--max-steps", "0", "-1 or"), ("--batch-size", "0", ">= 1")]],
@@ -1827,41 +2022,53 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--model", c.llama), ["llama", "not a bidirectional encoder"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.bert), ["is the input model"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.llama), ["not a run of this project"], None),
-    ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"], malformed_sts12),
+    ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"],
+     malformed_sts12),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
      lambda c: (c.run / runs.CKPT).write_bytes((c.run / runs.CKPT).read_bytes()[:5000])),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
      lambda c: fake_state(c.run / runs.CKPT, "jtcse")),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"), ["--layer 2", "--layer 1"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"),
+     ["--layer 2", "--layer 1"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
      ["--objective paper", "--objective authors"], None),
-    ("sscl", lambda c: SSCL(c, "--objective", "authors", "--no-aug"), ["--no-aug", "--objective paper"], None),
+    ("sscl", lambda c: SSCL(c, "--objective", "authors", "--no-aug"),
+     ["--no-aug", "--objective paper"], None),
     ("sscl", lambda c: SSCL(c, "--objective", "theirs"), ["--objective", "invalid choice"], None),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"], lambda c: (c.run / common.META).unlink()),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["in use by another training run"], hold_lock),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"],
+     lambda c: (c.run / common.META).unlink()),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"),
+     ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
-    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
+    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--num-cael", "4"),
+     ["--num-cael 2", "--num-cael 4"],
      lambda c: fake_state(c.run / runs.CKPT, "jtcse", num_cael=2)),
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
-    ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"), ["--distill", "drop --objective"],
-     None),
+    ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"),
+     ["--distill", "drop --objective"], None),
     ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
-     ["--objective paper", "--objective authors"], lambda c: fake_state(c.run / runs.CKPT, "jtcse", objective="paper")),
+     ["--objective paper", "--objective authors"],
+     lambda c: fake_state(c.run / runs.CKPT, "jtcse", objective="paper")),
     ("bellm", lambda c: BL(c, "--lora-r", "0"), ["--lora-r", ">= 1"], None),
     ("bellm", lambda c: BL(c, "--lora-dropout", "2"), ["--lora-dropout", "probability"], None),
     ("bellm", lambda c: BL(c, "--lr", "0"), ["--lr", "> 0"], None),
-    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b,c\nd,,f\n")), ["line 3", "no sent1"], None),
-    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b\n")), ["line 2", "no hard_neg"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b,c\nd,,f\n")),
+     ["line 3", "no sent1"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,b\n")),
+     ["line 2", "no hard_neg"], None),
     ("bellm", lambda c: BL(c, "--train", c.csv(b"")), ["no header"], None),
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\n")), ["no rows"], None),
-    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")), ["line 2", "not UTF-8"], None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")),
+     ["line 2", "not UTF-8"], None),
     ("bellm", lambda c: BL(c, "--output-dir", c.run, "--resume"), ["--lora-r 8", "--lora-r 4"],
      lambda c: fake_state(c.run / runs.CKPT, "bellm", lora_r=8)),
-    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("{not json")),
-    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (c.run / common.META).write_text("[1, 2]")),
+    ("eval_sts", lambda c: EV(c), ["not a run description"],
+     lambda c: (c.run / common.META).write_text("{not json")),
+    ("eval_sts", lambda c: EV(c), ["not a run description"],
+     lambda c: (c.run / common.META).write_text("[1, 2]")),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
      lambda c: (c.run / common.META).write_text('{"method": "sscl"}')),
     ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
@@ -1992,14 +2199,19 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,args,words,prep", PROBES, ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
+@pytest.mark.parametrize("script,args,words,prep", PROBES,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
 def test_bad_input_table(script, args, words, prep, sscl_template, run_templates, bert_dir,
                          train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
-    """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception other
-    than SystemExit fails the test), and every folder that existed before is byte-for-byte unchanged."""
-    c = Namespace(tmp=tmp_path, bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=tmp_path / "out",
-                  run=tmp_path / "run", llama=bl_make_model(tok_dir, tmp_path), bl_sts=bl_sts_dir(tmp_path),
-                  nli=nli_csv(tmp_path), latin1=tmp_path / "latin1.txt", binary=tmp_path / "binary.txt")
+    """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception
+    other than SystemExit fails the test), and every folder that existed before is byte-for-byte
+    unchanged."""
+    c = Namespace(tmp=tmp_path, bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0],
+                  out=tmp_path / "out",
+                  run=tmp_path / "run", llama=bl_make_model(tok_dir, tmp_path),
+                  bl_sts=bl_sts_dir(tmp_path),
+                  nli=nli_csv(tmp_path), latin1=tmp_path / "latin1.txt",
+                  binary=tmp_path / "binary.txt")
     c.srun, c.jrun, c.brun, c.plain = (tmp_path / n for n in ("srun", "jrun", "brun", "plain"))
     shutil.copytree(sscl_template, c.run)
     for name, tpl in (("srun", "sscl"), ("jrun", "jtcse"), ("brun", "bellm")):
@@ -2160,32 +2372,43 @@ def test_files_as_spreadsheets_write_them_are_read(tmp_path):
     assert common.read_sentences(txt) == ["first sentence", "second"]
 
 
-# ---------------------------------------------------------------- outside users: sentence-transformers, progress
+# ---------------------------------------------------------------- outside users:
+# sentence-transformers, progress
 def st_python(code):
-    """Run code where sentence-transformers imports: $SENTEMB_ST (CI installs it there with --no-deps, beside
-    the pinned torch) or this Python's own packages; None when it is not installed (a failure in CI)."""
-    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("SENTEMB_ST"), str(ROOT)]))}
-    probe = subprocess.run([sys.executable, "-c", "import sentence_transformers"], env=env, capture_output=True)
+    """Run code where sentence-transformers imports: $SENTEMB_ST (CI installs it there with
+    --no-deps, beside the pinned torch) or this Python's own packages; None when it is not installed
+    (a failure in CI)."""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None,
+                                                       [os.environ.get("SENTEMB_ST"), str(ROOT)]))}
+    probe = subprocess.run([sys.executable, "-c", "import sentence_transformers"], env=env,
+                           capture_output=True)
     if probe.returncode:
         why = "sentence-transformers is not installed (set SENTEMB_ST to a folder that holds it)"
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
 
 
 @pytest.mark.slow
-def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch,
-                                                    pooler="avg", proj="8"):  # CLS: the distilled tower's test
+def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys,
+                                                    monkeypatch, # CLS: the distilled tower's test
+                                                    pooler="avg", proj="8"):
     out = tmp_path / "run"
-    code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
-                                                                 "--pooler", pooler, "--proj-dim", proj, steps=2))
+    code, _, err = main_of(sscl, capsys, monkeypatch,
+                           *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
+                                                                 "--pooler", pooler, "--proj-dim",
+                                      proj, steps=2))
     assert code == 0, err
     modules = json.loads((out / "modules.json").read_text())
     assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
-        [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")] if proj != "0" else [])
+        [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")]
+                                                           if proj != "0" else [])
     pool = json.loads((out / "1_Pooling" / "config.json").read_text())
-    assert pool["word_embedding_dimension"] == 32 and pool["pooling_mode_cls_token"] == (pooler == "cls")
+    assert (pool["word_embedding_dimension"] == 32
+            and pool["pooling_mode_cls_token"] == (pooler == "cls"))
     assert pool["pooling_mode_mean_tokens"] == (pooler == "avg")
-    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64  # no truncation
+    # no truncation
+    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
     if proj != "0":
         assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
     r = st_python(f"""
@@ -2202,11 +2425,14 @@ print(float((st - eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu")
 def test_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
     jt_train(jt_env, tmp_path / "twin", capsys, monkeypatch)
-    jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a", d / "a", "--train", d / "train.txt",
-            "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1, "--no-add-sick",
-            "--no-final-eval")
-    assert not (tmp_path / "twin" / "modules.json").exists()  # a sum of two towers is not one module chain
-    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"]
+    jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a", d / "a", "--train",
+            d / "train.txt",
+            "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
+            "--no-add-sick", "--no-final-eval")
+    # a sum of two towers is not one module chain
+    assert not (tmp_path / "twin" / "modules.json").exists()
+    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())[
+        "pooling_mode_cls_token"]
     r = st_python(f"""
 import torch, eval_sts
 from sentence_transformers import SentenceTransformer
@@ -2228,9 +2454,10 @@ def test_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokenizer_dir,
         err = Terminal() if tty else io.StringIO()
         monkeypatch.setattr(sys, "stderr", err)
         monkeypatch.setattr(common, "QUIET", quiet)
-        out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok, ["a man", "a dog"] * 40, 8,
-                                       "cpu", 16)
-        assert out.shape == (80, 2) and ("encoding" in err.getvalue()) == shown, (tty, quiet, err.getvalue()[:200])
+        out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok,
+                                       ["a man", "a dog"] * 40, 8, "cpu", 16)
+        assert (out.shape == (80, 2)
+                and ("encoding" in err.getvalue()) == shown), (tty, quiet, err.getvalue()[:200])
 
 
 # ---------------------------------------------------------------- length-grouped steps ----------
@@ -2238,14 +2465,18 @@ def test_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
     import itertools
     rng = random.Random(0)
     for _ in range(40):
-        lengths, cost = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))], rng.choice([0, 8, 64, 1000])
+        lengths, cost = ([rng.randint(1, 40) for _ in range(rng.randint(1, 9))],
+                         rng.choice([0, 8, 64, 1000]))
         groups = common.length_groups(lengths, cost)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row, once
         s, n = sorted(lengths), len(lengths)
-        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))  # every cut of the
-                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))  # sorted rows
+        # every cut of the
+        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))
+                    # sorted rows
+                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))
         assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == brute
-    assert len(common.length_groups([5, 9, 5, 9], 0)) == 2 and len(common.length_groups([5, 9, 5, 9], 1000)) == 1
+    assert (len(common.length_groups([5, 9, 5, 9], 0)) == 2
+            and len(common.length_groups([5, 9, 5, 9], 1000)) == 1)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -2253,12 +2484,14 @@ def test_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
     lengths = [3, 7, 1, 7, 5, 2]
     L = max(lengths)
     ids = torch.arange(1, 6 * L + 1).view(6, L)
-    mask = torch.tensor([[1] * n + [0] * (L - n) if side == "right" else [0] * (L - n) + [1] * n for n in lengths])
+    mask = torch.tensor([[1] * n + [0] * (L - n) if side == "right" else [0] * (L - n) + [1] * n
+                         for n in lengths])
     calls = []
 
     def forward(b):  # (n, L_g) -> the row's real ids summed, nested outputs, a None
         calls.append(b["input_ids"].shape)
-        assert b["attention_mask"].shape[1] == int(b["attention_mask"].sum(1).max())  # padded to its own longest
+        # padded to its own longest
+        assert b["attention_mask"].shape[1] == int(b["attention_mask"].sum(1).max())
         s = (b["input_ids"] * b["attention_mask"]).sum(1)
         return s, [s * 2, (s, s + 1)], None
     want = forward({"input_ids": ids, "attention_mask": mask})
@@ -2270,10 +2503,11 @@ def test_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
 
 
 def same_step(params, loss_of):
-    """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each tensor's largest).
-    The models run in float64: in float32 the two orders of summation differ by rounding, which the identical
-    dropout-free views amplify (the positive pair's terms cancel; up to 2.5e-4 of the largest gradient of the
-    projection); in float64 that rounding is ~1e-12, so what is left to fail here is a different computation."""
+    """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each
+    tensor's largest). The models run in float64: in float32 the two orders of summation differ by
+    rounding, which the identical dropout-free views amplify (the positive pair's terms cancel; up
+    to 2.5e-4 of the largest gradient of the projection); in float64 that rounding is ~1e-12, so
+    what is left to fail here is a different computation."""
     out = []
     for grouped in (True, False):
         for q in params:
@@ -2284,7 +2518,8 @@ def same_step(params, loss_of):
     (l1, g1), (l0, g0) = out
     assert abs(l1 - l0) <= 1e-5 and len(g1) == len(g0) > len(params) / 2
     for a, b in zip(g1, g0):
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12  # (+: the key biases' zero gradients)
+        # (+: the key biases' zero gradients)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12
 
 
 def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
@@ -2295,7 +2530,8 @@ def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different le
 def test_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
     from transformers import AutoTokenizer
     tok, B = AutoTokenizer.from_pretrained(bert_nodrop_dir), 8
-    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler, proj_dim=16).train().double()
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler,
+                               proj_dim=16).train().double()
     batch = common.tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
 
@@ -2318,10 +2554,12 @@ def test_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
         h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
         return jtcse.jtcse_loss(h, hP, c, 1, a)[0]
     same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
-    target = torch.randn(2 * B, 32, dtype=torch.float64)  # distillation: one tower's CLS against a fixed target
+    # distillation: one tower's CLS against a fixed target
+    target = torch.randn(2 * B, 32, dtype=torch.float64)
     cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
     same_step(list(towers[0].parameters()),
-              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch), target))
+              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch),
+                                   target))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -2330,7 +2568,8 @@ def test_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
     dec.double()
     for k, mode in ((1, "parallel"), (2, "sequential")):
         net = bellm.BeLLM(dec, k, mode, "convert").train()
-        b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)  # 6 triplets, (18, L)
+        # 6 triplets, (18, L)
+        b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)
 
         def loss_of(grouped):
             run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
@@ -2340,75 +2579,92 @@ def test_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
 
 
 @pytest.mark.slow
-def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_dir, train_txt, sts_dir, tok_dir,
-                                                                     jt_env, tmp_path, capsys, monkeypatch):
-    """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged losses of
-    --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
+def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_dir, train_txt,
+                                                                     sts_dir, tok_dir, jt_env,
+                                                                     tmp_path, capsys, monkeypatch):
+    """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged
+    losses of --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
     d, _ = jt_env
     jt_nodrop(jt_env, tmp_path)
     scripts = {
-        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3, eval_steps=100),
-        jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train", d / "train.txt", "--data-dir",
-                sts_dir, "--output-dir", "OUT", "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
-                "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3, "--no-add-sick", "--no-final-eval"],
-        bellm: ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path), "--data-dir",
-                bl_sts_dir(tmp_path), "--output-dir", "OUT", "--batch-size", 4, "--max-steps", 3, "--eval-steps", 100,
-                "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0, "--no-final-eval",
-                "--no-eval-first"]}
+        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3,
+                        eval_steps=100),
+        jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train",
+                d / "train.txt", "--data-dir", sts_dir, "--output-dir", "OUT", "--batch-size", 8,
+                "--max-len", 16, "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1,
+                "--lr", 1e-3, "--no-add-sick", "--no-final-eval"],
+        bellm: ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path),
+                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", "OUT", "--batch-size", 4,
+                "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1, "--bi-layers", 2,
+                "--lora-r", 4, "--lora-dropout", 0, "--no-final-eval", "--no-eval-first"]}
     groups, length_groups = [], common.length_groups
-    monkeypatch.setattr(common, "length_groups", lambda lengths, cost: groups.append(1) or length_groups(lengths, 0))
+    monkeypatch.setattr(common, "length_groups", lambda lengths, cost: groups.append(1)
+                        or length_groups(lengths, 0))
     for module, args in scripts.items():
         logged = []
         for flag in ("--length-grouping", "--no-length-grouping"):
             out = tmp_path / f"{module.__name__}{flag}"
-            code, stdout, err = main_of(module, capsys, monkeypatch, *[out if x == "OUT" else x for x in args], flag)
+            code, stdout, err = main_of(module, capsys, monkeypatch,
+                                        *[out if x == "OUT" else x for x in args], flag)
             assert code == 0, err[-2000:]
             logged.append([float(x) for x in losses(stdout)])
-        assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__  # the grouped path ran, every step
+        # the grouped path ran, every step
+        assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__
         assert logged[0] == pytest.approx(logged[1], abs=2e-4), module.__name__
         groups.clear()
 
 
-# ---------------------------------------------------------------- the GPU configuration, on CPU --------
+# ---------------------------------------------------------------- the GPU configuration, on CPU
+# --------
 @pytest.mark.slow
 def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, capsys, monkeypatch):
-    """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite losses close to
-    the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16) prints the run's final table."""
+    """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite
+    losses close to the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16)
+    prints the run's final table."""
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
     logs = {}
     for name, extra in (("fp32", []), ("gpu", ["--dtype", "bfloat16", "--grad-ckpt", "--bf16"])):
-        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train, "--data-dir", data,
-                                 "--output-dir", tmp_path / name, "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
-                                 "--log-steps", 1, "--bi-layers", 1, "--lora-r", 4, "--lora-dropout", 0, "--tasks",
-                                 "STS-B", *extra)
+        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
+                                 "--data-dir", data, "--output-dir", tmp_path / name,
+                                 "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
+                                 "--log-steps", 1, "--bi-layers", 1, "--lora-r", 4,
+                                 "--lora-dropout", 0, "--tasks", "STS-B", *extra)
         assert code == 0, err[-2000:]
         logs[name] = [float(x) for x in losses(out)]
     assert "with checkpointing" in out and "memory (estimate" in out
     assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
-    assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)  # bf16 rounding, not a different computation
+    # bf16 rounding, not a different computation
+    assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
     assert json.load(open(tmp_path / "gpu" / "sentemb.json"))["dtype"] == "bfloat16"
-    e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks", "STS-B", "--bf16")
+    e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
+               "STS-B", "--bf16")
     assert e.returncode == 0, e.stderr
-    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]  # the adapter saved and reloaded onto a bf16 base
+    # the adapter saved and reloaded onto a bf16 base
+    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]
 
 
 def test_frozen_linears_cast_once_give_what_autocast_computes(tok_dir, tmp_path):
-    """bellm.cast_frozen_linears under bf16 autocast: the same loss and LoRA gradients, bit for bit, as letting
-    autocast cast the float32 weights at every pass; embeddings and norms stay float32."""
+    """bellm.cast_frozen_linears under bf16 autocast: the same loss and LoRA gradients, bit for bit,
+    as letting autocast cast the float32 weights at every pass; embeddings and norms stay
+    float32."""
     from peft import LoraConfig, get_peft_model
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
     b = bl_batch(tok, SENTS[:6])
-    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear",
-                                          init_lora_weights=False)).train()  # B != 0: the LoRA path counts
+    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                          target_modules="all-linear",
+                                          # B != 0: the LoRA path counts
+                                          init_lora_weights=False)).train()
     cast = copy.deepcopy(peft)
     bellm.cast_frozen_linears(cast.base_model.model)
     assert cast.base_model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
-    assert cast.base_model.model.embed_tokens.weight.dtype == cast.base_model.model.norm.weight.dtype == torch.float32
+    assert (cast.base_model.model.embed_tokens.weight.dtype
+            == cast.base_model.model.norm.weight.dtype == torch.float32)
     out = []
     for m in (peft, cast):
         torch.manual_seed(1)  # the same LoRA dropout masks
         with common.autocast(bl_CPU, True):
-            h = bellm.BeLLM(m.base_model.model, 1, "parallel", "convert")(b["input_ids"], b["attention_mask"])
+            h = bellm.BeLLM(m.base_model.model, 1, "parallel",
+                            "convert")(b["input_ids"], b["attention_mask"])
         loss = bellm.bellm_loss(*h.float().view(2, 3, -1).unbind(1), 0.05)
         loss.backward()
         out.append([loss] + [q.grad for q in m.parameters() if q.requires_grad])
@@ -2423,8 +2679,10 @@ def test_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
     def loss_of(ckpt):
         (dec.gradient_checkpointing_enable if ckpt else dec.gradient_checkpointing_disable)(
             **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if ckpt else {}))
-        sizes = []  # what autograd keeps for the backward: far less when the layers are checkpointed
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        # what autograd keeps for the backward: far less when the layers are checkpointed
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
+                                                      lambda t: t):
             h = net(b["input_ids"], b["attention_mask"]).view(2, 3, -1)
         kept[ckpt] = sum(sizes)
         return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
@@ -2434,16 +2692,19 @@ def test_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
 
 
 def test_memory_estimate_counts_the_saved_activations(tmp_path):
-    """The start-up estimate against the bytes autograd actually saves (saved-tensor hooks), on a LLaMA config
-    that is none of those the coefficients were counted on; weights and LoRA states exactly."""
+    """The start-up estimate against the bytes autograd actually saves (saved-tensor hooks), on a
+    LLaMA config that is none of those the coefficients were counted on; weights and LoRA states
+    exactly."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaModel
     for dtype, s in ((torch.float32, 4), (torch.bfloat16, 2)):
         torch.manual_seed(0)
-        dec = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+        dec = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=192, intermediate_size=512,
+                                     num_hidden_layers=3,
                                      num_attention_heads=6, num_key_value_heads=2)).to(dtype)
         dec.set_attn_implementation("eager")
-        lora = get_peft_model(dec, LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")).train()
+        lora = get_peft_model(dec, LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1,
+                                              target_modules="all-linear")).train()
         n_lora = sum(q.numel() for q in lora.parameters() if q.requires_grad)
         ids, am = torch.randint(0, 100, (6, 20)), torch.ones(6, 20, dtype=torch.long)
         seen, saved = {q.untyped_storage().data_ptr() for q in lora.parameters()}, [0]
@@ -2462,15 +2723,19 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
 
 
 @pytest.mark.slow
-def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir, jt_env, tmp_path,
-                                                            capsys, monkeypatch):
-    """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a saved model."""
+def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir,
+                                                           jt_env, tmp_path, capsys, monkeypatch):
+    """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a
+    saved model."""
     def sscl_run(out, *extra):
-        code, stdout, err = main_of(sscl, capsys, monkeypatch, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
-                                                                         "--no-final-eval", *extra, steps=3))
+        code, stdout, err = main_of(sscl, capsys, monkeypatch,
+                                    *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
+                                                                         "--no-final-eval", *extra,
+                                               steps=3))
         assert code == 0, err[-2000:]
         return stdout
-    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch, "--log-steps", "1", *extra)  # noqa: E731
+    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch,  # noqa: E731
+                                           "--log-steps", "1", *extra)
     for name, train in (("sscl", sscl_run), ("jtcse", jt_run_)):
         logged = []
         for extra in ([], ["--bf16"]):
@@ -2481,7 +2746,8 @@ def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, trai
         assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
 
 
-# ---------------------------------------------------------------- figures, dependency, seeds ----------
+# ---------------------------------------------------------------- figures, dependency, seeds
+# ----------
 def png_size(path):
     """(width, height) of a valid PNG, read from its header; fails on anything else."""
     head = Path(path).read_bytes()[:24]
@@ -2490,9 +2756,9 @@ def png_size(path):
 
 
 def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
-    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the stock model's
-    last hidden state, pivot = last token) on bare sentences, and a BERT (pivot = CLS); and with the prompt, the
-    tokens scored are exactly the sentence's."""
+    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the
+    stock model's last hidden state, pivot = last token) on bare sentences, and a BERT (pivot =
+    CLS); and with the prompt, the tokens scored are exactly the sentence's."""
     from scipy.stats import spearmanr
     from transformers import AutoModel, AutoTokenizer
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
@@ -2501,25 +2767,32 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
     with torch.no_grad():
         spans = [(0, len(s)) for s in sents]
         got, control = bellm_analysis.dependency_scores(
-            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents, spans, True, bl_CPU)
-        hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0] for s in sents}
+            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
+                                                        spans, True, bl_CPU)
+        hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0]
+              for s in sents}
         for s, g in zip(sents, got):  # stock model, one sentence at a time, no padding
             h = hs[s]
-            assert g == pytest.approx(np.mean([spearmanr(h[-1], h[j]).statistic for j in range(len(h) - 1)]), abs=1e-9)
-        by_len = sorted(sents, key=len)  # the control: the pivot against the next sentence's tokens (one batch)
+            assert g == pytest.approx(np.mean([spearmanr(h[-1], h[j]).statistic
+                                               for j in range(len(h) - 1)]), abs=1e-9)
+        # the control: the pivot against the next sentence's tokens (one batch)
+        by_len = sorted(sents, key=len)
         for s, nxt in zip(by_len, by_len[1:] + by_len[:1]):
-            want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic for j in range(len(hs[nxt]) - 1)])
+            want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic
+                            for j in range(len(hs[nxt]) - 1)])
             assert control[sents.index(s)] == pytest.approx(want, abs=1e-9)
-        btok, bert = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
+        btok, bert = (AutoTokenizer.from_pretrained(bert_dir),
+                      AutoModel.from_pretrained(bert_dir).eval())
         got, _ = bellm_analysis.dependency_scores(
-            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents, spans, False, bl_CPU)
+            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents,
+                                                  spans, False, bl_CPU)
         for s, g in zip(sents, got):
             h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
             want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
             assert g == pytest.approx(want, abs=1e-9)
-    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token id from a random
-    # table, so the expected score is computable from the sentence tokenised alone (a leading space, as in the
-    # prompt; a token that is only that space belongs to the prompt)
+    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token
+    # id from a random table, so the expected score is computable from the sentence tokenised alone
+    # (a leading space, as in the prompt; a token that is only that space belongs to the prompt)
     table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
     texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
     lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
@@ -2527,21 +2800,25 @@ def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
                                               [(lead, lead + len(s)) for s in sents], True, bl_CPU)
     for t, s, g in zip(texts, sents, got):
         pivot = tok(t)["input_ids"][-1]
-        ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"] if tok.decode([j]).strip()]  # not ' '
-        assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic for j in ids]), abs=1e-9)
+        # not ' '
+        ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"]
+               if tok.decode([j]).strip()]
+        assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic
+                                           for j in ids]), abs=1e-9)
 
 
 @pytest.mark.slow
 def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
-    """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops before the work."""
+    """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops
+    before the work."""
     sts = write_sts(tmp_path / "sts")
     dec = bl_make_model(tok_dir, tmp_path)
     d, _ = jt_env
     cases = {
-        "sscl": ("sscl.py", "--analyze", "--model", bert_dir, d / "a", "--sentence", "a man is playing a guitar",
-                 "--max-len", 16),
-        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b", "--num-cael", 2,
-                  "--max-len", 16),
+        "sscl": ("sscl.py", "--analyze", "--model", bert_dir, d / "a", "--sentence",
+                 "a man is playing a guitar", "--max-len", 16),
+        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
+                  "--num-cael", 2, "--max-len", 16),
         "degradation": ("bellm.py", "--degradation", "--model", dec, "--tasks", "STS-B,SICK-R"),
         "dependency": ("bellm.py", "--dependency", "--model", dec, bert_dir, "--bi-layers", 0, 1),
     }
@@ -2553,16 +2830,20 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
         sizes[name] = png_size(out)
         assert 5_000 < out.stat().st_size < 200_000, name
         if name == "dependency":  # one box a configuration: K = 0, K = 1, the BERT
-            rows = re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+ .*\(difference [-+]\d", proc.stdout, re.M)
+            rows = re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+ .*\(difference [-+]\d", proc.stdout,
+                              re.M)
             assert len(rows) == 3, proc.stdout
-    assert sizes["sscl"] == (1620, 1260)  # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
-    assert sizes["jtcse"] == (1620, 1260) and sizes["degradation"] == sizes["dependency"] == (810, 630)
+    # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
+    assert sizes["sscl"] == (1620, 1260)
+    assert (sizes["jtcse"] == (1620, 1260)
+            and sizes["degradation"] == sizes["dependency"] == (810, 630))
     for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]),
                          ("bellm.py", ["--dependency", "--model", dec])):
         proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
         assert_bad_input(proc, "--plot", "create it")
         assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
-    assert_bad_input(run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png"), "--plot", "--analyze")
+    assert_bad_input(run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png"), "--plot",
+                     "--analyze")
 
 
 @pytest.mark.slow
@@ -2576,7 +2857,8 @@ def test_seed_summary_equals_numpy_and_scipy(tmp_path):
         files[g] = []
         for i, row in enumerate(M):
             f = tmp_path / f"{g}{i}.json"
-            result = {"model": "m", "results": dict(zip(common.TASKS, row.tolist())), "align": row[0] / 100}
+            result = {"model": "m", "results": dict(zip(common.TASKS, row.tolist())),
+                      "align": row[0] / 100}
             f.write_text(json.dumps(result))
             files[g].append(str(f))
     cols, stats = seeds.table({"runs": [seeds.scores(f) for f in files["a"]]})
@@ -2592,6 +2874,7 @@ def test_seed_summary_equals_numpy_and_scipy(tmp_path):
         want = ttest_rel(A[:, j], B[:, j])
         assert float(t_row[j]) == pytest.approx(want.statistic, abs=1e-3)
         assert float(p_row[j]) == pytest.approx(want.pvalue, abs=1e-4)
-    assert_bad_input(run("seeds.py", *files["a"], "--against", *files["b"][:2]), "--against", "paired")
+    assert_bad_input(run("seeds.py", *files["a"], "--against", *files["b"][:2]), "--against",
+                     "paired")
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert_bad_input(run("seeds.py", str(tmp_path / "bad.json")), "eval_sts.py --json")
