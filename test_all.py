@@ -1,8 +1,9 @@
-"""All tests: `python -m pytest test_all.py -q`. Three kinds (STYLE.md 11): subprocess smoke runs of
-each script on tiny random-weight models, equivalence tests (patch off = stock model, loss = the
-paper's equation), determinism. Tiny models and tokenisers are built here, offline. The
-SentEval-parity test needs the real data and MiniLM checkpoint (../shared; `bash
-../shared/bench/setup_models.sh`)."""
+"""All tests: `python -m pytest test_all.py -q`; the quick tier, `-m "not slow"`, holds the
+equation and equivalence tests (loss = the paper's or the authors' equation, patch off = stock model,
+length groups = one padded forward) on tiny random-weight models built here, offline. The slow tier
+starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation data and the
+all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS (docs/operations.md,
+"The test suite"); they skip when these are missing, and fail instead under CI=true."""
 import codecs
 import copy
 import csv
