@@ -4,7 +4,7 @@ depends on the sentence's tokens (`--dependency`). With `--plot FILE.png` each d
 
   python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B \\
       --plot fig4.png
-  python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \
+  python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \\
       sentence-transformers/all-MiniLM-L6-v2 --bi-layers 0 1 --plot fig5.png
 """
 import os
