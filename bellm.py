@@ -15,20 +15,15 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
   eq. 6, the contrastive loss; one step       bellm_loss, train_step (C-STS: cosent_loss)
   Figs. 2, 4, 5 (--dependency, --degradation) bellm_analysis.py
 
-  python bellm.py --model meta-llama/Llama-2-7b-hf --batch-size 16    # the paper's setting (GPU)
-  torchrun --nproc_per_node 4 bellm.py --batch-size 16 --output-dir runs/bellm-7b   # 4 GPUs x 16
+  torchrun --nproc_per_node 4 bellm.py --batch-size 16 --output-dir runs/bellm_7b  # paper: 4 GPUs
   python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train snli_devtest.csv --bf16 \\
       --batch-size 16 --max-len 32 --lr 5e-4 --max-steps 100 --eval-steps 50 --no-eval-first \\
       --no-final-eval --output-dir runs/bellm                      # CPU (docs/bellm.md)
 """
 import argparse
 import copy
-import csv
 import functools
-import io
-import math
 import os
-import resource
 import warnings
 
 import torch
@@ -38,12 +33,12 @@ from scipy.stats import spearmanr
 import common
 import runs
 
-PROMPT = 'The representative word for {sentence} is:"'  # §3.3
+PROMPT = 'The representative word for {sentence} is:"'  # §3.3; C-STS, §5.1:
+CSTS_PROMPT = 'Given the context {condition}, summarize the sentence {sentence} in one word:"'
 # peft on transformers 5
 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
-p = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p = common.parser(__doc__)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="a decoder LLM "
                "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); --dependency takes several")
@@ -66,14 +61,12 @@ p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential
 p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"], help="convert the "
                "last K layers, or add K bidirectional copies of them on top (Table 4)")
 p.add_argument("--prompt", default=PROMPT, help="with {sentence}; may contain {condition} (C-STS, "
-               "§5.1: 'Given the context {condition}, summarize the sentence {sentence} in one "
-               "word:\"')")
+               f"§5.1: '{CSTS_PROMPT}')")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau of eq. 6 (paper: 0.05)")
 p.add_argument("--lora-r", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-alpha", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1")
-p.add_argument("--csts", help="a C-STS dev csv: scored at every evaluation, it selects the "
-               "checkpoint")
+p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: selects the checkpoint")
 p.add_argument("--degradation", action="store_true", help="no training: STS of the causal LLM cut "
                "after each layer (Fig. 4; bellm_analysis.py)")
 p.add_argument("--dependency", action="store_true", help="no training: Spearman of the pooled "
@@ -82,12 +75,25 @@ p.add_argument("--plot", metavar="FILE.png", help="--degradation / --dependency:
 common.show_ranges(p)
 
 
+# ---------------------------------------------------------------- the loss ----------------------
+def bellm_loss(h, h_pos, h_neg, temp):
+    """eq. 6: -log e^{cos(h_i,h_i+)/t} / Σ_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t});
+    h, h_pos, h_neg: (B, H)."""
+    h = F.normalize(h, dim=-1)
+    sim = h @ F.normalize(torch.cat([h_pos, h_neg]), dim=-1).T / temp  # (B, 2B)
+    return F.cross_entropy(sim, torch.arange(len(h), device=h.device))
+
+
+def cosent_loss(a, b, labels, scale=20.0):
+    """C-STS training (not in the paper's text; AnglE's cosine objective, by the same authors):
+    log(1 + Σ_{y_i > y_j} e^{scale (cos_j - cos_i)}); a, b: (B, H), labels: (B,)."""
+    cos = F.cosine_similarity(a, b) * scale  # (B,)
+    diff = cos[None, :] - cos[:, None]  # [i, j] = cos_j - cos_i
+    diff = diff[labels[:, None] > labels[None, :]]
+    return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
+
+
 # ---------------------------------------------------------------- the model patch ---------------
-def fill(prompt, sentence, condition=None):
-    """The prompted text (§3.3); str.replace leaves braces inside a sentence alone."""
-    return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
-
-
 def attn_mask(attention_mask, causal, dtype):
     """(b, L) 1 = real token -> (b, 1, L, L) additive mask, 0 where query i may read key j."""
     L = attention_mask.shape[1]
@@ -140,24 +146,6 @@ class BeLLM(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         return last_token(forward(self.dec, input_ids, attention_mask, *self.bi), attention_mask)
-
-
-# ---------------------------------------------------------------- the loss ----------------------
-def bellm_loss(h, h_pos, h_neg, temp):
-    """eq. 6: -log e^{cos(h_i,h_i+)/t} / Σ_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t});
-    h, h_pos, h_neg: (B, H)."""
-    h = F.normalize(h, dim=-1)
-    sim = h @ F.normalize(torch.cat([h_pos, h_neg]), dim=-1).T / temp  # (B, 2B)
-    return F.cross_entropy(sim, torch.arange(len(h), device=h.device))
-
-
-def cosent_loss(a, b, labels, scale=20.0):
-    """C-STS training (not in the paper's text; AnglE's cosine objective, by the same authors):
-    log(1 + Σ_{y_i > y_j} e^{scale (cos_j - cos_i)}); a, b: (B, H), labels: (B,)."""
-    cos = F.cosine_similarity(a, b) * scale  # (B,)
-    diff = cos[None, :] - cos[:, None]  # [i, j] = cos_j - cos_i
-    diff = diff[labels[:, None] > labels[None, :]]
-    return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
 
 
 # ---------------------------------------------------------------- one training step -------------
@@ -221,6 +209,11 @@ def cast_frozen_linears(dec, dtype=torch.bfloat16):
             m.to(dtype)
 
 
+def fill(prompt, sentence, condition=None):
+    """The prompted text (§3.3); str.replace leaves braces inside a sentence alone."""
+    return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
+
+
 def prompted(tok, cfg, sentences, conditions=None):
     """Sentences -> prompted texts; max_len applies to the sentence, cut before it enters the
     prompt, so the prompt's end (`is:"`, read by the pooled last token) is never cut.
@@ -268,90 +261,14 @@ def load_run(run_dir, meta, device):
     return dec.eval(), tok, cfg
 
 
-def finite(text):
-    """float(text), refusing nan and inf as ValueError."""
-    if not math.isfinite(v := float(text)):
-        raise ValueError(text)
-    return v
-
-
-def read_csv(path):
-    """NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1, sentence2, condition,
-    label); an empty or missing cell is a bad input naming its line."""
-    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
-    reader = csv.DictReader(io.StringIO(text))
-    cols = set(reader.fieldnames or [])
-    if {"sent0", "sent1", "hard_neg"} <= cols:
-        kind, need = "nli", ("sent0", "sent1", "hard_neg")
-    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
-        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
-    else:
-        has = ",".join(sorted(cols)) or "no header"
-        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-                   f"sentence2,condition,label (C-STS); it has {has}")
-    rows = []
-    for r in reader:
-        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
-            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                       "delete the row")
-        try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
-                        if kind == "csts" else tuple(r[c] for c in need))
-        except ValueError:
-            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                       "C-STS labels are 1-5")
-    if not rows:
-        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
-    return kind, rows
-
-
 def dev_score(encode, data, csts_dev=None):
-    """The score that selects the checkpoint: STS-B dev, or C-STS (§5.1; each sentence embedded with
-    its condition; Spearman x 100 of cosine vs label) with --csts."""
+    """The score that selects the checkpoint: STS-B dev, or with --csts C-STS (§5.1; each sentence
+    embedded with its condition; Spearman x 100 of cosine vs label)."""
     if not csts_dev:
         return common.stsb_dev(encode, data)
     a = encode([r[0] for r in csts_dev], [r[2] for r in csts_dev])
     b = encode([r[1] for r in csts_dev], [r[2] for r in csts_dev])
     return 100 * spearmanr(F.cosine_similarity(a, b).numpy(), [r[3] for r in csts_dev]).statistic
-
-
-def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
-    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
-    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
-    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
-    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
-    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
-    input (s·H) and one layer is recomputed at a time."""
-    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
-    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
-        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
-    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
-    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
-    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
-
-
-def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
-    """The start-up line: a step's memory, estimated (docs/operations.md)."""
-    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes, mostly
-    n = sum(q.numel() for q in params)
-    est = [memory_estimate(dec, n, s, texts * longest, longest, a.lora_r, c) for c in (0, 1)]
-    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
-    w, o, act = est[grad_ckpt]
-    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
-            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
-            f"for "
-            f"{texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
-            f"{w + o + act:.2f} GiB in all")
-
-
-def peak_memory(device, world):
-    """The process's peak memory, for the last log line."""
-    if device.type == "cuda":
-        return f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB " \
-               f"(torch.cuda.max_memory_allocated{', rank 0' if world > 1 else ''})"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
-    return f"peak memory {kib / 2**20:.2f} GiB (ru_maxrss{', rank 0' if world > 1 else ''})"
 
 
 # ---------------------------------------------------------------- main --------------------------
@@ -364,8 +281,8 @@ def main():
     tasks = check_args(a, run.world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = read_csv(a.csts)[1] if a.csts else None
+    kind, rows = common.read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = common.read_csv(a.csts)[1] if a.csts else None
     check_prompt(a.prompt, kind == "csts" or csts_dev is not None)
     data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
     per_step = a.batch_size * run.world * a.grad_accum  # rows a step, all ranks together
@@ -399,13 +316,12 @@ def main():
     opt = torch.optim.AdamW(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
     run.resume(f"'{a.model}' with these LoRA settings", trainable=params, opt=opt, sched=sched)
-    run.log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
-            f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
-            f"{len(steps)} steps of {per_step} rows ({run.world} process(es) x {a.batch_size} x "
-            f"{a.grad_accum} accumulated), lr {lr:g}, device {run.device}"
-            + (f" ({common.bf16_note(run.device)})" if a.bf16 else ""))
+    run.start(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
+              f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
+              f"{len(steps)} steps of {per_step} rows ({a.batch_size} x {a.grad_accum} "
+              f"accumulated a process), lr {lr:g}")
     texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
-    run.log(memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, run.device))
+    run.log(common.memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, run.device))
 
     model.train()
     tokens = 0  # real tokens since the last log line, for tok/s
@@ -434,13 +350,8 @@ def main():
                      metric="csts_dev" if csts_dev else "stsb_dev", **meta)
         if halt:
             break
-    run.log(peak_memory(run.device, run.world))
-    run.end()  # after a signal: exit, saying how to resume
-
-    if a.final_eval and run.rank == 0:  # the best adapter, loaded as eval_sts.py loads it
-        best_encode = load_encoder(a.output_dir, {"method": "bellm", **meta}, run.device)
-        with common.autocast(run.device, a.bf16):
-            print(common.format_table(common.evaluate(best_encode, data, tasks)))
+    run.end()  # the peak memory; after a signal: exit, saying how to resume
+    run.final_eval(data, tasks, a.bf16)  # the best adapter on the test sets
 
 
 # ---------------------------------------------------------------- argument checks ---------------
@@ -451,8 +362,7 @@ def check_prompt(prompt, conditional):
     if ("{condition}" in prompt) != conditional:
         common.die("--prompt has {condition} but the data has no condition column"
                    if not conditional else "C-STS data needs a --prompt with {condition}, e.g. "
-                   "'Given the context {condition}, summarize the sentence {sentence} in one "
-                   "word:\"'")
+                   f"'{CSTS_PROMPT}'")
 
 
 def check_tasks(spec):
@@ -474,7 +384,7 @@ def check_args(a, world):
     if len(a.model) > 1 or len(a.bi_layers) > 1:
         common.die("--model and --bi-layers take one value for training (several: --dependency)")
     a.model, a.bi_layers = a.model[0], a.bi_layers[0]
-    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
+    if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
     return tasks
 

@@ -1,7 +1,8 @@
-"""What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and nothing method-specific:
-finding the data, reading training text, range-checked argument types, tokenisation with dynamic
-padding, and the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test;
-Spearman x 100). Run folders (saving, resuming, locking) are in runs.py.
+"""What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and no equation of a paper: finding the
+data, reading training files (sentences; NLI triplets or C-STS rows), range-checked argument types,
+tokenisation with dynamic padding, the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B
+test, SICK-R test; Spearman x 100), and the memory estimate of a LoRA step. Run folders (saving,
+resuming, locking) are in runs.py.
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
@@ -9,6 +10,8 @@ numbers printed during training and by eval_sts.py come from the same function.
 import argparse
 import codecs
 import contextlib
+import csv
+import io
 import math
 import os
 import sys
@@ -199,6 +202,44 @@ def read_sentences(path):
     return sents
 
 
+def finite(text):
+    """float(text), refusing nan and inf as ValueError."""
+    if not math.isfinite(v := float(text)):
+        raise ValueError(text)
+    return v
+
+
+def read_csv(path):
+    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
+    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
+    text = read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
+    cols = set(reader.fieldnames or [])
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        has = ",".join(sorted(cols)) or "no header"
+        die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
+            f"sentence2,condition,label (C-STS); it has {has}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
+                "delete the row")
+        try:
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
+        except ValueError:
+            die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
+                "C-STS labels are 1-5")
+    if not rows:
+        die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
+
+
 # ---------------------------------------------------------------- argument types ----------------
 def _typed(convert, ok, text):
     def parse(s):
@@ -258,6 +299,12 @@ def parse(p):
     return a
 
 
+def parser(doc):
+    """A script's command line, its docstring as the --help text."""
+    return argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def show_ranges(parser):
     """Append each typed argument's allowed range to its --help text."""
     for act in parser._actions:
@@ -284,6 +331,44 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
         die(f"{flag} {max_len}{plus} is more than the {positions} positions of '{name}' "
             f"(max_position_embeddings in its config.json): {fix}")
     return max_len
+
+
+def check_encoder(name, max_len, flag="--model"):
+    """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
+    position embeddings hold max_len tokens. -> its config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
+    config = load_pretrained(AutoConfig, name)
+    if config.model_type not in MLM:
+        die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
+            f"BERT-like model (bert, roberta, ...) as {flag}")
+    check_max_len(max_len, config, name)
+    return config
+
+
+def check_towers(names, max_len=None, num_cael=None):
+    """JTCSE's towers (and the models its analysis compares layer by layer): BERT models of one
+    shape and one vocabulary, since they read one tokenised batch and eq. 10 swaps values between
+    equal layers; a --num-cael that divides their layer count."""
+    from transformers import AutoConfig, AutoTokenizer
+    configs = [load_pretrained(AutoConfig, n) for n in names]
+    for name, c in zip(names, configs):
+        if c.model_type != "bert":
+            die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT models")
+    vocabs = [load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
+    if any(v != vocabs[0] for v in vocabs):
+        die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
+            "tokenised batch, so pass models that share a vocabulary")
+    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
+    if any(s != shapes[0] for s in shapes):
+        die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values between "
+            "equal layers, so pass towers of one architecture")
+    if max_len:
+        check_max_len(max_len, configs[0], names[0])
+    if num_cael and shapes[0][0] % num_cael:
+        n = shapes[0][0]
+        die(f"--num-cael {num_cael} does not divide the {n} layers: choose one of "
+            f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
 
 
 # ---------------------------------------------------------------- tokenisation ------------------
@@ -364,6 +449,16 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
         for j, e in zip(idx, embed({k: v.to(device) for k, v in batch.items()}).float()):
             out[j] = e
     return torch.stack(out)
+
+
+def encoder(embed, tokenizer, max_len, device):
+    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, under
+    autocast (bf16 on CUDA), without gradients: each method's encode function."""
+    @torch.no_grad()
+    def encode(sentences):
+        with autocast(device):
+            return encode_in_batches(embed, tokenizer, sentences, max_len, device)
+    return encode
 
 
 def encode_once(encode, sentences, device="cpu"):
@@ -470,3 +565,32 @@ def format_table(results):
     avg = sum(results[t] for t in names) / len(names)
     head = " ".join(f"{t:>7}" for t in names + ["Avg."])
     return head + "\n" + " ".join(f"{results[t]:7.2f}" for t in names) + f" {avg:7.2f}"
+
+
+# ---------------------------------------------------------------- memory (bellm.py) -------------
+def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
+    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
+    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
+    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
+    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
+    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
+    input (s·H) and one layer is recomputed at a time."""
+    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
+    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
+        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
+    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
+    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
+    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
+
+
+def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
+    """The start-up line: a step's memory, estimated (docs/operations.md)."""
+    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes, mostly
+    n = sum(q.numel() for q in params)
+    est = [memory_estimate(dec, n, s, texts * longest, longest, a.lora_r, c) for c in (0, 1)]
+    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
+    w, o, act = est[grad_ckpt]
+    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
+            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
+            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
+            f"{w + o + act:.2f} GiB in all")

@@ -10,6 +10,8 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
   python eval_sts.py --model runs/sscl --tasks transfer
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
+  # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
+  python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
@@ -400,14 +402,16 @@ def parse_tasks(spec):
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--model", required=True,
-               help="hub name or local folder: plain HF model, or one of our runs")
-p.add_argument("--pooler", default="cls",
+p.add_argument("--model", required=True, nargs="+",
+               help="hub name or local folder: plain HF model, or one of our runs; several = an "
+                    "ensemble, the sum of their embeddings (JTCSE's +UC)")
+p.add_argument("--pooler", default=["cls"], nargs="+",
                choices=["cls", "avg", "avg_first_last", "pooler", "last"],
                help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean "
                     "of the last layer, avg_first_last = mean of layer 1 and the last layer, "
                     "pooler = BERT's pooler output, last = a decoder's last token after --prompt "
-                    "(BeLLM, zero-shot); ignored for our runs, whose sentemb.json decides")
+                    "(BeLLM, zero-shot); ignored for our runs, whose sentemb.json decides; "
+                    "one for all models, or one per model")
 p.add_argument("--prompt", default='The representative word for {sentence} is:"',
                help="with --pooler last: the prompt around each sentence (BeLLM §3.3)")
 p.add_argument("--data-dir", default=None,
@@ -468,18 +472,43 @@ def hf_encoder(name, pooler, max_len, device):
     return encode
 
 
-def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None):
+def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=None):
     """Our run folder (sentemb.json) -> its method's encoder; anything else -> a plain HF
-    encoder."""
+    encoder. cut: a token limit for every kind (a run folder's own is its sentemb.json's)."""
     device = device or common.pick_device()
     # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
     if pooler == "last":
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel",
-                "prompt": prompt}
+                "prompt": prompt, **({"max_len": cut} if cut else {})}
         return importlib.import_module("bellm").load_encoder(None, meta, device)
     if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # checks every file
-        return runs.load_run(name, meta, device)
-    return hf_encoder(name, pooler, max_len, device)
+        return runs.load_run(name, {**meta, "max_len": cut} if cut else meta, device)
+    return hf_encoder(name, pooler, cut or max_len, device)
+
+
+def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None, cut=None,
+                  size=None):
+    """encode(list[str]) -> (N, H): the SUM of the members' embeddings, as JTCSE's twin sums its
+    towers' CLS (its +UC rows, Table I, add an existing encoder). Each member loads as
+    load_encoder loads it: a run folder of ours with its own pooling, a plain model with its entry
+    of `poolers` (one entry: the same for all). One member: that member's encode. size: (H, whose)
+    when the embedding must have H dimensions."""
+    poolers = list(poolers) * len(names) if len(poolers) == 1 else list(poolers)
+    if len(poolers) != len(names):
+        common.die(f"--pooler got {len(poolers)} values for {len(names)} models: pass one for "
+                   "all, or one per model")
+    members = [load_encoder(n, q, max_len, device, prompt, cut) for n, q in zip(names, poolers)]
+    sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
+    if len(set(sizes + [size[0]] if size else sizes)) > 1:
+        want = f"; {size[1]} is {size[0]}" if size else ""
+        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
+                   f"dimensions{want}: an ensemble sums them, so pass models of one size")
+    if len(members) == 1:
+        return members[0]
+
+    def encode(sentences):
+        return sum(m(sentences).float() for m in members)  # (N, H)
+    return encode
 
 
 def main():
@@ -494,7 +523,8 @@ def main():
                    "pass a file path")
     data = common.senteval_dir(a.data_dir)
     t0 = time.perf_counter()
-    encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
+    encode = load_ensemble(a.model, a.pooler, a.max_len, prompt=a.prompt)
+    a.model = " + ".join(a.model)  # the name printed and written to --json
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
     out, seconds = {"model": a.model, "split": a.split}, {"load": time.perf_counter() - t0}

@@ -6,7 +6,7 @@ keeps SimCSE's InfoNCE (eq. 11); the towers are each other's positives (ICNCE, e
 plain outputs and on a cross stream in which, at every k-th layer (a CAEL, eqs. 7-10), a tower's
 attention weights take the OTHER tower's values. A modulus term (eqs. 13-14) asks the towers'
 pooler outputs of a positive pair for equal length. The embedding is CLS(I) + CLS(II);
-`--distill` compresses the twin into one tower (JTCSE D, §IV-C).
+`--distill` compresses the twin (or any ensemble) into one tower (JTCSE D, §IV-C).
 
   eqs. 7-10, CAEL: SA_I·V_II, SA_II·V_I       layer_forward, Twin
   eq. 11 / 12, InfoNCE / ICNCE               nce, jtcse_loss (nce_authors: --objective authors)
@@ -14,12 +14,11 @@ pooler outputs of a positive pair for equal length. The embedding is CLS(I) + CL
   eq. 15, the total; one step                jtcse_loss, train_step
   eq. 6, Fig. 5 (--analyze)                  jtcse_analysis.py
 
-  python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2 --train wiki1m_for_simcse.txt
+  python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2       # the paper (GPU)
   python jtcse.py --model-a sentence-transformers/all-MiniLM-L6-v2 --model-b runs/sscl_minilm \\
-      --train wiki1m_head.txt --no-add-sick --max-len 32 --lr 2e-5 --max-steps 40 --eval-steps 10 \\
-      --output-dir runs/jtcse_minilm                           # CPU (docs/jtcse.md)
-  python jtcse.py --distill runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \\
-      --train wiki1m_head.txt --no-add-sick --max-len 32 --max-steps 30 --output-dir runs/jtcse_d
+      --train wiki1m_head.txt --no-add-sick --max-len 32 --lr 2e-5 --max-steps 40 \\
+      --eval-steps 10 --output-dir runs/jtcse_minilm              # CPU (docs/jtcse.md)
+  python jtcse.py --distill runs/jtcse_minilm --model-a runs/simcse_1 --output-dir runs/jtcse_d
 """
 import argparse
 import functools
@@ -32,8 +31,7 @@ from transformers import AutoConfig, AutoTokenizer, BertModel
 import common
 import runs
 
-p = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p = common.parser(__doc__)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model-a", default="bert-base-uncased", help="tower I, a BERT (paper: "
                "bert-base-uncased trained with unsupervised SimCSE on round-trip-translated data)")
@@ -54,8 +52,8 @@ p.add_argument("--no-icnce", action="store_true", help="drop L_ICNCE, eq. 12 (Ta
 p.add_argument("--no-ictm", action="store_true", help="drop L_ICTM, eqs. 13-14 (Table X)")
 p.add_argument("--objective", default="paper", choices=["paper", "authors"], help="paper: eqs. "
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
-p.add_argument("--distill", metavar="TEACHER_DIR", help="JTCSE D: a fresh --model-a tower learns a "
-               "trained twin's embeddings (MSE) and is saved alone")
+p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
+               "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
 p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
                "(eq. 6) per layer and Fig. 5 for --model-a and the twin (jtcse_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw them into this PNG")
@@ -64,8 +62,8 @@ common.show_ranges(p)
 
 # ---------------------------------------------------------------- the model: CAEL ---------------
 def cael_period(num_cael, num_layers):
-    """eq. 7: layer j is a CAEL when j mod k = 0, k = num_layers / num_cael (default: every 2nd
-    layer, 6 CAELs for BERT-base, the paper's best; every layer k = n for an odd count). 0: none."""
+    """eq. 7: layer j is a CAEL when j mod k = 0, k = num_layers / num_cael; 0: none. Default: every
+    2nd layer (6 CAELs for BERT-base, the paper's best), or the last one for an odd count."""
     if num_cael is None:
         num_cael = num_layers // 2 if num_layers % 2 == 0 else 1
     return num_layers // num_cael if num_cael else 0
@@ -207,17 +205,16 @@ def cls(bert, batch):
 
 
 def global_views(zs, B):
-    """Per tower (2B, H) rows [view 1; view 2] of this rank -> (2·world·B, H) rows [view 1 of all
-    ranks; view 2 of all ranks]. NOTE(authors' code): one GPU only; both objectives gather here
-    (docs/jtcse.md, detail 13)."""
+    """Per tower (2B, H) rows [view 1; view 2] of this rank -> (2·world·B, H): [view 1 of all
+    ranks; view 2 of all ranks]. NOTE(authors' code): one GPU only (docs/jtcse.md, detail 13)."""
     return None if zs is None else [torch.cat([common.gather(z[:B]), common.gather(z[B:])])
                                     for z in zs]
 
 
 def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
     """One micro-batch of B sentences on this rank -> (the loss over the global batch of world·B,
-    its terms); gradients accumulated. The twin: both dropout views in one pass, eq. 15. JTCSE D
-    (teacher: the frozen twin's encode): MSE of the student's CLS to the twin's embedding."""
+    its terms); gradients accumulated. The twin: eq. 15 over two dropout views. JTCSE D: MSE of
+    the student's CLS to the teacher's embedding."""
     batch = common.tokenize(tokenizer, sentences, a.max_len, device)  # (B, L)
     B, terms = len(sentences), {}
     with common.autocast(device, a.bf16):
@@ -238,25 +235,22 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
 
 # ---------------------------------------------------------------- encode, save, load ------------
 def load_towers(names):
-    """[BertModel] (every weight from its file: the pooler feeds eq. 13) and their shared
-    tokenizer; check_towers has checked them."""
+    """[BertModel] (every weight from its file: the pooler feeds eq. 13), their tokenizer."""
     towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]
     return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
 def make_encode(towers, tokenizer, max_len, device):
-    """encode(list[str]) -> (N, H) = Σ_towers CLS of the last hidden state: the twin's CLS(I) +
-    CLS(II), no pooler, no cross-attention (authors' evaluation), or one tower's CLS (distilled).
-    The one function behind dev evaluation and eval_sts.py."""
-    def embed(batch):
-        with common.autocast(device):
-            return sum(cls(t, batch) for t in towers)
-    return lambda sentences: common.encode_in_batches(embed, tokenizer, sentences, max_len, device)
+    """encode(list[str]) -> (N, H) = Σ_towers CLS: the twin's CLS(I) + CLS(II), no pooler, no
+    cross-attention (the authors' evaluation), or one tower's CLS (distilled). The one function
+    behind dev evaluation and eval_sts.py."""
+    return common.encoder(lambda batch: sum(cls(t, batch) for t in towers), tokenizer, max_len,
+                          device)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders, loadable without this project; a distilled tower (one, at the
-    root, CLS) is also a sentence-transformers folder (a twin's sum of two is not)."""
+    """Plain BertModel folders; a distilled tower ("." = the root) is also a sentence-transformers
+    folder (CLS)."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
@@ -279,7 +273,7 @@ def main():
         import jtcse_analysis
         return jtcse_analysis.analyze(a, common.pick_device())
     run = runs.Run(a, "jtcse")  # torchrun: this process's rank, the world size, its device
-    teacher_towers = check_args(a, run.world)  # --distill: the teacher twin's folders
+    check_args(a, run.world)
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
@@ -289,24 +283,23 @@ def main():
         sentences += sorted({s for r in sick for s in r[:2]} - set(sentences))
     per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model_a, a.model_b, a.distill], len(steps))  # the run folder, locked
+    lr = run.open([a.model_a, a.model_b, *(a.distill or [])], len(steps))  # the run folder, locked
 
-    # the model: the twin; JTCSE D: one fresh tower (the student) and the frozen twin (the teacher)
+    # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
-    teacher = None
-    if a.distill:
-        twin, tokenizer = load_towers(teacher_towers)
-        twin = [t.to(run.device).eval() for t in twin]
-        teacher = make_encode(twin, tokenizer, a.max_len, run.device)
-        towers, names = load_towers([a.model_a])[0], ["."]
+    if a.distill:  # the teacher encodes the text the student reads (cut to --max-len)
+        from eval_sts import load_ensemble
+        (towers, tokenizer), names = load_towers([a.model_a]), ["."]
+        teacher = load_ensemble(a.distill, cut=a.max_len, device=run.device,
+                                size=(towers[0].config.hidden_size, "the student's (MSE)"))
         net = towers[0]
     else:
+        teacher, names = None, ["tower_a", "tower_b"]
         towers, tokenizer = load_towers([a.model_a, a.model_b])
-        net, names = Twin(towers, a.num_cael), ["tower_a", "tower_b"]
+        net = Twin(towers, a.num_cael)
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
-        if (a.distill or a.no_ictm) and tower.pooler is not None:
-            tower.pooler.requires_grad_(False)
+        tower.pooler.requires_grad_(not (a.distill or a.no_ictm))
     model = run.wrap(net.to(run.device))  # DDP under torchrun
     # no truncation at evaluation (SimCSE, SentEval); NOTE(authors' code): 64 tokens (detail 12)
     eval_len = towers[0].config.max_position_embeddings
@@ -316,12 +309,11 @@ def main():
     params = [q for q in net.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
     run.resume("these towers", model=net, opt=opt, r_gen=r_gen)  # --resume; signals caught
-    what = f"distil {a.distill} into {a.model_a}" if a.distill else \
+    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {net.k or '-'} of {net.n} layers"
-    run.log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} "
-            f"steps of {per_step} sentences ({run.world} process(es) x {a.batch_size} x "
-            f"{a.grad_accum} accumulated), lr {lr:g}, device {run.device}"
-            + (f" ({common.bf16_note(run.device)})" if a.bf16 else ""))
+    run.start(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} "
+              f"steps of {per_step} sentences ({a.batch_size} x {a.grad_accum} accumulated a "
+              f"process), lr {lr:g}")
 
     net.train()
     for step in run.steps(len(steps)):  # 0 (the towers as loaded), 1, ..., len(steps)
@@ -351,42 +343,13 @@ def main():
                      num_cael=None if a.distill else net.n // net.k if net.k else 0)
         if halt:
             break
-    run.end()  # after a signal: exit, saying how to resume
-
-    if a.final_eval and run.rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        from eval_sts import load_encoder as load_run
-        print(f"best checkpoint (STS-B dev {run.best:.2f}) on the test sets:")
-        print(common.format_table(common.evaluate(load_run(a.output_dir, device=run.device), data)))
+    run.end()  # the peak memory; after a signal: exit, saying how to resume
+    run.final_eval(data)  # the best checkpoint, loaded as eval_sts.py loads it, on the test sets
 
 
 # ---------------------------------------------------------------- argument checks ---------------
-def check_towers(names, num_cael=None, max_len=None):
-    """BERTs of one shape and one vocabulary (both towers read one batch; eq. 10 swaps values
-    between equal layers), and a --num-cael that divides their layer count."""
-    configs = [common.load_pretrained(AutoConfig, n) for n in names]
-    for name, c in zip(names, configs):
-        if c.model_type != "bert":
-            common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT models")
-    vocabs = [common.load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
-    if any(v != vocabs[0] for v in vocabs):
-        common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
-                   "tokenised batch, so pass models that share a vocabulary")
-    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
-    if any(s != shapes[0] for s in shapes):
-        common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values "
-                   "between equal layers, so pass towers of one architecture")
-    n = shapes[0][0]
-    if max_len:
-        common.check_max_len(max_len, configs[0], names[0])
-    if num_cael and n % num_cael:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        common.die(f"--num-cael {num_cael} does not divide the {n} layers: choose one of "
-                   f"{divisors} (or 0 for no cross-attention)")
-
-
 def check_args(a, world):
-    """Every check of the command line that stops training (one error line, exit 2). --distill:
-    -> the teacher twin's tower folders."""
+    """Every check of the command line that stops training (one error line, exit 2)."""
     if a.plot:
         common.die("--plot draws the analysis: add --analyze (no training)")
     if a.batch_size * world < 2 and not a.distill:
@@ -396,25 +359,15 @@ def check_args(a, world):
                    "drop --objective")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
-    if not a.distill:
-        return check_towers([a.model_a, a.model_b], a.num_cael, a.max_len)
-    meta = runs.read_meta(a.distill)
-    if meta is None:
-        common.die(f"--distill '{a.distill}' holds no {common.META}: pass the --output-dir of a "
-                   "jtcse.py twin run")
-    if meta["method"] != "jtcse" or len(meta["towers"]) != 2:
-        common.die(f"--distill '{a.distill}' is not a jtcse.py twin run: pass the --output-dir "
-                   "of one")
-    teacher = [os.path.join(a.distill, t) for t in meta["towers"]]
-    check_towers(teacher)
-    check_towers([a.model_a], max_len=a.max_len)
-    student, twin = (common.load_pretrained(AutoTokenizer, m) for m in (a.model_a, teacher[0]))
-    if student.get_vocab() != twin.get_vocab():
-        common.die(f"student '{a.model_a}' and the teacher in '{a.distill}' have different "
-                   "tokenizers: pass a --model-a with the teacher's vocabulary")
-    if not runs.given("--lr"):
+    for t in a.distill or []:  # a run folder of ours, or a model, as eval_sts.py loads them
+        if not (os.path.isdir(t) and runs.read_meta(t)):  # a damaged run folder stops here
+            common.load_pretrained(AutoConfig, t)  # a model that is not there stops here
+    if a.distill and not runs.given("--lr"):
         a.lr = 1e-5  # the authors' supplementary, for JTCSE D
-    return teacher
+    if a.distill:
+        common.check_towers([a.model_a], a.max_len)
+    else:
+        common.check_towers([a.model_a, a.model_b], a.max_len, a.num_cael)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import figures
-from jtcse import additive_mask, cael_period, check_towers, layer_forward, load_towers, make_encode
+from jtcse import additive_mask, cael_period, layer_forward, load_towers, make_encode
 
 
 # ---------------------------------------------------------------- analysis ----------------------
@@ -25,8 +25,8 @@ def analyze(a, device):
     figures.check(a.plot)
     twin_names = ([os.path.join(a.analyze, "tower_a"), os.path.join(a.analyze, "tower_b")]
                   if a.analyze else [a.model_a, a.model_b])
-    check_towers(twin_names, a.num_cael)
-    check_towers([a.model_a])
+    common.check_towers(twin_names, num_cael=a.num_cael)
+    common.check_towers([a.model_a])
     towers, tokenizer = load_towers(twin_names)
     single, _ = load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -639,6 +640,12 @@ class Run:
         if self.rank == 0:
             print(msg, flush=True)
 
+    def start(self, text):
+        """The run's first log line: text, then the processes and the device (and what --bf16
+        means on it)."""
+        bf16 = f" ({common.bf16_note(self.device)})" if self.args.bf16 else ""
+        self.log(f"{text}, {self.world} process(es), device {self.device}{bf16}")
+
     def wrap(self, module):
         """The module DDP runs under torchrun (gradients averaged over the ranks); itself on one
         process."""
@@ -750,11 +757,33 @@ class Run:
         return self._stop(self.device, self.world)
 
     def end(self):
-        """After the loop: a stop by signal exits (128 + signal) with the --resume hint; otherwise a
-        signal now ends the process at once (nothing is left to save)."""
+        """After the loop: the peak memory; a stop by signal exits (128 + signal) with the --resume
+        hint; otherwise a signal now ends the process at once (nothing is left to save)."""
+        self.log(peak_memory(self.device, self.world))
         if self._stop.signum:
             self._stop.exit(self.step, self.args.output_dir)
         self._stop.now = True
+
+    def final_eval(self, data, tasks=common.TASKS, cpu_bf16=False):
+        """With --final-eval (the default), on rank 0: the best checkpoint, loaded as eval_sts.py
+        loads it, on the test sets."""
+        if not self.args.final_eval or self.rank != 0:
+            return
+        from eval_sts import load_encoder
+        encode = load_encoder(self.args.output_dir, device=self.device)
+        print(f"the best checkpoint (dev {self.best:.2f}) on the test sets:")
+        with common.autocast(self.device, cpu_bf16):
+            print(common.format_table(common.evaluate(encode, data, tasks)))
+
+
+def peak_memory(device, world):
+    """The process's peak memory, for the last log line."""
+    rank0 = ", rank 0" if world > 1 else ""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        return f"peak memory {gib:.2f} GiB (torch.cuda.max_memory_allocated{rank0})"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    return f"peak memory {kib / 2**20:.2f} GiB (ru_maxrss{rank0})"
 
 
 def save_sentence_transformers(folder, hidden, pooling, max_len, dense=None):

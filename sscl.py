@@ -13,25 +13,21 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   one step: two dropout views, the loss      train_step
   eqs. 1-2, Figs. 1, 4, 5 (--analyze)        sscl_analysis.py
 
-  python sscl.py --layer 11             # the paper's setting: BERT-base, wiki1m, 1 epoch (GPU)
-  python sscl.py --layer 10,11          # Progressive SSCL, the paper's best (GPU)
+  python sscl.py --layer 11     # the paper: BERT-base, wiki1m, 1 epoch (GPU); 10,11: Progressive
   python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm   # CPU: minutes
 """
-import argparse
 import functools
 import os
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModel, AutoTokenizer
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers import AutoModel, AutoTokenizer
 
 import common
 import runs
 
-p = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p = common.parser(__doc__)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model", nargs="+", default=["bert-base-uncased"],
                help="hub name or local folder (paper: bert-base-uncased); --analyze takes several")
@@ -69,18 +65,15 @@ def sscl_loss(h, h_pos, h_negs, temp):
 
 
 def sscl_loss_authors(h, h_pos, h_negs, temp):
-    """NOTE(authors' code), sscl/models.py `cl_forward` + `construct_negtives` (docs/sscl.md,
-    details 2-3): h_negs holds the layer-M vectors of BOTH dropout views, [n1_M, n2_M for every M]
-    (2B extra negatives per layer), and the SSCL loss is averaged with the plain SimCSE loss.
-    Without layers: SimCSE's loss."""
+    """NOTE(authors' code), sscl/models.py `cl_forward` + `construct_negtives` (docs/sscl.md, 2-3):
+    h_negs holds BOTH views' layer-M vectors (2B negatives per M), averaged with SimCSE's loss."""
     return (sscl_loss(h, h_pos, h_negs, temp) + sscl_loss(h, h_pos, [], temp)) / 2
 
 
 # ---------------------------------------------------------------- the model ---------------------
 class SentenceEncoder(torch.nn.Module):
     """BERT + pooling. The MLP head (SimCSE's `MLPLayer`, cls pooling) is used in training only; the
-    projection (--proj-dim) is part of the embedding and kept at evaluation. BERT's own pooler is
-    used by neither pooling: frozen."""
+    projection (--proj-dim) is kept at evaluation. BERT's own pooler is unused: frozen."""
 
     def __init__(self, bert, pooler, proj_dim=0):
         super().__init__()
@@ -95,9 +88,7 @@ class SentenceEncoder(torch.nn.Module):
     def pool(self, hidden, mask):
         """hidden: (N, L, H), mask: (N, L) -> (N, H or proj_dim). Same pooling for every layer."""
         if self.pooler == "cls":
-            z = hidden[:, 0]
-            if self.training:
-                z = self.mlp(z)
+            z = self.mlp(hidden[:, 0]) if self.training else hidden[:, 0]
         else:
             m = mask.unsqueeze(-1).to(hidden.dtype)
             z = (hidden * m).sum(1) / m.sum(1)
@@ -105,10 +96,9 @@ class SentenceEncoder(torch.nn.Module):
 
     def forward(self, batch, layers=()):
         """-> (last layer pooled (N, D), [hidden_states[M] pooled (N, D) for M in layers])"""
-        out = self.bert(**batch, output_hidden_states=bool(layers))
-        mask = batch["attention_mask"]
-        z_layers = [self.pool(out.hidden_states[m], mask) for m in layers]
-        return self.pool(out.last_hidden_state, mask), z_layers
+        out, mask = self.bert(**batch, output_hidden_states=bool(layers)), batch["attention_mask"]
+        return self.pool(out.last_hidden_state, mask), [self.pool(out.hidden_states[m], mask)
+                                                         for m in layers]
 
 
 # ---------------------------------------------------------------- one training step -------------
@@ -131,9 +121,8 @@ def train_step(model, tokenizer, sentences, layers, a, world, device):
     else:  # both views' layer-M vectors, this rank's only; averaged with SimCSE's loss
         negs = [v.float() for zm in z_layers for v in (zm[:B], zm[B:])]  # per M: 2 × (B, D)
         loss = sscl_loss_authors(h, h_pos, negs, a.temp)
-    # paper: every rank holds the same global loss; DDP averages gradients over ranks, hence
-    # × world (authors: each rank's loss has its own negatives; their Trainer does not scale
-    # by world, which AdamW cancels up to its eps)
+    # DDP averages gradients over ranks, each holding the global loss: × world (the authors'
+    # Trainer does not scale by world, which AdamW cancels up to its eps)
     (loss * world / a.grad_accum).backward()
     return loss
 
@@ -141,26 +130,22 @@ def train_step(model, tokenizer, sentences, layers, a, world, device):
 # ---------------------------------------------------------------- encode, save, load ------------
 def make_encode(encoder, tokenizer, max_len, device):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
-    def embed(batch):
-        with common.autocast(device):
-            return encoder(batch)[0]
-    return lambda sentences: common.encode_in_batches(embed, tokenizer, sentences, max_len, device)
+    return common.encoder(lambda batch: encoder(batch)[0], tokenizer, max_len, device)
 
 
-def save_model(encoder, tokenizer, pooler, max_len, folder):
-    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (raw CLS: the MLP
-    is training-only)."""
+def save_model(encoder, tokenizer, max_len, folder):
+    """A plain HF model folder (+ proj.pt) and a sentence-transformers folder (CLS without MLP)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if encoder.proj is not None:
         torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
-    runs.save_sentence_transformers(folder, encoder.bert.config.hidden_size,
-                                    "cls" if pooler == "cls" else "mean", max_len, encoder.proj)
+    pooling = "cls" if encoder.pooler == "cls" else "mean"  # sentence-transformers' names
+    runs.save_sentence_transformers(folder, encoder.bert.config.hidden_size, pooling, max_len,
+                                    encoder.proj)
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script (runs.read_meta checked its
-    files)."""
+    """eval_sts.py's entry point for a run folder of this script (runs.read_meta checked it)."""
     bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
     encoder = SentenceEncoder(bert, meta["pooler"], meta["proj_dim"])
     if meta["proj_dim"]:
@@ -186,13 +171,11 @@ def main():
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
     lr = run.open([a.model], len(steps))  # the run folder, locked; --resume: its state
 
-    # the model; seeding: dropout from torch's RNG (the data order has its own generators)
-    common.seed_everything(a.seed)
+    common.seed_everything(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
-    bert = common.load_pretrained(AutoModel, a.model)
-    encoder = SentenceEncoder(bert, a.pooler, a.proj_dim).to(run.device)
-    model = run.wrap(encoder)  # DDP under torchrun
-    eval_len = bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE)
+    encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim)
+    model = run.wrap(encoder.to(run.device))  # DDP under torchrun
+    eval_len = encoder.bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE)
     encode = make_encode(encoder, tokenizer, eval_len, run.device)
 
     # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up
@@ -200,10 +183,9 @@ def main():
     opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
     run.resume(f"'{a.model}'", encoder=encoder, opt=opt, sched=sched)  # --resume; signals caught
-    run.log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
-            f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} "
-            f"sentences, lr {lr:g}, {run.world} process(es), device {run.device}"
-            + (f" ({common.bf16_note(run.device)})" if a.bf16 else ""))
+    run.start(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, "
+              f"objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps of "
+              f"{per_step} sentences, lr {lr:g}")
 
     encoder.train()
     for step in run.steps(len(steps)):  # 0 (the model as loaded), 1, ..., len(steps)
@@ -224,24 +206,18 @@ def main():
             dev = run.evaluate(encoder, common.stsb_dev, encode, data) if evaluate else None
             state = {"encoder": encoder.state_dict(), "opt": opt.state_dict(),
                      "sched": sched.state_dict()}
-            run.save(state, params, dev, write=functools.partial(save_model, encoder, tokenizer,
-                                                                 a.pooler, eval_len),
-                     pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len, layers=layers,
-                     objective=a.objective, stsb_dev=dev, step=step)
+            write = functools.partial(save_model, encoder, tokenizer, eval_len)
+            run.save(state, params, dev, write, pooler=a.pooler, proj_dim=a.proj_dim, step=step,
+                     max_len=eval_len, layers=layers, objective=a.objective, stsb_dev=dev)
         if halt:
             break
-    run.end()  # after a signal: exit, saying how to resume
-
-    if a.final_eval and run.rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        from eval_sts import load_encoder as load_run
-        print(f"best checkpoint (STS-B dev {run.best:.2f}) on the test sets:")
-        print(common.format_table(common.evaluate(load_run(a.output_dir, device=run.device), data)))
+    run.end()  # the peak memory; after a signal: exit, saying how to resume
+    run.final_eval(data)  # the best checkpoint, loaded as eval_sts.py loads it, on the test sets
 
 
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
-    """Every check of the command line that stops training (one error line, exit 2). -> the
-    layers M."""
+    """Every check that stops training (one error line, exit 2). -> the layers M."""
     if a.plot or a.sentence:
         common.die("--plot and --sentence draw the analysis: add --analyze (no training)")
     if len(a.model) > 1:
@@ -252,18 +228,13 @@ def check_args(a, world):
     if a.objective == "authors" and a.no_aug:
         common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
                    "dropout views): use it with --objective paper")
-    config = common.load_pretrained(AutoConfig, a.model)
-    if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # BERT-like encoders
-        common.die(f"'{a.model}' is a {config.model_type} model, not a bidirectional encoder: SSCL "
-                   "trains BERT-like models (bert, roberta, ...); pass one as --model")
-    common.check_max_len(a.max_len, config, a.model)
+    config = common.check_encoder(a.model, a.max_len)  # BERT-like: bert, roberta, ...
     return parse_layers(a.layer, config.num_hidden_layers)
 
 
 def parse_layers(spec, n):
-    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE); n: the model's layers.
-    NOTE(authors' code): their `--hard_negative_layers N` takes the top N, hidden_states[-2] down
-    to [-1-N] (their default 2 = '10,11' on BERT-base); here any list (docs/sscl.md, detail 4)."""
+    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE); n: the model's layers. NOTE(authors'
+    code): their `--hard_negative_layers N` = the top N ('10,11' for 2); docs/sscl.md, detail 4."""
     try:
         layers = sorted({int(x) for x in spec.split(",")})
     except ValueError:

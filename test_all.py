@@ -2364,10 +2364,10 @@ def test_files_as_spreadsheets_write_them_are_read(tmp_path):
     long = "word " * 30000  # 150,000 characters
     nli = tmp_path / "nli.csv"
     nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    assert common.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
     csts = tmp_path / "csts.csv"
     csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    assert common.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
     txt = tmp_path / "train.txt"
     txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
     assert common.read_sentences(txt) == ["first sentence", "second"]
@@ -2717,7 +2717,7 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        w, o, act = common.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
