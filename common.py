@@ -110,6 +110,22 @@ def gather(z):
     return torch.cat(parts)
 
 
+def cls(encoder, batch):
+    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
+    return encoder(**batch).last_hidden_state[:, 0]
+
+
+def additive_mask(attention_mask, dtype):
+    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def gather_views(z, B):
+    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
+    view 2 of every rank]."""
+    return torch.cat([gather(z[:B]), gather(z[B:])])
+
+
 # ---------------------------------------------------------------- data location -----------------
 def _from_hub(filename):
     """Download one file of SimCSE's hub dataset; None when offline or unreachable."""
@@ -371,6 +387,14 @@ def check_towers(names, max_len=None, num_cael=None):
             f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
 
 
+def load_towers(names):
+    """JTCSE's towers: [BertModel] (every weight from its file: the pooler feeds eq. 13) and their
+    tokenizer."""
+    from transformers import AutoTokenizer, BertModel
+    towers = [load_pretrained(BertModel, n, strict=True) for n in names]
+    return towers, load_pretrained(AutoTokenizer, names[0])
+
+
 # ---------------------------------------------------------------- tokenisation ------------------
 def tokenize(tokenizer, sentences, max_len, device):
     """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
@@ -552,6 +576,11 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
                 gold += [r[2] for r in chunk]
         results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
     return results
+
+
+def sts_sentences(data, task, split):
+    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training text)."""
+    return {s for r in load_sts(data, task, split)[split] for s in r[:2]}
 
 
 def stsb_dev(encode, data):

@@ -1,12 +1,12 @@
 """JTCSE: "Joint Tensor-Modulus Constraints and Cross-Attention for Unsupervised Contrastive
 Learning of Sentence Embeddings". Zong, Yi, Shi, Wang, Xu. 2025. arXiv:2505.02366.
 
-Two BERT towers (I and II, each already trained with unsupervised SimCSE) are trained together. Each
-keeps SimCSE's InfoNCE (eq. 11); the towers are each other's positives (ICNCE, eq. 12), on their
-plain outputs and on a cross stream in which, at every k-th layer (a CAEL, eqs. 7-10), a tower's
-attention weights take the OTHER tower's values. A modulus term (eqs. 13-14) asks the towers'
-pooler outputs of a positive pair for equal length. The embedding is CLS(I) + CLS(II);
-`--distill` compresses the twin (or any ensemble) into one tower (JTCSE D, §IV-C).
+Two BERT towers (I and II, each trained with unsupervised SimCSE) are trained together. Each keeps
+SimCSE's InfoNCE (eq. 11); the towers are each other's positives (ICNCE, eq. 12), on their plain
+outputs and on a cross stream in which, at every k-th layer (a CAEL, eqs. 7-10), a tower's attention
+weights take the OTHER tower's values. A modulus term (eqs. 13-14) asks the towers' pooler outputs
+of a positive pair for equal length. The embedding is CLS(I) + CLS(II); `--distill` compresses the
+twin (or any ensemble) into one tower (JTCSE D, §IV-C).
 
   eqs. 7-10, CAEL: SA_I·V_II, SA_II·V_I       layer_forward, Twin
   eq. 11 / 12, InfoNCE / ICNCE               nce, jtcse_loss (nce_authors: --objective authors)
@@ -26,7 +26,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoTokenizer, BertModel
 
 import common
 import runs
@@ -42,8 +41,7 @@ common.training_flags(p, output_dir="runs/jtcse", lr=1.3e-6, max_len=64, batch_s
                       eval_steps=100, lr_note=" (the towers are trained already); --distill: 1e-5")
 # --- JTCSE ---
 p.add_argument("--num-cael", type=common.NONNEG_INT, help="cross-attention layers (eq. 7, Table "
-               "IX): layer j is a CAEL when j mod (layers/num_cael) = 0; default layers/2 "
-               "(1 if odd); 0 = no cross stream")
+               "IX), evenly spaced: default layers/2 (1 if odd); 0 = no cross stream")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau (paper: 0.05)")
 p.add_argument("--add-sick", action=argparse.BooleanOptionalAction, default=True,
                help="add SICK train's sentences to --train (footnote 7)")
@@ -55,43 +53,27 @@ p.add_argument("--objective", default="paper", choices=["paper", "authors"], hel
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
                "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
 p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
-               "(eq. 6) per layer and Fig. 5 for --model-a and the twin (jtcse_analysis.py)")
+               "(eq. 6) per layer and Fig. 5, --model-a and the twin (jtcse_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw them into this PNG")
 common.show_ranges(p)
 
 
-# ---------------------------------------------------------------- the model: CAEL ---------------
-def cael_period(num_cael, num_layers):
-    """eq. 7: layer j is a CAEL when j mod k = 0, k = num_layers / num_cael; 0: none. Default: every
-    2nd layer (6 CAELs for BERT-base, the paper's best), or the last one for an odd count."""
-    if num_cael is None:
-        num_cael = num_layers // 2 if num_layers % 2 == 0 else 1
-    return num_layers // num_cael if num_cael else 0
-
-
-def additive_mask(attention_mask, dtype):
-    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added before the softmax."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-
-
+# ---------------------------------------------------------------- the model patch: CAEL ---------
 def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
-    """Encoder layer j of each tower, from the towers' own BertLayer submodules. xs: one (N, L, H)
-    input per tower. cael=False: self-attention, CT = SA·V (eq. 9); cael=True: CACT_I = SA_I·V_II,
-    CACT_II = SA_II·V_I (eq. 10). The context then goes through the rest of the tower's OWN layer
-    (W_O, dropout, residual + LayerNorm, FFN). cls_only: queries and output for position 0 only
-    (the last layer). ctxs: receives each tower's context (N, L, H), for eq. 6."""
+    """Encoder layer j of each tower, from the towers' own BertLayer submodules; xs: one (N, L, H)
+    input per tower. cael=False: CT = SA·V (eq. 9); cael=True: CACT_I = SA_I·V_II, CACT_II =
+    SA_II·V_I (eq. 10); then the rest of the tower's OWN layer (W_O, residual + LayerNorm, FFN).
+    cls_only: position 0 only (the last layer). ctxs: receives each context (N, L, H), for eq. 6."""
     SA, V = [], []
     for layer, x in zip(layers, xs):
-        att = layer.attention.self
-        d = att.attention_head_size
+        att, d = layer.attention.self, layer.attention.self.attention_head_size
         heads = lambda t: t.view(*t.shape[:-1], -1, d).transpose(1, 2)  # noqa: E731
         q = heads(att.query(x[:, :1] if cls_only else x))  # (N, heads, L, d)
         k, v = heads(att.key(x)), heads(att.value(x))
         sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # eq. 8
         SA.append(F.dropout(sa, att.dropout.p, att.training))
         V.append(v)
-    if cael:
-        V = V[::-1]  # eq. 10: each tower's attention weights take the OTHER tower's values
+    V = V[::-1] if cael else V  # eq. 10: each tower's attention weights take the OTHER's values
     out = []
     for layer, x, sa, v in zip(layers, xs, SA, V):
         x = x[:, :1] if cls_only else x
@@ -100,33 +82,6 @@ def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
             ctxs.append(ctx)
         out.append(layer.feed_forward_chunk(layer.attention.output(ctx, x)))  # W_O .. FFN
     return out
-
-
-class Twin(torch.nn.Module):
-    """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (the
-    primitive stream = stock BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross
-    stream after the last CAEL (None without CAELs)."""
-
-    def __init__(self, towers, num_cael):
-        super().__init__()
-        self.towers = torch.nn.ModuleList(towers)
-        self.n = towers[0].config.num_hidden_layers
-        self.k = cael_period(num_cael, self.n)
-
-    def forward(self, batch):
-        cross = self.k > 0
-        outs = [t(**batch, output_hidden_states=cross) for t in self.towers]  # primitive streams
-        h, hP = [o.last_hidden_state[:, 0] for o in outs], [o.pooler_output for o in outs]
-        if not cross:
-            return h, hP, None
-        # the cross stream equals the primitive one before the first CAEL (layer k): it starts from
-        # hidden_states[k-1], the input of layer k; ordinary layers as usual, CAELs with eq. 10
-        mask = additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
-        xs = [o.hidden_states[self.k - 1] for o in outs]
-        for j in range(self.k, self.n + 1):
-            layers = [t.encoder.layer[j - 1] for t in self.towers]
-            xs = layer_forward(layers, xs, mask, cael=j % self.k == 0, cls_only=j == self.n)
-        return h, hP, [x[:, 0] for x in xs]  # c^O: (N, H) per tower
 
 
 # ---------------------------------------------------------------- the loss ----------------------
@@ -138,15 +93,12 @@ def nce(z, z_pos, temp):
 
 
 def nce_authors(z, z_other, temp):
-    """NOTE(authors' code), model_dual.py `unsup_infonce_loss` (z_other = z, eq. 11) and `icnce`
-    (eq. 12); docs/jtcse.md, details 4-5. z, z_other: (2B, H), rows [view 1; view 2] (theirs
-    interleaved: the same loss). Every row is an anchor; its positive is the other view of its
-    sentence in z_other, its negatives every other row of z_other but the same one (masked):
-    2B − 2 negatives where eqs. 11-12 as we read them have B − 1."""
+    """NOTE(authors' code), model_dual.py `unsup_infonce_loss` (eq. 11, z_other = z) and `icnce`
+    (eq. 12); docs/jtcse.md, details 4-5. z, z_other: (2B, H), rows [view 1; view 2]. Every row is
+    an anchor against all rows of z_other but its own: 2B − 2 negatives (eqs. 11-12: B − 1)."""
     n = len(z)
     sim = F.normalize(z, dim=-1) @ F.normalize(z_other, dim=-1).T / temp  # (2B, 2B) cosines / τ
-    same = torch.eye(n, dtype=torch.bool, device=z.device)
-    sim = sim.masked_fill(same, float("-inf"))  # the same row of z_other is no candidate
+    sim = sim.masked_fill(torch.eye(n, dtype=torch.bool, device=z.device), float("-inf"))  # itself
     return F.cross_entropy(sim, (torch.arange(n, device=z.device) + n // 2) % n)  # the other view
 
 
@@ -157,25 +109,22 @@ def modulus_ratio(a, b):
 
 def tmc(h, h_pos, hP, hP_pos, eps=1e-4):
     """eq. 13, towers i ≠ j: -log(cos(h_i, h_j⁺)) · ‖h_i^P − h_j^{P+}‖ / (‖h_i^P‖ + ‖h_j^{P+}‖),
-    mean over the batch. h: (B, H) CLS, hP: (B, H) pooler. The cosine is clamped at eps before the
-    log: a non-positive cosine gives a finite loss and no gradient (docs/jtcse.md, detail 8)."""
+    mean over the batch; h: (B, H) CLS, hP: (B, H) pooler. cos is clamped at eps (detail 8)."""
     cos = F.cosine_similarity(h, h_pos, dim=-1).clamp(min=eps)
     return (-cos.log() * modulus_ratio(hP, hP_pos)).mean()
 
 
 def tmc_authors(h, h_pos, hP, hP_pos):
     """NOTE(authors' code), model_dual.py `LTN_loss` (docs/jtcse.md, details 7-8): a negative
-    cosine is replaced by the constant 1e-4 (no gradient), any other goes into the log as it is,
-    and the modulus ratio is divided by a further 2. Shapes as tmc."""
+    cosine becomes the constant 1e-4, any other enters the log as it is; the ratio is halved."""
     cos = F.cosine_similarity(h, h_pos, dim=-1)
     cos = torch.where(cos < 0, torch.full_like(cos, 1e-4), cos)
     return (-cos.log() * modulus_ratio(hP, hP_pos) / 2).mean()
 
 
 def jtcse_loss(h, hP, c, R, a):
-    """h, hP, c: per tower (2B, H), rows [view 1; view 2] (two dropout passes); c None without
-    CAELs. R ∈ {0, 1}. a.objective: 'paper' (nce, tmc) or 'authors' (nce_authors, tmc_authors).
-    -> (eq. 15 total, {term: value})."""
+    """h, hP, c: per tower (2B, H), rows [view 1; view 2]; c None without CAELs; R ∈ {0, 1};
+    a.objective: paper (nce, tmc) or authors (nce_authors, tmc_authors). -> eq. 15, {term: value}"""
     B = len(h[0]) // 2
     authors = a.objective == "authors"
 
@@ -190,43 +139,56 @@ def jtcse_loss(h, hP, c, R, a):
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
     if not a.no_icnce:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
-        terms["icnce"] = L(h[i], h[j])
-        if c is not None:
-            terms["icnce"] = terms["icnce"] + L(c[i], c[j])
+        terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
     if not a.no_ictm:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
         terms["ictm"] = TMC(0, 1) + TMC(1, 0)
     return sum(terms.values()), terms  # eq. 15
 
 
+# ---------------------------------------------------------------- the model: the twin ---------
+class Twin(torch.nn.Module):
+    """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (stock
+    BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross stream (or None)."""
+
+    def __init__(self, towers, num_cael=None):
+        super().__init__()
+        self.towers = torch.nn.ModuleList(towers)
+        self.n = n = towers[0].config.num_hidden_layers
+        if num_cael is None:  # every 2nd layer (BERT-base: 6 CAELs, the paper's best); odd: 1
+            num_cael = n // 2 if n % 2 == 0 else 1
+        self.k = n // num_cael if num_cael else 0  # eq. 7: layer j is a CAEL when j mod k = 0
+
+    def forward(self, batch):
+        outs = [t(**batch, output_hidden_states=self.k > 0) for t in self.towers]  # primitive
+        h, hP = [o.last_hidden_state[:, 0] for o in outs], [o.pooler_output for o in outs]
+        if not self.k:
+            return h, hP, None
+        # the cross stream: as the primitive one up to layer k (the first CAEL), then eq. 10
+        mask = common.additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
+        xs = [o.hidden_states[self.k - 1] for o in outs]
+        for j in range(self.k, self.n + 1):
+            layers = [t.encoder.layer[j - 1] for t in self.towers]
+            xs = layer_forward(layers, xs, mask, cael=j % self.k == 0, cls_only=j == self.n)
+        return h, hP, [x[:, 0] for x in xs]  # c^O: (N, H) per tower
+
+
 # ---------------------------------------------------------------- one training step -------------
-def cls(bert, batch):
-    """CLS of the last hidden state: (N, H)."""
-    return bert(**batch).last_hidden_state[:, 0]
-
-
-def global_views(zs, B):
-    """Per tower (2B, H) rows [view 1; view 2] of this rank -> (2·world·B, H): [view 1 of all
-    ranks; view 2 of all ranks]. NOTE(authors' code): one GPU only (docs/jtcse.md, detail 13)."""
-    return None if zs is None else [torch.cat([common.gather(z[:B]), common.gather(z[B:])])
-                                    for z in zs]
-
-
 def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
     """One micro-batch of B sentences on this rank -> (the loss over the global batch of world·B,
-    its terms); gradients accumulated. The twin: eq. 15 over two dropout views. JTCSE D: MSE of
-    the student's CLS to the teacher's embedding."""
+    its terms); gradients accumulated. Twin: eq. 15; JTCSE D: MSE to the teacher's embedding."""
     batch = common.tokenize(tokenizer, sentences, a.max_len, device)  # (B, L)
     B, terms = len(sentences), {}
     with common.autocast(device, a.bf16):
         if teacher is not None:
             with torch.no_grad():
                 target = teacher(sentences).to(device)  # (B, H), the same text
-            z = common.run_batch(functools.partial(cls, model), batch, a.length_grouping)  # (B, H)
+            z = common.run_batch(functools.partial(common.cls, model), batch, a.length_grouping)
             loss = F.mse_loss(common.gather(z.float()), common.gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
             two = {k: torch.cat([v, v]) for k, v in batch.items()}
             outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
-            h, hP, c = (global_views(zs, B) for zs in outs)
+            # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
+            h, hP, c = ([common.gather_views(z, B) for z in zs] if zs else None for zs in outs)
             loss, terms = jtcse_loss(h, hP, c, R, a)
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / a.grad_accum).backward()
@@ -234,23 +196,15 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
 
 
 # ---------------------------------------------------------------- encode, save, load ------------
-def load_towers(names):
-    """[BertModel] (every weight from its file: the pooler feeds eq. 13), their tokenizer."""
-    towers = [common.load_pretrained(BertModel, n, strict=True) for n in names]
-    return towers, common.load_pretrained(AutoTokenizer, names[0])
-
-
 def make_encode(towers, tokenizer, max_len, device):
-    """encode(list[str]) -> (N, H) = Σ_towers CLS: the twin's CLS(I) + CLS(II), no pooler, no
-    cross-attention (the authors' evaluation), or one tower's CLS (distilled). The one function
-    behind dev evaluation and eval_sts.py."""
-    return common.encoder(lambda batch: sum(cls(t, batch) for t in towers), tokenizer, max_len,
-                          device)
+    """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
+    twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
+    return common.encoder(lambda batch: sum(common.cls(t, batch) for t in towers), tokenizer,
+                          max_len, device)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders; a distilled tower ("." = the root) is also a sentence-transformers
-    folder (CLS)."""
+    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
@@ -260,7 +214,7 @@ def save_model(towers, names, tokenizer, max_len, folder):
 
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
-    towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
+    towers, tokenizer = common.load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
     max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir,
                                    "sentemb.json's max_len")
     return make_encode([t.to(device).eval() for t in towers], tokenizer, max_len, device)
@@ -279,8 +233,7 @@ def main():
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sick = common.load_sts(data, "SICK-R", "train")["train"]
-        sentences += sorted({s for r in sick for s in r[:2]} - set(sentences))
+        sentences += sorted(common.sts_sentences(data, "SICK-R", "train") - set(sentences))
     per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
     lr = run.open([a.model_a, a.model_b, *(a.distill or [])], len(steps))  # the run folder, locked
@@ -288,16 +241,13 @@ def main():
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
+    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
+    towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
+    net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len)
         from eval_sts import load_ensemble
-        (towers, tokenizer), names = load_towers([a.model_a]), ["."]
         teacher = load_ensemble(a.distill, cut=a.max_len, device=run.device,
                                 size=(towers[0].config.hidden_size, "the student's (MSE)"))
-        net = towers[0]
-    else:
-        teacher, names = None, ["tower_a", "tower_b"]
-        towers, tokenizer = load_towers([a.model_a, a.model_b])
-        net = Twin(towers, a.num_cael)
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
         tower.pooler.requires_grad_(not (a.distill or a.no_ictm))
     model = run.wrap(net.to(run.device))  # DDP under torchrun
@@ -311,9 +261,8 @@ def main():
     run.resume("these towers", model=net, opt=opt, r_gen=r_gen)  # --resume; signals caught
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {net.k or '-'} of {net.n} layers"
-    run.start(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} "
-              f"steps of {per_step} sentences ({a.batch_size} x {a.grad_accum} accumulated a "
-              f"process), lr {lr:g}")
+    run.start(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, "
+              f"{len(steps)} steps of {per_step} sentences, lr {lr:g}")
 
     net.train()
     for step in run.steps(len(steps)):  # 0 (the towers as loaded), 1, ..., len(steps)
@@ -337,9 +286,8 @@ def main():
             dev = run.evaluate(net, common.stsb_dev, encode, data) if evaluate else None
             state = {"model": net.state_dict(), "opt": opt.state_dict(), "r_gen": r_gen.get_state()}
             write = functools.partial(save_model, towers, names, tokenizer, eval_len)
-            run.save(state, params, dev, write,
-                     towers=names, max_len=eval_len, stsb_dev=dev, step=step, teacher=a.distill,
-                     objective=None if a.distill else a.objective,
+            run.save(state, params, dev, write, towers=names, max_len=eval_len, stsb_dev=dev,
+                     step=step, teacher=a.distill, objective=None if a.distill else a.objective,
                      num_cael=None if a.distill else net.n // net.k if net.k else 0)
         if halt:
             break
@@ -349,25 +297,21 @@ def main():
 
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
-    """Every check of the command line that stops training (one error line, exit 2)."""
+    """Every check that stops training (one error line, exit 2)."""
     if a.plot:
         common.die("--plot draws the analysis: add --analyze (no training)")
     if a.batch_size * world < 2 and not a.distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
     if a.distill and a.objective != "paper":
-        common.die("--objective chooses the twin's loss; --distill trains with MSE: "
-                   "drop --objective")
+        common.die("--distill trains with MSE, not an --objective's loss: drop --objective")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
-    for t in a.distill or []:  # a run folder of ours, or a model, as eval_sts.py loads them
-        if not (os.path.isdir(t) and runs.read_meta(t)):  # a damaged run folder stops here
-            common.load_pretrained(AutoConfig, t)  # a model that is not there stops here
+    for t in a.distill or []:  # each as eval_sts.py loads it: a missing or damaged one stops here
+        runs.check_model(t)
     if a.distill and not runs.given("--lr"):
         a.lr = 1e-5  # the authors' supplementary, for JTCSE D
-    if a.distill:
-        common.check_towers([a.model_a], a.max_len)
-    else:
-        common.check_towers([a.model_a, a.model_b], a.max_len, a.num_cael)
+    towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
+    common.check_towers(towers, a.max_len, None if a.distill else a.num_cael)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import figures
-from jtcse import additive_mask, cael_period, layer_forward, load_towers, make_encode
+from jtcse import Twin, layer_forward, make_encode
 
 
 # ---------------------------------------------------------------- analysis ----------------------
@@ -27,11 +27,11 @@ def analyze(a, device):
                   if a.analyze else [a.model_a, a.model_b])
     common.check_towers(twin_names, num_cael=a.num_cael)
     common.check_towers([a.model_a])
-    towers, tokenizer = load_towers(twin_names)
-    single, _ = load_towers([a.model_a])
+    towers, tokenizer = common.load_towers(twin_names)
+    single, _ = common.load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
-    k = cael_period(a.num_cael, n)
+    k = Twin(towers, a.num_cael).k
     runs = {"single": (single, 0, ["single"]), "twin": (towers, 0, ["I", "II"]),
             "twin+CA": (towers, k, ["I+CA", "II+CA"])}
     rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
@@ -44,7 +44,7 @@ def analyze(a, device):
             ts = [t.to(device).eval() for t in ts]
             xs = [t.embeddings(input_ids=batch["input_ids"],
                                token_type_ids=batch.get("token_type_ids")) for t in ts]
-            mask = additive_mask(batch["attention_mask"], xs[0].dtype)
+            mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)
             for j in range(1, n + 1):
                 ctxs = []  # one (b, L, H) context per tower
                 xs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,

@@ -339,6 +339,17 @@ def _check_hf_folder(folder, kind, where):
             safetensors_keys(os.path.join(folder, weights), where, REFETCH)
 
 
+def check_model(name):
+    """What eval_sts.py loads, checked before any work: a run folder of ours (read_meta), a local
+    model folder (config, tokenizer, whole weights), or a hub name (its config)."""
+    if not os.path.isdir(name):
+        from transformers import AutoConfig
+        load_pretrained(AutoConfig, name)
+    elif read_meta(name) is None:
+        _check_hf_folder(name, "model", f"cannot load '{name}'")
+        _check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
+
+
 def load_pretrained(cls, name, strict=False, **kw):
     """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
     local folder, or one line naming the broken file and the fix. A local folder is checked first:

@@ -885,7 +885,7 @@ def test_towers_without_cross_attention_equal_stock_bert(jt_env):
     # token
     xs = [m.embeddings(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"])
           for m in (a, b)]
-    mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)
+    mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)
     for j in range(4):
         xs = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
     real = batch["attention_mask"].bool()
@@ -905,7 +905,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env):
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
     ctxs = []
     out = jtcse.layer_forward([la, lb], x,
-                              jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
+                              common.additive_mask(batch["attention_mask"], torch.float32), True,
                               ctxs=ctxs)
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
@@ -1193,8 +1193,8 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
 @pytest.mark.parametrize("args, needle", [
     (["--model-b", "{d}/other"], "different tokenizers"),
     (["--num-cael", "3"], "does not divide"),
-    (["--distill", "{d}/nowhere"], "--distill"),
-    (["--distill", "{d}/a"], "--distill"),
+    (["--distill", "{d}/nowhere"], "nowhere"),
+    (["--distill", "{d}/llama"], "is missing"),
     (["--batch-size", "1"], "--batch-size"),
     (["--train", "{d}/missing.txt"], "--train"),
     (["--model-b", "{d}/llama"], "BERT"),

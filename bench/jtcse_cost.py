@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common, jtcse, sscl
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, BertModel
 
 def rss_mb():
     with open("/proc/self/status") as f:
@@ -29,7 +29,7 @@ if mode == "simcse":
         z, _ = model(batch, [])
         return sscl.sscl_loss(z[:n], z[n:], [], 0.05)
 else:
-    model = jtcse.Twin([jtcse.BertModel.from_pretrained(A), jtcse.BertModel.from_pretrained(B)],
+    model = jtcse.Twin([BertModel.from_pretrained(A), BertModel.from_pretrained(B)],
                        int(sys.argv[2]))
     args = jtcse.p.parse_args([])
     def step_loss(batch, n):
