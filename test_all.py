@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -95,14 +96,14 @@ def bert_tokenizer_dir(tmp_path_factory):
     return d
 
 
-def tiny_bert(path, tok_dir, seed=0, layers=4, hidden=32):
+def tiny_bert(path, tok_dir, seed=0, layers=4, hidden=32, std=0.02):
     """A random-weight BertModel (with pooler) and its tokenizer, saved as a plain HF folder."""
     from transformers import AutoTokenizer, BertConfig, BertModel
     tok = AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                      num_attention_heads=4, intermediate_size=2 * hidden,
-                     max_position_embeddings=64)
+                     max_position_embeddings=64, initializer_range=std)
     BertModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -708,12 +709,113 @@ def torchrun(script, nproc, *args):
 @pytest.fixture(scope="session")
 def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
     """Dropout off, so that 2 ranks × B and 1 rank × 2B see the same computation."""
+    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_nodrop"), bert_tokenizer_dir, seed=3))
+
+
+@pytest.fixture(scope="session")
+def bert_wide_dir(tmp_path_factory, bert_tokenizer_dir):
+    """Dropout off; weights drawn wider than BERT's std 0.02, so that sentences' [CLS] vectors and
+    their gradients differ from sentence to sentence (at 0.02 a 4-layer model gives every sentence
+    nearly the same [CLS], and an equivalence of gradients would compare rounding noise)."""
+    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_wide"), bert_tokenizer_dir, seed=3,
+                                std=0.3))
+
+
+def no_dropout(d):
     from transformers import AutoConfig
-    d = tiny_bert(tmp_path_factory.mktemp("bert_nodrop"), bert_tokenizer_dir, seed=3)
     cfg = AutoConfig.from_pretrained(d)
     cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
     cfg.save_pretrained(d)
     return d
+
+
+class ThreadRanks:
+    """`world` ranks as threads of this process, for the quick tier: common.gather returns what
+    torch.distributed's all_gather gives it (the other ranks' tensors without a graph, the rank's
+    own tensor in its slot). DDP's part, averaging the gradients, is done by the caller."""
+
+    def __init__(self, world):
+        self.world, self.slots = world, [None] * world
+        self.barrier, self.local = threading.Barrier(world), threading.local()
+
+    def gather(self, z):
+        r = self.local.rank
+        self.slots[r] = z.detach()
+        self.barrier.wait()  # every rank has written its slot
+        parts = list(self.slots)
+        self.barrier.wait()  # every rank has read them: the slots may be written again
+        parts[r] = z
+        return torch.cat(parts)
+
+    def run(self, fn):
+        """fn(rank) on every rank at once -> [its result on rank 0, 1, ...]."""
+        out, errors = [None] * self.world, []
+
+        def target(r):
+            self.local.rank = r
+            try:
+                out[r] = fn(r)
+            except BaseException as e:  # re-raised below, in the test's thread
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        if errors:
+            raise errors[0]
+        return out
+
+
+def assert_two_ranks_equal_one(monkeypatch, make, step, rows):
+    """make() -> (model, ...): a fresh copy, the same weights each call, its own tokenizer (a fast
+    tokenizer must not be shared by threads); step(copy, rows, world) -> the loss, its gradients
+    accumulated. 2 ranks with half the rows each must give the loss of 1 rank with all of them on
+    every rank, and gradients whose average (what DDP applies) equals that rank's."""
+    def make_seeded():  # new heads (SSCL's MLP, JTCSE's CAEL) start from the same draw
+        torch.manual_seed(0)
+        return make()
+
+    one = make_seeded()
+    loss = step(one, rows, 1)
+    grads = {n: q.grad for n, q in one[0].named_parameters() if q.grad is not None}
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    ranks = ThreadRanks(2)
+    monkeypatch.setattr(common, "gather", ranks.gather)
+    copies, half = [make_seeded(), make_seeded()], len(rows) // 2
+    losses = ranks.run(lambda r: step(copies[r], rows[r * half:(r + 1) * half], 2))
+    for rank_loss in losses:
+        assert rank_loss.item() == pytest.approx(loss.item(), abs=1e-5)
+    # float sums in another order: errors relative to the model's largest gradient (a key bias's
+    # gradient is 0 up to rounding)
+    scale = max(g.abs().max().item() for g in grads.values())
+    for n, g in grads.items():
+        mean = sum(dict(c[0].named_parameters())[n].grad for c in copies) / 2
+        torch.testing.assert_close(mean, g, atol=1e-4 * scale, rtol=1e-4,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("layer", ["0", "1,3"])
+def test_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_wide_dir, layer,
+                                                                    monkeypatch):
+    """In-process (threads): the layer-M negatives and both views gathered across ranks; × world
+    makes DDP's average the gradient of the global loss. Processes: the torchrun test below."""
+    from transformers import AutoTokenizer
+    a = sscl.p.parse_args(["--max-len", "16", "--temp", "1"])  # every negative weighs in the loss
+    layers = sscl.parse_layers(layer, 4)
+
+    def make():
+        bert = AutoModel.from_pretrained(bert_wide_dir)
+        return sscl.SentenceEncoder(bert, "cls").train(), AutoTokenizer.from_pretrained(
+            bert_wide_dir)
+
+    def step(copy, rows, world):
+        return sscl.train_step(copy[0], copy[1], rows, layers, a, world, torch.device("cpu"))
+
+    rng = random.Random(0)
+    assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
 
 
 @pytest.mark.slow
@@ -860,8 +962,8 @@ def jt_nodrop(jt_env, out):
     towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0,
                                         attention_probs_dropout_prob=0.0) for t in "ab"]
     for t, m in zip("ab", towers):
-        (m.save_pretrained(out / t),
-         PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t))
+        m.save_pretrained(out / t)
+        PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t)
     return towers
 
 
@@ -1255,6 +1357,31 @@ SENTS = ["a man is playing a guitar .", "two dogs run in the park", "the cat sle
          "a woman cuts an onion .", "kids are playing football outside on a sunny day",
          "nobody is here", "a plane takes off",
          "the sun is shining brightly over the quiet sea"]
+
+
+@pytest.mark.parametrize("objective", ["paper", "authors", "distill"])
+def test_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_path, objective,
+                                                                     monkeypatch):
+    """In-process (threads): both views of every tower gathered across ranks (eqs. 11-15, both
+    objectives) and JTCSE D's student and target; × world makes DDP's average the gradient of the
+    global loss. Processes: the torchrun test above."""
+    jt_nodrop(jt_env, tmp_path)
+    a = jtcse.p.parse_args(["--max-len", "16", "--objective", "paper" if objective == "distill"
+                            else objective])
+
+    def make():
+        towers, tok = common.load_towers([tmp_path / "a", tmp_path / "b"])
+        if objective != "distill":
+            return jtcse.Twin(towers, 2).train(), tok
+        teacher = jtcse.make_encode(towers[1:], tok, 16, torch.device("cpu"))
+        return towers[0].train(), tok, teacher
+
+    def step(copy, rows, world):
+        return jtcse.train_step(copy[0], copy[1], rows, 1, a, world, torch.device("cpu"),
+                                *copy[2:])[0]
+
+    assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
+                                                         enumerate(jt_WORDS[:8])])
 
 
 @pytest.fixture(scope="session")
@@ -1661,6 +1788,28 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     assert len(w1) == len(w2) > 0
     for x, y in zip(w1, w2):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["nli", "csts"])
+def test_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp_path, kind,
+                                                                    monkeypatch):
+    """In-process (threads): eq. 6's columns (C-STS: the pairs and labels) gathered across ranks;
+    × world makes DDP's average the gradient of the global loss. Processes: the torchrun test
+    above."""
+    d = bl_make_model(tok_dir, tmp_path)
+    a = bellm.p.parse_args(["--max-len", "16"])
+    cpu = torch.device("cpu")
+
+    def make():
+        tok, dec = bellm.load_decoder(d, 1, "convert", cpu)
+        return bellm.BeLLM(dec, 1, "parallel", "convert").train(), tok
+
+    def step(copy, rows, world):
+        return bellm.train_step(copy[0], copy[1], rows, kind, a, world, cpu)[0]
+
+    rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
+            (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
+    assert_two_ranks_equal_one(monkeypatch, make, step, rows)
 
 
 # ---------------------------------------------------------------- nothing lost: kills, signals,
