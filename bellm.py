@@ -318,8 +318,7 @@ def main():
     run.resume(f"'{a.model}' with these LoRA settings", trainable=params, opt=opt, sched=sched)
     run.start(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
               f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
-              f"{len(steps)} steps of {per_step} rows ({a.batch_size} x {a.grad_accum} "
-              f"accumulated a process), lr {lr:g}")
+              f"{len(steps)} steps of {per_step} rows, lr {lr:g}")
     texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
     run.log(common.memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, run.device))
 
