@@ -10,6 +10,8 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
   python eval_sts.py --model runs/sscl --tasks transfer
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
+  # alignment against uniformity of several models, one figure (JTCSE Fig. 7)
+  python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
+import figures
 import runs
 
 # ---------------------------------------------------------------- transfer tasks (SentEval) -----
@@ -400,8 +403,9 @@ def parse_tasks(spec):
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--model", required=True,
-               help="hub name or local folder: plain HF model, or one of our runs")
+p.add_argument("--model", required=True, nargs="+",
+               help="hub name or local folder: plain HF model, or one of our runs; several: each "
+                    "in turn")
 p.add_argument("--pooler", default="cls",
                choices=["cls", "avg", "avg_first_last", "pooler", "last"],
                help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean "
@@ -425,6 +429,9 @@ p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
 p.add_argument("--align-uniform", action="store_true",
                help="also print alignment and uniformity (Wang & Isola 2020, as SimCSE computes "
                     "them) on STS-B")
+p.add_argument("--plot", metavar="FILE.png",
+               help="with --align-uniform: draw alignment against uniformity, one labelled point "
+                    "per --model (JTCSE Fig. 7)")
 p.add_argument("--batch-size", type=common.POS_INT, default=128,
                help="pairs per batch with --exact")
 p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
@@ -487,17 +494,44 @@ def main():
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     sts_tasks, transfer_tasks = parse_tasks(a.tasks)
+    if a.plot and not a.align_uniform:
+        common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
+    if a.json and len(a.model) > 1:
+        common.die(f"--json holds one model's results and --model got {len(a.model)}: pass one "
+                   "--model, or run once per model")
+    figures.check(a.plot)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
     if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent)
                    or not os.access(parent, os.W_OK)):
         common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
                    "pass a file path")
     data = common.senteval_dir(a.data_dir)
-    t0 = time.perf_counter()
-    encode = load_encoder(a.model, a.pooler, a.max_len, prompt=a.prompt)
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
-    out, seconds = {"model": a.model, "split": a.split}, {"load": time.perf_counter() - t0}
+    points = {}  # model -> (uniformity, alignment), for --plot
+    for name in a.model:
+        if len(a.model) > 1:
+            print(f"{name}:")
+        out = evaluate_model(a, name, data, sts_tasks, transfer_tasks)
+        if a.align_uniform:
+            points[name] = (out["uniform"], out["align"])
+    if a.plot:  # Fig. 7 of JTCSE (SimCSE's Fig. 2): one labelled point per model
+        short = [os.path.basename(os.path.normpath(m)) for m in a.model]
+        labels = short if len(set(short)) == len(short) else a.model
+        panel = dict(kind="scatter", title=f"STS-B {a.split}; lower is better for both",
+                     xlabel="uniformity", ylabel="alignment",
+                     points=dict(zip(labels, points.values())))
+        figures.draw(a.plot, [panel], "Alignment against uniformity (Wang & Isola 2020)", ncols=1)
+    if a.json:  # a temporary file, then one rename: an old file is never left half-written
+        write_json(a.json, out)
+
+
+def evaluate_model(a, name, data, sts_tasks, transfer_tasks):
+    """One --model: its tables printed, -> the --json dict (results, transfer, align, uniform,
+    seconds)."""
+    t0 = time.perf_counter()
+    encode = load_encoder(name, a.pooler, a.max_len, prompt=a.prompt)
+    out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         if sts_tasks:
             t0 = time.perf_counter()
@@ -516,11 +550,10 @@ def main():
             seconds["align_uniform"] = time.perf_counter() - t0
             print(f"  align uniform\n{out['align']:7.4f} {out['uniform']:7.4f}")
     out["seconds"] = seconds
-    print(f"({a.model}, split {a.split}"
+    print(f"({name}, split {a.split}"
           + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
-    if a.json:  # a temporary file, then one rename: an old file is never left half-written
-        write_json(a.json, out)
+    return out
 
 
 def write_json(path, out):

@@ -59,6 +59,23 @@ p.add_argument("--distill", metavar="TEACHER_DIR", help="JTCSE D: a fresh --mode
 p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
                "(eq. 6) per layer and Fig. 5 for --model-a and the twin (jtcse_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw them into this PNG")
+
+
+class Analysis(argparse.Action):
+    """A flag of the analyses: stores its value and implies --analyze (never a training run)."""
+    def __call__(self, parser, ns, values, option_string=None):
+        setattr(ns, self.dest, values)
+        ns.analyze = "" if ns.analyze is None else ns.analyze
+
+
+p.add_argument("--compare", nargs="+", metavar="MODEL", action=Analysis, help="no training: "
+               "BERTs, sscl.py or jtcse.py runs (a twin = its two towers); E_CLS of the last "
+               "layer against the 7-STS average (Fig. 10)")
+p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS",
+               action=Analysis, help="--compare: parameters, GMACs of one sentence of TOKENS "
+               "tokens (default 64), 7-STS average, Avg./GMACs (Table VII)")
+p.add_argument("--attention", metavar="SENTENCE", action=Analysis, help="--compare: each "
+               "layer's head-averaged attention map of this sentence (Fig. 9)")
 common.show_ranges(p)
 
 
