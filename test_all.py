@@ -35,6 +35,7 @@ import common
 import runs
 import eval_sts
 import jtcse
+import jtcse_analysis
 import seeds
 import sscl
 
@@ -1120,6 +1121,84 @@ def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
             and f(torch.tensor(1.), torch.tensor(1.)) == 0)
 
 
+# ---------------------------------------------------------------- analyses: Table VII, Figs. 9, 10
+def jt_run_dir(jt_env, out, towers=("a", "b"), method="jtcse", **meta):
+    """A run folder of towers of jt_env: a jtcse.py twin (tower_a, tower_b), or with one tower and
+    method "sscl" an sscl.py run (the BERT at the root; proj_dim > 0: a proj.pt)."""
+    d, _ = jt_env
+    if method == "sscl":
+        shutil.copytree(d / towers[0], out)
+        meta = {"pooler": "cls", "proj_dim": 0, "max_len": 128, **meta}
+        if meta["proj_dim"]:
+            torch.save(torch.nn.Linear(32, meta["proj_dim"]).state_dict(), out / "proj.pt")
+    else:
+        for name, t in zip(("tower_a", "tower_b"), towers):
+            shutil.copytree(d / t, out / name)
+        meta = {"towers": ["tower_a", "tower_b"], "max_len": 128, **meta}
+    (out / common.META).write_text(json.dumps({"method": method, **meta}))
+    return out
+
+
+def test_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tmp_path):
+    """Table VII's count on a tiny BERT (4 layers, H 32, FFN 64, 4 heads) at L tokens:
+    FlopCounterMode = every Linear layer (Q, K, V, O, FFN in and out per layer; the pooler on CLS)
+    + attention's Q·K^T and A·V, per layer; the Linear column = the Linear layers alone (thop's
+    count); a twin = the sum of its towers, an sscl.py projection adds H x proj_dim."""
+    d, _ = jt_env
+    L, H, I, n = 16, 32, 64, 4
+    linear = n * (4 * L * H * H + 2 * L * H * I) + H * H
+    attention = n * 2 * L * L * H  # (L x H)·(H x L) and (L x L)·(L x H), all heads together
+    params, macs, lin = jtcse_analysis.inference_cost(str(d / "a"), L)
+    assert (macs, lin) == (linear + attention, linear)
+    assert params == sum(p.numel() for p in BertModel.from_pretrained(d / "a").parameters())
+    twin = jt_run_dir(jt_env, tmp_path / "twin")
+    assert jtcse_analysis.inference_cost(str(twin), L) == (2 * params, 2 * macs, 2 * linear)
+    sscl_run = jt_run_dir(jt_env, tmp_path / "sscl", ("a",), "sscl", proj_dim=8)
+    assert jtcse_analysis.inference_cost(str(sscl_run), L) == (params + H * 8 + 8,
+                                                               macs + H * 8, linear + H * 8)
+
+
+def test_attention_maps_equal_stock_eager_attentions(jt_env):
+    """Fig. 9's maps (eq. 8 from each layer's own query and key) = the stock model's
+    output_attentions (eager attention) averaged over heads, at every real query; rows sum to 1."""
+    d, tok = jt_env
+    tower = BertModel.from_pretrained(d / "a").eval()
+    stock = BertModel.from_pretrained(d / "a", attn_implementation="eager").eval()
+    batch = jt_batch_of(tok, ["a man is playing a guitar .", "the cat sits"])
+    maps = jtcse_analysis.attention_maps(tower, batch)
+    with torch.no_grad():
+        ref = stock(**batch, output_attentions=True).attentions  # (N, heads, L, L) per layer
+    real = batch["attention_mask"].bool()
+    assert len(maps) == len(ref) == 4
+    for m, r in zip(maps, ref):
+        torch.testing.assert_close(m[real], r.mean(1)[real], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:2]))
+
+
+def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
+    """e_cls (batched, padded) = eq. 6 from the input of each layer's attention output projection
+    (the context SA·V, heads merged) of the stock model, one unpadded sentence at a time."""
+    d, tok = jt_env
+    tower = BertModel.from_pretrained(d / "a").eval()
+    sents = ["a man is playing a guitar", "the cat", "two dogs run in the park today",
+             "a woman slices an onion", "children play"]
+    got = jtcse_analysis.e_cls({"a": ([tower], tok, 0)}, sents, 32, torch.device("cpu"),
+                               batch_size=2)["a"]  # (1 tower, 4 layers)
+    ctx = []
+    hooks = [l.attention.output.dense.register_forward_pre_hook(lambda m, x: ctx.append(x[0]))
+             for l in tower.encoder.layer]
+    want = torch.zeros(4)
+    with torch.no_grad():
+        for s in sents:
+            ctx.clear()
+            tower(**tok(s, return_tensors="pt"))
+            want += torch.stack([c[0, 0].norm() / c[0, 1:].norm() for c in ctx])
+    for h in hooks:
+        h.remove()
+    assert got.shape == (1, 4)
+    torch.testing.assert_close(got[0], want / len(sents), atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- end to end ---------------------
 @pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
@@ -1188,6 +1267,54 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     assert all(row[1] == row[2] for row in rows)
     # layer 1 ordinary, layer 2 a CAEL
     assert rows[0][2:4] == rows[0][4:6] and rows[1][2:4] != rows[1][4:6]
+
+
+@pytest.mark.slow
+def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
+    """--compare (Fig. 10), --cost (Table VII) and --attention (Fig. 9) on tower a, tower b and
+    their twin: the printed correlations are scipy's of the printed columns, the cost columns are
+    inference_cost's, η = Avg. / GMACs, the attention shares are the maps' column means; eval_sts.py
+    draws Fig. 7 for several models."""
+    from scipy.stats import pearsonr, spearmanr
+    d, _ = jt_env
+    twin = jt_run_dir(jt_env, tmp_path / "twin")
+    models = [str(d / "a"), str(d / "b"), str(twin)]
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
+                        tmp_path / "fig10.png")
+    rows = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in out.splitlines()
+            if l.split() and l.split()[0] in models}
+    assert list(rows) == models and all(len(r) == 5 for r in rows.values())  # 4 layers, Avg.
+    x, y = [r[3] for r in rows.values()], [r[4] for r in rows.values()]
+    rho, r = re.search(r"Spearman (\S+), Pearson (\S+)$", out, re.M).groups()
+    assert float(rho) == pytest.approx(spearmanr(x, y).statistic, abs=2e-3)
+    assert float(r) == pytest.approx(pearsonr(x, y).statistic, abs=2e-3)
+    assert png_size(tmp_path / "fig10.png") == (810, 630)
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], "--cost", 16)
+    assert "a sentence of 16 tokens" in out
+    for name, t in ((models[0], 1), (models[2], 2)):
+        row = next(l.split() for l in out.splitlines() if l.startswith(name + " "))
+        params, macs, linear = jtcse_analysis.inference_cost(name, 16)
+        assert row[1:5] == [str(t), f"{params / 1e6:.2f}M", f"{macs / 1e9:.3f}",
+                            f"{linear / 1e9:.3f}"]
+        # η of the unrounded average: within the printed average's rounding (±0.005) / GMACs
+        assert float(row[6]) == pytest.approx(float(row[5]) / (macs / 1e9),
+                                              abs=0.005 / (macs / 1e9) + 0.005)
+    sentence = "a man is playing a guitar ."
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], "--attention",
+                        sentence, "--plot", tmp_path / "fig9.png")
+    assert [l.split(" (")[0] for l in out.splitlines() if "tokens:" in l] == [
+        models[0], models[2] + " I", models[2] + " II"]
+    tok = PreTrainedTokenizerFast.from_pretrained(d / "a")
+    maps = jtcse_analysis.attention_maps(BertModel.from_pretrained(d / "a").eval(),
+                                         jt_batch_of(tok, [sentence]))
+    shares = [l.split()[1:3] for l in out.splitlines()[3:7]]  # tower a, layers 1-4
+    assert shares == [[f"{m[0].mean(0)[0]:.3f}", f"{m[0].mean(0)[-1]:.3f}"] for m in maps]
+    assert png_size(tmp_path / "fig9.png") == (1800, 1350)  # 3 towers x 4 layers, 3 x 3 inches
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", models[0], models[2],
+                             "--data-dir", JT_DATA["sts"], "--tasks", "STS-B", "--align-uniform",
+                             "--plot", tmp_path / "fig7.png")
+    assert code == 0, err
+    assert out.count("  align uniform") == 2 and png_size(tmp_path / "fig7.png") == (810, 630)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -2077,6 +2204,14 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
     ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
+    ("eval_sts", lambda c: EV(c, "--plot", c.tmp / "f.png"), ["--plot", "add --align-uniform"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--align-uniform", "--plot", c.tmp / "no" / "f.png"),
+     ["--plot", "create it first"], None),
+    ("eval_sts", lambda c: EV(c, "--align-uniform", "--plot", c.tmp / "f.jpg"), ["--plot", ".png"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--json", c.tmp / "r.json") + ["--model", c.run, c.plain],
+     ["--json", "--model got 2"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.train / "out.json"), ["--json"], None),
     # ---- issue 23: every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
@@ -2172,6 +2307,29 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
      lambda c: fake_state(c.jrun / runs.CKPT, "jtcse")),
+    # ---- jtcse.py: the analyses of several models (--compare, --cost, --attention) ----
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
+     lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
+     ["--plot", "create it first"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
+     ["--cost 200", "128 positions", "--cost 128"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
+     ["--cost", "drop --plot"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
+     ["one at a time"], None),
+    ("jtcse", lambda c: ["--cost"], ["add --compare"], None),
+    ("jtcse", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
+     ["pass the twin to --compare"], None),
     # ---- bellm.py ----
     ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
     ("bellm", lambda c: BL(c, "--train", c.tmp), ["is a folder"], None),
