@@ -2,8 +2,8 @@
 (headless, Agg) is imported here and only when a figure is drawn, so the scripts run without it. A
 figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)}, optional marks
 [(x, y, text)]), "boxes" (groups {label: values}), "heat" (a matrix with its row/column labels;
-colorbar=False: none) or "scatter" (points {label: (x, y)}, each point labelled); every panel has a
-title and axis labels."""
+colorbar=False: none) or "scatter" (points {label: (x, y)}, each point named in the legend); every
+panel has a title and axis labels."""
 import io
 import os
 
@@ -68,11 +68,11 @@ def _heat(ax, pn):
 
 
 def _scatter(ax, pn):
-    for label, (x, y) in pn["points"].items():
-        ax.plot(x, y, "o", markersize=6)
-        ax.annotate(label, (x, y), xytext=(5, 4), textcoords="offset points", fontsize=8)
-    ax.margins(0.15)  # room for the labels
+    for label, (x, y) in pn["points"].items():  # one colour a point, named in the legend
+        ax.plot(x, y, "o", markersize=7, label=label)
+    ax.margins(0.12)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 DRAW = {"lines": _lines, "boxes": _boxes, "heat": _heat, "scatter": _scatter}

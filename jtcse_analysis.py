@@ -188,7 +188,8 @@ def twin(a, device):
 def e_cls_against_sts(a, towers, device):
     """Fig. 10: for each model, E_CLS per layer (eq. 6, mean over the STS-B test sentences and over
     a twin's two towers, no cross-attention: what inference runs) and the 7-STS average; Spearman
-    and Pearson correlation of the last layer's E_CLS with the average, over the models."""
+    and Pearson correlation of each layer's E_CLS with the average over the models; the figure
+    plots the last layer's."""
     data = common.check_sts(common.senteval_dir(a.data_dir))  # every file, before the work
     sents, _ = stsb_sentences(data)
     E, avg = {}, {}
@@ -210,6 +211,10 @@ def e_cls_against_sts(a, towers, device):
     x, y = [float(E[m][-1]) for m in towers], [avg[m] for m in towers]
     corr = ""
     if len(towers) >= 3:
+        if len({len(e) for e in E.values()}) == 1:  # one layer count: each layer's correlation
+            for what, f in (("Spearman", spearmanr), ("Pearson", pearsonr)):
+                print(f"{what:<{width}} " + " ".join(
+                    f"{f([float(E[m][j]) for m in towers], y).statistic:8.3f}" for j in range(n)))
         rho, r = spearmanr(x, y).statistic, pearsonr(x, y).statistic
         corr = f"Spearman {rho:.3f}, Pearson {r:.3f}"
         print(f"last layer's E_CLS against the 7-STS average over {len(towers)} models: {corr}")
@@ -330,5 +335,6 @@ def attention_figure(a, towers, device):
         panels = [dict(kind="heat", title=f"{row}, layer {j}", matrix=m.numpy(), labels=tokens,
                        vmin=0, colorbar=False, xlabel="key", ylabel="query")
                   for row, _, tokens, maps in rows for j, m in enumerate(maps, 1)]
-        figures.draw(a.plot, panels, f"Fig. 9: attention maps, heads averaged: {a.attention!r}",
+        figures.draw(a.plot, panels, f"Fig. 9: attention maps of {a.attention!r}, heads averaged "
+                     "(colour: 0 to the panel's largest weight)",
                      ncols=max(len(r[3]) for r in rows), size=(3.0, 3.0))

@@ -1282,12 +1282,24 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
                         tmp_path / "fig10.png")
     rows = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in out.splitlines()
-            if l.split() and l.split()[0] in models}
-    assert list(rows) == models and all(len(r) == 5 for r in rows.values())  # 4 layers, Avg.
-    x, y = [r[3] for r in rows.values()], [r[4] for r in rows.values()]
+            if l.split() and l.split()[0] in models + ["Spearman", "Pearson"]}
+    assert list(rows) == models + ["Spearman", "Pearson"]
+    # E_CLS per layer and the 7-STS average as printed, from the functions behind them
+    data = common.senteval_dir(str(JT_DATA["sts"]))
+    sents, _ = jtcse_analysis.stsb_sentences(data)
+    E, y = [], []
+    for m in models:
+        towers, tok = jtcse.load_towers(jtcse_analysis.towers_of(m))
+        E.append(jtcse_analysis.e_cls({m: ([t.eval() for t in towers], tok, 0)}, sents, 16,
+                                      torch.device("cpu"))[m].mean(0))  # (4,): a twin's mean
+        y.append(jtcse_analysis.sts_average(m, data, torch.device("cpu")))
+        assert rows[m] == [round(float(e), 4) for e in E[-1]] + [round(y[-1], 2)]
+    for j in range(4):  # each layer's correlation over the models = scipy's
+        x = [float(e[j]) for e in E]
+        assert rows["Spearman"][j] == pytest.approx(spearmanr(x, y).statistic, abs=1e-3)
+        assert rows["Pearson"][j] == pytest.approx(pearsonr(x, y).statistic, abs=1e-3)
     rho, r = re.search(r"Spearman (\S+), Pearson (\S+)$", out, re.M).groups()
-    assert float(rho) == pytest.approx(spearmanr(x, y).statistic, abs=2e-3)
-    assert float(r) == pytest.approx(pearsonr(x, y).statistic, abs=2e-3)
+    assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
     assert png_size(tmp_path / "fig10.png") == (810, 630)
     _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], "--cost", 16)
     assert "a sentence of 16 tokens" in out
