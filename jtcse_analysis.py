@@ -72,6 +72,7 @@ def towers_of(name):
 
 
 def load_config(name):
+    """The checked config.json of `name`: its shapes (layers, hidden, heads, positions)."""
     return common.load_pretrained(AutoConfig, name)
 
 
