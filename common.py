@@ -336,15 +336,25 @@ def load_pretrained(cls, name, **kw):
     return runs.load_pretrained(cls, name, **kw)
 
 
+def positions(config):
+    """The tokens a model reads at most: max_position_embeddings, less RoBERTa's offset (its
+    position ids start after the padding index: roberta-base's 514 positions hold 512 tokens)."""
+    n = getattr(config, "max_position_embeddings", None)
+    return n - config.pad_token_id - 1 if n and config.model_type in ROBERTA_LIKE else n
+
+
+ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")  # RobertaEmbeddings' position ids
+
+
 def check_max_len(max_len, config, name, flag="--max-len", extra=0):
-    """A token limit must fit the model's position embeddings (max_position_embeddings), or the
-    first longer sentence would crash inside the model. extra: tokens added around the sentence."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions and max_len + extra > positions:
+    """A token limit must fit the model's positions (max_position_embeddings, common.positions), or
+    the first longer sentence would crash inside the model. extra: tokens added around it."""
+    limit = positions(config)
+    if limit and max_len + extra > limit:
         plus = f" plus the prompt's {extra} tokens" if extra else ""
-        fix = f"pass {flag} {positions - extra} or less" if flag.startswith("--") else \
-            f"set it to {positions - extra} or less"
-        die(f"{flag} {max_len}{plus} is more than the {positions} positions of '{name}' "
+        fix = f"pass {flag} {limit - extra} or less" if flag.startswith("--") else \
+            f"set it to {limit - extra} or less"
+        die(f"{flag} {max_len}{plus} is more than the {limit} positions of '{name}' "
             f"(max_position_embeddings in its config.json): {fix}")
     return max_len
 
@@ -363,14 +373,16 @@ def check_encoder(name, max_len, flag="--model"):
 
 
 def check_towers(names, max_len=None, num_cael=None):
-    """JTCSE's towers (and the models its analysis compares layer by layer): BERT models of one
-    shape and one vocabulary, since they read one tokenised batch and eq. 10 swaps values between
-    equal layers; a --num-cael that divides their layer count."""
+    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
+    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
+    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
+    layer count."""
     from transformers import AutoConfig, AutoTokenizer
     configs = [load_pretrained(AutoConfig, n) for n in names]
     for name, c in zip(names, configs):
-        if c.model_type != "bert":
-            die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT models")
+        if c.model_type not in JTCSE_TOWERS:
+            die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like encoders "
+                f"with a pooler ({', '.join(JTCSE_TOWERS)})")
     vocabs = [load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
     if any(v != vocabs[0] for v in vocabs):
         die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
@@ -387,11 +399,17 @@ def check_towers(names, max_len=None, num_cael=None):
             f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
 
 
+# transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
+# embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
+JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
+
+
 def load_towers(names):
-    """JTCSE's towers: [BertModel] (every weight from its file: the pooler feeds eq. 13) and their
-    tokenizer."""
-    from transformers import AutoTokenizer, BertModel
-    towers = [load_pretrained(BertModel, n, strict=True) for n in names]
+    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
+    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
+    stderr) and their tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+    towers = [load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
     return towers, load_pretrained(AutoTokenizer, names[0])
 
 

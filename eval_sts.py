@@ -10,8 +10,10 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
   python eval_sts.py --model runs/sscl --tasks transfer
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
+  # several models in turn; alignment against uniformity in one figure (JTCSE Fig. 7)
+  python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
   # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
-  python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased
+  python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased --ensemble
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
+import figures
 import runs
 
 # ---------------------------------------------------------------- transfer tasks (SentEval) -----
@@ -403,8 +406,11 @@ def parse_tasks(spec):
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", required=True, nargs="+",
-               help="hub name or local folder: plain HF model, or one of our runs; several = an "
-                    "ensemble, the sum of their embeddings (JTCSE's +UC)")
+               help="hub name or local folder: plain HF model, or one of our runs; several: each "
+                    "in turn, or with --ensemble their sum")
+p.add_argument("--ensemble", action="store_true",
+               help="evaluate the sum of the --model embeddings as one encoder (JTCSE's +UC: a "
+                    "twin plus another encoder)")
 p.add_argument("--pooler", default=["cls"], nargs="+",
                choices=["cls", "avg", "avg_first_last", "pooler", "last"],
                help="pooling for a plain HF model: cls = CLS of the last layer, avg = masked mean "
@@ -429,6 +435,9 @@ p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
 p.add_argument("--align-uniform", action="store_true",
                help="also print alignment and uniformity (Wang & Isola 2020, as SimCSE computes "
                     "them) on STS-B")
+p.add_argument("--plot", metavar="FILE.png",
+               help="with --align-uniform: draw alignment against uniformity, one labelled point "
+                    "per --model (JTCSE Fig. 7)")
 p.add_argument("--batch-size", type=common.POS_INT, default=128,
                help="pairs per batch with --exact")
 p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
@@ -448,11 +457,10 @@ def hf_encoder(name, pooler, max_len, device):
     from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
     model = common.load_pretrained(AutoModel, name, strict=pooler == "pooler").to(device).eval()
-    max_len = min(max_len, getattr(model.config, "max_position_embeddings", max_len))
+    max_len = min(max_len, common.positions(model.config) or max_len)
 
     def embed(batch):  # batch: input_ids, attention_mask (b, L)
-        with common.autocast(device):
-            out = model(**batch, output_hidden_states=pooler == "avg_first_last")
+        out = model(**batch, output_hidden_states=pooler == "avg_first_last")
         mask = batch["attention_mask"].unsqueeze(-1).float()  # (b, L, 1)
         avg = lambda h: (h * mask).sum(1) / mask.sum(1)  # noqa: E731
         if pooler == "cls":
@@ -466,10 +474,7 @@ def hf_encoder(name, pooler, max_len, device):
             common.die(f"'{name}' has no pooler: choose --pooler cls, avg or avg_first_last")
         return out.pooler_output
 
-    def encode(sentences):
-        return common.encode_in_batches(embed, tok, sentences, max_len, device)
-
-    return encode
+    return common.encoder(embed, tok, max_len, device)  # no gradients, autocast on CUDA
 
 
 def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=None):
@@ -486,6 +491,14 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=
     return hf_encoder(name, pooler, cut or max_len, device)
 
 
+def one_each(poolers, names):
+    """--pooler's values, one for every --model (one value: the same for all)."""
+    if len(poolers) not in (1, len(names)):
+        common.die(f"--pooler got {len(poolers)} values for {len(names)} models: pass one for "
+                   "all, or one per model")
+    return list(poolers) * len(names) if len(poolers) == 1 else list(poolers)
+
+
 def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None, cut=None,
                   size=None):
     """encode(list[str]) -> (N, H): the SUM of the members' embeddings, as JTCSE's twin sums its
@@ -493,11 +506,8 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
     load_encoder loads it: a run folder of ours with its own pooling, a plain model with its entry
     of `poolers` (one entry: the same for all). One member: that member's encode. size: (H, whose)
     when the embedding must have H dimensions."""
-    poolers = list(poolers) * len(names) if len(poolers) == 1 else list(poolers)
-    if len(poolers) != len(names):
-        common.die(f"--pooler got {len(poolers)} values for {len(names)} models: pass one for "
-                   "all, or one per model")
-    members = [load_encoder(n, q, max_len, device, prompt, cut) for n, q in zip(names, poolers)]
+    members = [load_encoder(n, q, max_len, device, prompt, cut)
+               for n, q in zip(names, one_each(poolers, names))]
     sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
     if len(set(sizes + [size[0]] if size else sizes)) > 1:
         want = f"; {size[1]} is {size[0]}" if size else ""
@@ -516,18 +526,49 @@ def main():
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     sts_tasks, transfer_tasks = parse_tasks(a.tasks)
+    if a.plot and not a.align_uniform:
+        common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
+    if a.json and len(a.model) > 1 and not a.ensemble:
+        common.die(f"--json holds one model's results and --model got {len(a.model)}: pass one "
+                   "--model, add --ensemble, or run once per model")
+    poolers = one_each(a.pooler, a.model)
+    figures.check(a.plot)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
     if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent)
                    or not os.access(parent, os.W_OK)):
         common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
                    "pass a file path")
     data = common.senteval_dir(a.data_dir)
-    t0 = time.perf_counter()
-    encode = load_ensemble(a.model, a.pooler, a.max_len, prompt=a.prompt)
-    a.model = " + ".join(a.model)  # the name printed and written to --json
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
-    out, seconds = {"model": a.model, "split": a.split}, {"load": time.perf_counter() - t0}
+    # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
+    models = [list(zip(a.model, poolers))] if a.ensemble else [[m] for m in zip(a.model, poolers)]
+    points, short = {}, []  # model -> (uniformity, alignment), for --plot; its short name
+    for members in models:
+        if len(models) > 1:
+            print(f"{members[0][0]}:")
+        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks)
+        if a.align_uniform:
+            points[out["model"]] = (out["uniform"], out["align"])
+            short.append(" + ".join(os.path.basename(os.path.normpath(m)) for m, _ in members))
+    if a.plot:  # Fig. 7 of JTCSE (SimCSE's Fig. 2): one labelled point per model
+        labels = short if len(set(short)) == len(short) else list(points)
+        panel = dict(kind="scatter", title=f"STS-B {a.split}; lower is better for both",
+                     xlabel="uniformity", ylabel="alignment",
+                     points=dict(zip(labels, points.values())))
+        figures.draw(a.plot, [panel], "Alignment against uniformity (Wang & Isola 2020)", ncols=1)
+    if a.json:  # a temporary file, then one rename: an old file is never left half-written
+        write_json(a.json, out)
+
+
+def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
+    """One model, [(name, pooler)], or an ensemble, several: its tables printed, -> the --json
+    dict (results, transfer, align, uniform, seconds)."""
+    t0 = time.perf_counter()
+    names, poolers = zip(*members)
+    encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt)
+    name = " + ".join(names)
+    out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
         if sts_tasks:
             t0 = time.perf_counter()
@@ -546,11 +587,10 @@ def main():
             seconds["align_uniform"] = time.perf_counter() - t0
             print(f"  align uniform\n{out['align']:7.4f} {out['uniform']:7.4f}")
     out["seconds"] = seconds
-    print(f"({a.model}, split {a.split}"
+    print(f"({name}, split {a.split}"
           + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
-    if a.json:  # a temporary file, then one rename: an old file is never left half-written
-        write_json(a.json, out)
+    return out
 
 
 def write_json(path, out):

@@ -1,8 +1,9 @@
 """The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given. matplotlib
 (headless, Agg) is imported here and only when a figure is drawn, so the scripts run without it. A
 figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)}, optional marks
-[(x, y, text)]), "boxes" (groups {label: values}), or "heat" (a matrix with its row/column labels);
-every panel has a title and axis labels."""
+[(x, y, text)]), "boxes" (groups {label: values}), "heat" (a matrix with its row/column labels;
+colorbar=False: none) or "scatter" (points {label: (x, y)}, each point named in the legend); every
+panel has a title and axis labels."""
 import io
 import os
 
@@ -62,18 +63,29 @@ def _heat(ax, pn):
     im = ax.imshow(pn["matrix"], cmap="viridis", vmin=pn.get("vmin"), vmax=pn.get("vmax"))
     ax.set_xticks(range(len(pn["labels"])), pn["labels"], rotation=90, fontsize=7)
     ax.set_yticks(range(len(pn["labels"])), pn["labels"], fontsize=7)
-    ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=pn.get("cbar", ""))
+    if pn.get("colorbar", True):
+        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=pn.get("cbar", ""))
 
 
-DRAW = {"lines": _lines, "boxes": _boxes, "heat": _heat}
+def _scatter(ax, pn):
+    for label, (x, y) in pn["points"].items():  # one colour a point, named in the legend
+        ax.plot(x, y, "o", markersize=7, label=label)
+    ax.margins(0.12)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
-def draw(path, panels, title, ncols=2):
-    """Panels on a grid of ncols columns, saved as a 150-dpi PNG at path."""
+DRAW = {"lines": _lines, "boxes": _boxes, "heat": _heat, "scatter": _scatter}
+
+
+def draw(path, panels, title, ncols=2, size=(5.4, 4.2)):
+    """Panels on a grid of ncols columns, each size = (width, height) inches, saved as a 150-dpi
+    PNG at path."""
     plt = pyplot()
     ncols = min(ncols, len(panels))
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.2 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows),
+                             squeeze=False)
     for ax, pn in zip(axes.flat, panels):
         DRAW[pn["kind"]](ax, pn)
         ax.set_title(pn["title"], fontsize=10)

@@ -5,14 +5,14 @@ Two BERT towers (I and II, each trained with unsupervised SimCSE) are trained to
 SimCSE's InfoNCE (eq. 11); the towers are each other's positives (ICNCE, eq. 12), on their plain
 outputs and on a cross stream in which, at every k-th layer (a CAEL, eqs. 7-10), a tower's attention
 weights take the OTHER tower's values. A modulus term (eqs. 13-14) asks the towers' pooler outputs
-of a positive pair for equal length. The embedding is CLS(I) + CLS(II); `--distill` compresses the
-twin (or any ensemble) into one tower (JTCSE D, §IV-C).
+of a positive pair for equal length. The embedding is CLS(I) + CLS(II), untruncated (SimCSE,
+SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTCSE D, §IV-C).
 
   eqs. 7-10, CAEL: SA_I·V_II, SA_II·V_I       layer_forward, Twin
   eq. 11 / 12, InfoNCE / ICNCE               nce, jtcse_loss (nce_authors: --objective authors)
   eqs. 13-14, tensor-modulus constraint      tmc, modulus_ratio (tmc_authors)
   eq. 15, the total; one step                jtcse_loss, train_step
-  eq. 6, Fig. 5 (--analyze)                  jtcse_analysis.py
+  eq. 6, Figs. 5, 9, 10, Table VII          jtcse_analysis.py (--analyze, --compare)
 
   python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2       # the paper (GPU)
   python jtcse.py --model-a sentence-transformers/all-MiniLM-L6-v2 --model-b runs/sscl_minilm \\
@@ -20,7 +20,6 @@ twin (or any ensemble) into one tower (JTCSE D, §IV-C).
       --eval-steps 10 --output-dir runs/jtcse_minilm              # CPU (docs/jtcse.md)
   python jtcse.py --distill runs/jtcse_minilm --model-a runs/simcse_1 --output-dir runs/jtcse_d
 """
-import argparse
 import functools
 import os
 
@@ -28,11 +27,12 @@ import torch
 import torch.nn.functional as F
 
 import common
+import eval_sts
 import runs
 
 p = common.parser(__doc__)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
-p.add_argument("--model-a", default="bert-base-uncased", help="tower I, a BERT (paper: "
+p.add_argument("--model-a", default="bert-base-uncased", help="tower I, BERT or RoBERTa (paper: "
                "bert-base-uncased trained with unsupervised SimCSE on round-trip-translated data)")
 p.add_argument("--model-b", default="bert-base-uncased", help="tower II: the same shape and "
                "vocabulary (paper: a second such SimCSE model)")
@@ -43,8 +43,8 @@ common.training_flags(p, output_dir="runs/jtcse", lr=1.3e-6, max_len=64, batch_s
 p.add_argument("--num-cael", type=common.NONNEG_INT, help="cross-attention layers (eq. 7, Table "
                "IX), evenly spaced: default layers/2 (1 if odd); 0 = no cross stream")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau (paper: 0.05)")
-p.add_argument("--add-sick", action=argparse.BooleanOptionalAction, default=True,
-               help="add SICK train's sentences to --train (footnote 7)")
+p.add_argument("--no-add-sick", dest="add_sick", action="store_false",
+               help="train on --train alone (paper: SICK train's sentences added, footnote 7)")
 p.add_argument("--no-nce", action="store_true", help="drop L_NCE, eq. 11 (Table X)")
 p.add_argument("--no-icnce", action="store_true", help="drop L_ICNCE, eq. 12 (Table X)")
 p.add_argument("--no-ictm", action="store_true", help="drop L_ICTM, eqs. 13-14 (Table X)")
@@ -54,7 +54,12 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
                "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
 p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
                "(eq. 6) per layer and Fig. 5, --model-a and the twin (jtcse_analysis.py)")
-p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw them into this PNG")
+p.add_argument("--compare", nargs="+", metavar="MODEL", help="no training: last-layer E_CLS "
+               "against the 7-STS average (Fig. 10); a twin run = its two towers")
+p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS", help="with "
+               "--compare: parameters, GMACs of a TOKENS-token sentence, Avg./GMACs (Table VII)")
+p.add_argument("--attention", metavar="SENTENCE", help="with --compare: attention maps (Fig. 9)")
+p.add_argument("--plot", metavar="FILE.png", help="--analyze, --compare: draw into this PNG")
 common.show_ranges(p)
 
 
@@ -149,7 +154,6 @@ def jtcse_loss(h, hP, c, R, a):
 class Twin(torch.nn.Module):
     """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (stock
     BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross stream (or None)."""
-
     def __init__(self, towers, num_cael=None):
         super().__init__()
         self.towers = torch.nn.ModuleList(towers)
@@ -180,8 +184,7 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
     B, terms = len(sentences), {}
     with common.autocast(device, a.bf16):
         if teacher is not None:
-            with torch.no_grad():
-                target = teacher(sentences).to(device)  # (B, H), the same text
+            target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
             z = common.run_batch(functools.partial(common.cls, model), batch, a.length_grouping)
             loss = F.mse_loss(common.gather(z.float()), common.gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
@@ -223,7 +226,7 @@ def load_encoder(run_dir, meta, device):
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    if a.analyze is not None:  # E_CLS (eq. 6) and Fig. 5, no training
+    if a.analyze is not None or a.compare:  # eq. 6, Figs. 5, 9, 10, Table VII: no training
         import jtcse_analysis
         return jtcse_analysis.analyze(a, common.pick_device())
     run = runs.Run(a, "jtcse")  # torchrun: this process's rank, the world size, its device
@@ -245,14 +248,12 @@ def main():
     towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len)
-        from eval_sts import load_ensemble
-        teacher = load_ensemble(a.distill, cut=a.max_len, device=run.device,
-                                size=(towers[0].config.hidden_size, "the student's (MSE)"))
+        teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=run.device,
+                                         size=(towers[0].config.hidden_size, "the student's"))
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
         tower.pooler.requires_grad_(not (a.distill or a.no_ictm))
     model = run.wrap(net.to(run.device))  # DDP under torchrun
-    # no truncation at evaluation (SimCSE, SentEval); NOTE(authors' code): 64 tokens (detail 12)
-    eval_len = towers[0].config.max_position_embeddings
+    eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = make_encode(towers, tokenizer, eval_len, run.device)
 
     # the optimiser; NOTE(authors' code): AdamW at a constant learning rate, no warm-up
@@ -298,8 +299,9 @@ def main():
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2)."""
-    if a.plot:
-        common.die("--plot draws the analysis: add --analyze (no training)")
+    if a.plot or a.cost is not None or a.attention is not None:  # the analyses' flags
+        common.die("--plot, --cost and --attention belong to the analyses (no training): add "
+                   "--compare MODEL ... (or --analyze, for --plot)")
     if a.batch_size * world < 2 and not a.distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
     if a.distill and a.objective != "paper":

@@ -1,63 +1,161 @@
-"""JTCSE's analyses, no training (run them through jtcse.py --analyze [TWIN_DIR]): E_CLS per layer
-(eq. 6) for tower I alone and the twin with and without cross-attention, and the cosines of STS-B
-test pairs grouped by gold score (Fig. 5) for each tower and the twin. With `--plot FILE.png` both
-are drawn.
+"""JTCSE's analyses, no training (run them through jtcse.py --analyze). One twin (--analyze
+[TWIN_DIR]): E_CLS per layer (eq. 6) for tower I alone and the twin with and without
+cross-attention, and the cosines of STS-B test pairs grouped by gold score (Fig. 5). Several models
+(--compare MODEL ...: BERTs, sscl.py runs, jtcse.py twins or distilled towers): the last layer's
+E_CLS against the 7-STS average (Fig. 10); with --cost, parameters and GMACs per sentence against
+the 7-STS average (Table VII); with --attention, each layer's attention map of one sentence
+(Fig. 9). With `--plot FILE.png` the figure is drawn.
 
   python jtcse.py --analyze runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \\
       --plot fig.png
+  python jtcse.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/sscl_minilm \\
+      runs/jtcse_minilm --cost 64
+  python jtcse.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/jtcse_minilm \\
+      --attention "This is an example sentence for visualizing attention scores." --plot fig9.png
 """
 import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy.stats import pearsonr, spearmanr
+from transformers import AutoConfig, AutoModel
 
 import common
 import figures
+import runs
 from jtcse import Twin, layer_forward, make_encode
 
 
-# ---------------------------------------------------------------- analysis ----------------------
-@torch.no_grad()
 def analyze(a, device):
-    """eq. 6: E_CLS = ‖ctx_cls‖₂ / ‖ctx_−‖_F per layer (ctx = attention context SA·V or SA·V_other,
-    ctx_− = every other real token), mean over STS-B test sentences."""
-    figures.check(a.plot)
+    """jtcse.py --analyze: one twin (E_CLS per layer and Fig. 5) or the models of --compare
+    (Fig. 10; --cost: Table VII; --attention: Fig. 9)."""
+    figures.check(a.plot)  # a bad --plot path stops before any model is loaded
+    if a.attention is not None and not a.attention.strip():
+        common.die("--attention is empty: pass a sentence, e.g. --attention \"This is an example "
+                   "sentence for visualizing attention scores.\"")
+    if a.compare is None:
+        if a.cost is not None or a.attention is not None:
+            common.die("--cost and --attention compare models: add --compare MODEL [MODEL ...]")
+        return twin(a, device)
+    if a.analyze:
+        common.die(f"--analyze '{a.analyze}' analyses one twin and --compare several models: "
+                   "pass the twin to --compare instead")
+    if a.cost is not None and a.attention is not None:
+        common.die("--cost and --attention are two analyses: run one at a time")
+    if a.cost is not None and a.plot:
+        common.die("--cost prints Table VII and draws nothing: drop --plot")
+    towers = {name: towers_of(name) for name in a.compare}  # every model checked before any work
+    for name, names in towers.items():
+        common.check_towers(names)
+        common.check_max_len(a.cost or a.max_len, load_config(names[0]), name,
+                             "--cost" if a.cost else "--max-len")
+    if a.cost is not None:
+        return cost_table(a, towers, device)
+    if a.attention is not None:
+        return attention_figure(a, towers, device)
+    return e_cls_against_sts(a, towers, device)
+
+
+# ---------------------------------------------------------------- the models --------------------
+def members(name):
+    """An ensemble (JTCSE's +UC) is named A+B[+C...]: the sum of its members' embeddings, as
+    eval_sts.py --ensemble computes it. -> [A, B, ...]; any other name -> [name]."""
+    return [name] if os.path.exists(name) or "+" not in name else name.split("+")
+
+
+def towers_of(name):
+    """The BERT folders whose CLS vectors sum to one embedding of `name` (what eval_sts.py encodes
+    with): a jtcse.py twin -> [tower I, tower II]; its distilled tower, an sscl.py run, a plain
+    BERT -> [name]; an ensemble A+B -> A's, then B's."""
+    if len(members(name)) > 1:
+        return [t for m in members(name) for t in towers_of(m)]
+    meta = runs.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
+    if meta is None or meta["method"] == "sscl":
+        return [name]
+    if meta["method"] == "jtcse":
+        return [os.path.normpath(os.path.join(name, t)) for t in meta["towers"]]
+    common.die(f"'{name}' is a bellm.py run: --compare takes BERT encoders (Hugging Face BERTs, "
+               "sscl.py and jtcse.py runs)")
+
+
+def load_config(name):
+    """The checked config.json of `name`: its shapes (layers, hidden, heads, positions)."""
+    return common.load_pretrained(AutoConfig, name)
+
+
+def label(name, names):
+    """A short label: the folder's base name when the base names of `names` are distinct."""
+    short = [os.path.basename(os.path.normpath(n)) for n in names]
+    return short[names.index(name)] if len(set(short)) == len(short) else name
+
+
+def sts_average(name, data, device):
+    """The 7-STS average (Spearman x 100) of `name` as eval_sts.py computes it (its encoder, no
+    truncation); an ensemble's, of the sum of its members' embeddings."""
+    from eval_sts import load_ensemble
+    encode = load_ensemble(members(name), device=device)
+    return float(np.mean(list(common.evaluate(encode, data).values())))
+
+
+# ---------------------------------------------------------------- E_CLS (eq. 6) -----------------
+@torch.no_grad()
+def e_cls(models, sents, max_len, device, batch_size=128):
+    """eq. 6: E_CLS = ‖ctx_cls‖₂ / ‖ctx_−‖_F per tower and layer (ctx = the attention context SA·V,
+    or SA·V_other at a CAEL, heads merged; ctx_− = every other real token), mean over sentences.
+    models: {key: (towers, tokenizer, k)}, towers [BertModel] walked layer by layer together, with
+    a CAEL (eq. 10) at every k-th layer (k = 0: none, each tower = its stock forward).
+    -> {key: (T, n) tensor}, T towers, n layers."""
+    E = {key: torch.zeros(len(ts), ts[0].config.num_hidden_layers)
+         for key, (ts, _, _) in models.items()}
+    for i in common.progress(range(0, len(sents), batch_size), "E_CLS", unit="batch"):
+        for key, (ts, tokenizer, k) in models.items():
+            batch = common.tokenize(tokenizer, sents[i:i + batch_size], max_len, device)
+            m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens but CLS
+            xs = [t.embeddings(input_ids=batch["input_ids"],
+                               token_type_ids=batch.get("token_type_ids")) for t in ts]  # (b, L, H)
+            mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
+            for j in range(1, ts[0].config.num_hidden_layers + 1):
+                ctxs = []  # one (b, L, H) context per tower
+                xs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
+                                   k > 0 and j % k == 0, ctxs=ctxs)
+                for t, ctx in enumerate(ctxs):  # eq. 6 per sentence, summed over the batch
+                    E[key][t, j - 1] += (ctx[:, 0].norm(dim=-1)
+                                         / (ctx[:, 1:] * m).flatten(1).norm(dim=-1)).sum().cpu()
+    return {key: e / len(sents) for key, e in E.items()}
+
+
+def stsb_sentences(data):
+    """The distinct STS-B test sentences and the test rows (sent1, sent2, gold)."""
+    rows = common.load_sts(data, "STS-B")["test"]
+    return sorted({s for r in rows for s in r[:2]}), rows
+
+
+def twin(a, device):
+    """E_CLS per layer (eq. 6) of --model-a alone and of the twin (TWIN_DIR's towers, or --model-a
+    and --model-b) without and with its cross streams; Fig. 5: the cosines of STS-B test pairs by
+    gold score under each tower and the twin."""
     twin_names = ([os.path.join(a.analyze, "tower_a"), os.path.join(a.analyze, "tower_b")]
                   if a.analyze else [a.model_a, a.model_b])
     common.check_towers(twin_names, num_cael=a.num_cael)
     common.check_towers([a.model_a])
     towers, tokenizer = common.load_towers(twin_names)
-    single, _ = common.load_towers([a.model_a])
+    single, single_tok = common.load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
     k = Twin(towers, a.num_cael).k
-    runs = {"single": (single, 0, ["single"]), "twin": (towers, 0, ["I", "II"]),
-            "twin+CA": (towers, k, ["I+CA", "II+CA"])}
-    rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
-    sents = sorted({s for r in rows for s in r[:2]})
-    E = {col: torch.zeros(n) for _, _, cols in runs.values() for col in cols}
-    for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
-        batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
-        m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens other than CLS
-        for ts, kk, cols in runs.values():
-            ts = [t.to(device).eval() for t in ts]
-            xs = [t.embeddings(input_ids=batch["input_ids"],
-                               token_type_ids=batch.get("token_type_ids")) for t in ts]
-            mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)
-            for j in range(1, n + 1):
-                ctxs = []  # one (b, L, H) context per tower
-                xs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
-                                   kk > 0 and j % kk == 0, ctxs=ctxs)
-                for col, ctx in zip(cols, ctxs):  # eq. 6 per sentence, summed over the batch
-                    E[col][j - 1] += (ctx[:, 0].norm(dim=-1)
-                                      / (ctx[:, 1:] * m).flatten(1).norm(dim=-1)).sum().cpu()
+    towers, single = ([t.to(device).eval() for t in ts] for ts in (towers, single))
+    cols = {"single": ["single"], "twin": ["I", "II"], "twin+CA": ["I+CA", "II+CA"]}
+    sents, rows = stsb_sentences(common.senteval_dir(a.data_dir))
+    by_run = e_cls({"single": (single, single_tok, 0), "twin": (towers, tokenizer, 0),
+                   "twin+CA": (towers, tokenizer, k)}, sents, a.max_len, device)
+    E = {col: e for key, names in cols.items() for col, e in zip(names, by_run[key])}
     print(f"E_CLS (eq. 6) per layer, mean over {len(sents)} STS-B test sentences; "
           f"single = {a.model_a}, twin = {twin_names}, +CA = cross stream with CAELs every "
           f"{k or '-'} layers")
     print(f"{'layer':>5} " + " ".join(f"{col:>8}" for col in E))
     for j in range(n):
-        print(f"{j + 1:5d} " + " ".join(f"{E[col][j] / len(sents):8.4f}" for col in E))
+        print(f"{j + 1:5d} " + " ".join(f"{E[col][j]:8.4f}" for col in E))
     # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, by gold score
     e1, e2 = (make_encode([t], tokenizer, a.max_len, device)(sents)  # (N, H) each
               for t in towers)
@@ -80,8 +178,7 @@ def analyze(a, device):
     if a.plot:
         panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer",
                        ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
-                       series={col: (range(1, n + 1), (E[col] / len(sents)).tolist())
-                               for col in E})]
+                       series={col: (range(1, n + 1), E[col].tolist()) for col in E})]
         panels += [dict(kind="boxes", title=f"Fig. 5: {name}",
                         xlabel="gold similarity score (STS-B test)",
                         ylabel="cosine similarity of the pair",
@@ -89,3 +186,160 @@ def analyze(a, device):
                    for name, c in cos.items()]
         figures.draw(a.plot, panels,
                      "JTCSE: attention to CLS and similarity distributions, STS-B test")
+
+
+def e_cls_against_sts(a, towers, device):
+    """Fig. 10: for each model, E_CLS per layer (eq. 6, mean over the STS-B test sentences and over
+    a twin's two towers, no cross-attention: what inference runs) and the 7-STS average; Spearman
+    and Pearson correlation of each layer's E_CLS with the average over the models; the figure
+    plots the last layer's."""
+    data = common.check_sts(common.senteval_dir(a.data_dir))  # every file, before the work
+    sents, _ = stsb_sentences(data)
+    E, avg = {}, {}
+    for name, names in towers.items():
+        ts, tokenizer = common.load_towers(names)
+        ts = [t.to(device).eval() for t in ts]
+        E[name] = e_cls({name: (ts, tokenizer, 0)}, sents, a.max_len, device)[name].mean(0)
+        del ts
+        avg[name] = sts_average(name, data, device)
+    width = max(len(n) for n in towers)
+    n = max(len(e) for e in E.values())
+    print(f"Fig. 10: E_CLS (eq. 6) per layer, mean over {len(sents)} STS-B test sentences (and a "
+          "twin's towers), against the 7-STS average (Spearman x 100)")
+    print(f"{'model':<{width}} " + " ".join(f"{f'E_CLS {j}':>8}" for j in range(1, n + 1))
+          + f" {'STS Avg.':>8}")
+    for name in towers:
+        print(f"{name:<{width}} " + " ".join(f"{e:8.4f}" for e in E[name].tolist())
+              + " " * 9 * (n - len(E[name])) + f" {avg[name]:8.2f}")
+    x, y = [float(E[m][-1]) for m in towers], [avg[m] for m in towers]
+    corr = ""
+    if len(towers) >= 3:
+        if len({len(e) for e in E.values()}) == 1:  # one layer count: each layer's correlation
+            for what, f in (("Spearman", spearmanr), ("Pearson", pearsonr)):
+                print(f"{what:<{width}} " + " ".join(
+                    f"{f([float(E[m][j]) for m in towers], y).statistic:8.3f}" for j in range(n)))
+        rho, r = spearmanr(x, y).statistic, pearsonr(x, y).statistic
+        corr = f"Spearman {rho:.3f}, Pearson {r:.3f}"
+        print(f"last layer's E_CLS against the 7-STS average over {len(towers)} models: {corr}")
+    else:
+        print("correlation: needs 3 models or more")
+    if a.plot:
+        names = list(towers)
+        figures.draw(a.plot, [dict(
+            kind="scatter", title="Fig. 10: " + (corr or "attention to CLS and STS"),
+            xlabel="E_CLS of the last layer (eq. 6), STS-B test",
+            ylabel="7-STS Avg. (Spearman x 100)",
+            points={label(m, names): (float(E[m][-1]), avg[m]) for m in names})],
+            "JTCSE: attention to CLS against STS", ncols=1)
+
+
+# ---------------------------------------------------------------- Table VII: inference cost -----
+@torch.no_grad()
+def inference_cost(name, tokens):
+    """(parameters, MACs of every matmul, MACs of the Linear layers) of one embedding of `name` for
+    a sentence of `tokens` tokens, batch 1: each tower's BertModel forward (embeddings, encoder,
+    pooler; eager attention) and an sscl.py run's --proj-dim projection. FLOPs are counted by
+    torch.utils.flop_counter.FlopCounterMode, which counts matmul-type ops only (aten.mm, addmm,
+    bmm, ...): every Linear layer and attention's Q·K^T and A·V; MACs = FLOPs / 2. Embedding
+    lookups, LayerNorm, softmax, GELU and residual additions are not counted. Linear MACs: what
+    thop's nn.Linear rule counts, in_features per output element. The towers are built from their
+    configs (random weights): shapes are all a count needs. An ensemble costs its members."""
+    from torch.utils.flop_counter import FlopCounterMode
+    if len(members(name)) > 1:
+        return tuple(map(sum, zip(*(inference_cost(m, tokens) for m in members(name)))))
+    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    nets = [AutoModel.from_config(load_config(n), attn_implementation="eager").eval()
+            for n in towers_of(name)]
+    H = nets[0].config.hidden_size
+    proj = torch.nn.Linear(H, meta["proj_dim"]) if meta and meta.get("proj_dim") else None
+    linear = [0]
+
+    def count(module, inputs, out):  # thop's count_linear
+        linear[0] += module.in_features * out.numel()
+    hooks = [m.register_forward_hook(count) for net in nets + [proj] if net is not None
+             for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.ones(1, tokens, dtype=torch.long)  # (1, L): the ids do not change the count
+    batch = {"input_ids": ids, "attention_mask": ids, "token_type_ids": torch.zeros_like(ids)}
+    with FlopCounterMode(display=False) as counter:
+        for net in nets:
+            h = net(**batch).last_hidden_state[:, 0]  # (1, H): CLS, summed over a twin's towers
+            if proj is not None:
+                proj(h)
+    for hook in hooks:
+        hook.remove()
+    params = sum(p.numel() for net in nets + [proj] if net is not None for p in net.parameters())
+    return params, counter.get_total_flops() // 2, linear[0]
+
+
+def cost_table(a, towers, device):
+    """Table VII: per model, its parameters, GMACs for one sentence of --cost tokens, the 7-STS
+    average and η = Avg. / GMACs."""
+    data, rows = common.check_sts(common.senteval_dir(a.data_dir)), {}
+    for name in towers:
+        params, macs, linear = inference_cost(name, a.cost)
+        rows[name] = (len(towers[name]), params, macs, linear, sts_average(name, data, device))
+    width = max(len(n) for n in towers)
+    print(f"Table VII: inference cost of one embedding, a sentence of {a.cost} tokens, batch 1. "
+          "GMACs = FLOPs / 2 of torch's FlopCounterMode: every matmul (Linear layers, attention's "
+          "Q·K^T and A·V); Linear = thop's nn.Linear count (no attention matmuls, which thop "
+          "does not see); η = Avg. / GMACs")
+    print(f"{'model':<{width}} {'towers':>6} {'params':>8} {'GMACs':>7} {'Linear':>7} "
+          f"{'STS Avg.':>8} {'η':>7}")
+    for name, (t, params, macs, linear, avg) in rows.items():
+        print(f"{name:<{width}} {t:6d} {params / 1e6:7.2f}M {macs / 1e9:7.3f} {linear / 1e9:7.3f} "
+              f"{avg:8.2f} {avg / (macs / 1e9):7.2f}")
+
+
+# ---------------------------------------------------------------- Fig. 9: attention maps --------
+@torch.no_grad()
+def attention_maps(tower, batch):
+    """eq. 8 per layer, heads averaged: [(N, L, L)] x layers, row i = query token i's attention
+    weights over the keys (each row sums to 1). SA = softmax(Q·K^T / √d + mask) from each layer's
+    own query and key projections; the layer's input comes from layer_forward (the stock layer)."""
+    x = tower.embeddings(input_ids=batch["input_ids"],
+                         token_type_ids=batch.get("token_type_ids"))  # (N, L, H)
+    mask = common.additive_mask(batch["attention_mask"], x.dtype)  # (N, 1, 1, L)
+    maps = []
+    for layer in tower.encoder.layer:
+        att = layer.attention.self
+        d = att.attention_head_size
+        heads = lambda t: t.view(*t.shape[:-1], -1, d).transpose(1, 2)  # noqa: E731
+        q, k = heads(att.query(x)), heads(att.key(x))  # (N, heads, L, d)
+        sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # (N, heads, L, L)
+        maps.append(sa.mean(1))
+        x = layer_forward([layer], [x], mask, False)[0]
+    return maps
+
+
+def attention_figure(a, towers, device):
+    """Fig. 9: each tower's head-averaged attention map of --attention per layer; printed: each
+    layer's share of attention (mean over the query rows) on [CLS], [SEP] and the sentence's final
+    punctuation token."""
+    rows = []  # (row label, tokens, [(L, L)] per layer), one row per tower
+    for name, names in towers.items():
+        ts, tokenizer = common.load_towers(names)
+        batch = common.tokenize(tokenizer, [a.attention], a.max_len, device)
+        tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+        for t, tower in enumerate(ts):
+            suffix = "" if len(ts) == 1 else " " + "I" * (t + 1)
+            maps = [m[0].cpu() for m in attention_maps(tower.to(device).eval(), batch)]
+            rows.append((label(name, list(towers)) + suffix, name + suffix, tokens, maps))
+    print(f"Fig. 9: attention of {a.attention!r}, heads averaged; per layer the share of "
+          "attention (mean over the query tokens) on [CLS], [SEP] and the final punctuation token")
+    for _, key, tokens, maps in rows:
+        punct = len(tokens) - 2  # the token before [SEP], if it is punctuation
+        punct = punct if punct > 0 and not any(c.isalnum() for c in tokens[punct]) else None
+        print(f"{key} ({len(tokens)} tokens: {' '.join(tokens)})")
+        print(f"{'layer':>5} {'[CLS]':>7} {'[SEP]':>7} "
+              + (f"{repr(tokens[punct]):>7}" if punct else f"{'punct.':>7}"))
+        for j, m in enumerate(maps, 1):
+            share = m.mean(0)  # (L,): mean over the query rows
+            print(f"{j:5d} {share[0]:7.3f} {share[-1]:7.3f} "
+                  + (f"{share[punct]:7.3f}" if punct else f"{'-':>7}"))
+    if a.plot:
+        panels = [dict(kind="heat", title=f"{row}, layer {j}", matrix=m.numpy(), labels=tokens,
+                       vmin=0, colorbar=False, xlabel="key", ylabel="query")
+                  for row, _, tokens, maps in rows for j, m in enumerate(maps, 1)]
+        figures.draw(a.plot, panels, f"Fig. 9: attention maps of {a.attention!r}, heads averaged "
+                     "(colour: 0 to the panel's largest weight)",
+                     ncols=max(len(r[3]) for r in rows), size=(3.0, 3.0))

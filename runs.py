@@ -350,14 +350,15 @@ def check_model(name):
         _check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
-def load_pretrained(cls, name, strict=False, **kw):
+def load_pretrained(cls, name, strict=False, fresh=None, **kw):
     """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
     local folder, or one line naming the broken file and the fix. A local folder is checked first:
     its JSON files parse, it has a config.json with a model_type (models, configs), a tokenizer file
     (tokenizers) and whole weights (models). A model whose weights lack any of its parameters is
     refused, where transformers would only warn and initialise them at random; strict=False
     tolerates a missing BERT pooler (`pooler.*`, as in roberta-base), for callers that never use
-    it."""
+    it. fresh: a prefix of weights that may be missing and are then trained from transformers'
+    initialisation (said on stderr)."""
     name = str(name)
     kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
         "config" if "Config" in cls.__name__ else "model"
@@ -374,7 +375,11 @@ def load_pretrained(cls, name, strict=False, **kw):
                        "with the hub reachable")
         common.die(f"{where} ({type(e).__name__}: {_first(e)}): a file of the {kind} is damaged or "
                    f"another model's; {REFETCH}")
-    if missing := sorted(k for k in info["missing_keys"] if strict or not k.startswith("pooler.")):
+    if fresh and (new := sorted(k for k in info["missing_keys"] if k.startswith(fresh))):
+        print(f"note: '{name}' has no {fresh}* weights ({', '.join(new)}): they start from "
+              "transformers' initialisation (seeded) and are trained", file=sys.stderr)
+    if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
+                         and not (fresh and k.startswith(fresh))):
         weights = "model.safetensors" if local else "its weights"
         more = ", ..." * (len(missing) > 1)
         common.die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"

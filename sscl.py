@@ -175,7 +175,7 @@ def main():
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
     encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim)
     model = run.wrap(encoder.to(run.device))  # DDP under torchrun
-    eval_len = encoder.bert.config.max_position_embeddings  # evaluation does not truncate (SimCSE)
+    eval_len = common.positions(encoder.bert.config)  # evaluation does not truncate (SimCSE)
     encode = make_encode(encoder, tokenizer, eval_len, run.device)
 
     # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up

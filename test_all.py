@@ -36,6 +36,7 @@ import common
 import runs
 import eval_sts
 import jtcse
+import jtcse_analysis
 import seeds
 import sscl
 
@@ -189,6 +190,21 @@ def test_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
     rows = common.load_sts(str(tmp_path / "downstream"), "STS12")["MSRpar"]
     assert len(rows) == 12  # pairs 0 and 7 have an empty gold line
     assert all("  " not in s and s == s.strip() for r in rows for s in r[:2])
+
+
+def test_ensemble_is_the_sum_of_its_members_in_any_order(bert_dir, bert_nodrop_dir):
+    """JTCSE's +UC (eval_sts.py --ensemble; jtcse.py --distill A B): each member encoded as
+    load_encoder encodes it alone, with its own pooling; one member = that model."""
+    cpu, rng = torch.device("cpu"), random.Random(0)
+    s = [sentence(rng) for _ in range(6)]
+    a = eval_sts.load_encoder(str(bert_dir), "avg", device=cpu)(s)
+    b = eval_sts.load_encoder(str(bert_nodrop_dir), "cls", device=cpu)(s)
+    one = eval_sts.load_ensemble([str(bert_dir)], ["avg"], device=cpu)(s)
+    ab = eval_sts.load_ensemble([str(bert_dir), str(bert_nodrop_dir)], ["avg", "cls"], device=cpu)
+    ba = eval_sts.load_ensemble([str(bert_nodrop_dir), str(bert_dir)], ["cls", "avg"], device=cpu)
+    assert torch.equal(one, a) and not torch.allclose(a, b, atol=1e-3)
+    torch.testing.assert_close(ab(s), a + b)
+    torch.testing.assert_close(ba(s), ab(s))
 
 
 @pytest.mark.slow
@@ -971,10 +987,28 @@ def jt_batch_of(tok, sents):
     return dict(tok(sents, padding=True, return_tensors="pt"))
 
 
-# ---------------------------------------------------------------- model equivalences -------------
-def test_towers_without_cross_attention_equal_stock_bert(jt_env):
+def jt_towers(jt_env, arch):
+    """Towers a and b: jt_env's BERTs, or tiny random models of another architecture from configs
+    (RobertaModel, XLMRobertaModel: BERT's layers and pooler, their own position ids)."""
     d, tok = jt_env
-    a, b = BertModel.from_pretrained(d / "a").eval(), BertModel.from_pretrained(d / "b").eval()
+    if arch == "bert":
+        return [BertModel.from_pretrained(d / t).eval() for t in "ab"]
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(arch, vocab_size=len(tok), hidden_size=32, num_hidden_layers=4,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=128, pad_token_id=tok.pad_token_id)
+    towers = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        towers.append(AutoModel.from_config(cfg).eval())
+    return towers
+
+
+# ---------------------------------------------------------------- model equivalences -------------
+@pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta"])
+def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
+    d, tok = jt_env
+    a, b = jt_towers(jt_env, arch)
     batch = jt_batch_of(tok, ["a man is playing a guitar", "the cat",
                               "two dogs run in the park today"])
     ref = [copy.deepcopy(m)(**batch) for m in (a, b)]
@@ -999,9 +1033,10 @@ def test_towers_without_cross_attention_equal_stock_bert(jt_env):
     torch.testing.assert_close(c[0], ref[0].last_hidden_state[:, 0], atol=1e-5, rtol=1e-5)
 
 
-def test_cael_cact_equals_hand_computation_of_eq10(jt_env):
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     d, tok = jt_env
-    a, b = BertModel.from_pretrained(d / "a").eval(), BertModel.from_pretrained(d / "b").eval()
+    a, b = jt_towers(jt_env, arch)
     batch = jt_batch_of(tok, ["a woman slices an onion", "the sky"])
     x = [torch.randn(2, batch["input_ids"].shape[1], 32) for _ in range(2)]
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
@@ -1222,6 +1257,90 @@ def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
             and f(torch.tensor(1.), torch.tensor(1.)) == 0)
 
 
+# ---------------------------------------------------------------- analyses: Table VII, Figs. 9, 10
+def jt_run_dir(jt_env, out, towers=("a", "b"), method="jtcse", **meta):
+    """A run folder of towers of jt_env: a jtcse.py twin (tower_a, tower_b), or with one tower and
+    method "sscl" an sscl.py run (the BERT at the root; proj_dim > 0: a proj.pt)."""
+    d, _ = jt_env
+    if method == "sscl":
+        shutil.copytree(d / towers[0], out)
+        meta = {"pooler": "cls", "proj_dim": 0, "max_len": 128, **meta}
+        if meta["proj_dim"]:
+            torch.save(torch.nn.Linear(32, meta["proj_dim"]).state_dict(), out / "proj.pt")
+    else:
+        for name, t in zip(("tower_a", "tower_b"), towers):
+            shutil.copytree(d / t, out / name)
+        meta = {"towers": ["tower_a", "tower_b"], "max_len": 128, **meta}
+    (out / common.META).write_text(json.dumps({"method": method, **meta}))
+    return out
+
+
+def test_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tmp_path):
+    """Table VII's count on a tiny BERT (4 layers, H 32, FFN 64, 4 heads) at L tokens:
+    FlopCounterMode = every Linear layer (Q, K, V, O, FFN in and out per layer; the pooler on CLS)
+    + attention's Q·K^T and A·V, per layer; the Linear column = the Linear layers alone (thop's
+    count); a twin = the sum of its towers, an sscl.py projection adds H x proj_dim."""
+    d, _ = jt_env
+    L, H, I, n = 16, 32, 64, 4
+    linear = n * (4 * L * H * H + 2 * L * H * I) + H * H
+    attention = n * 2 * L * L * H  # (L x H)·(H x L) and (L x L)·(L x H), all heads together
+    params, macs, lin = jtcse_analysis.inference_cost(str(d / "a"), L)
+    assert (macs, lin) == (linear + attention, linear)
+    assert params == sum(p.numel() for p in BertModel.from_pretrained(d / "a").parameters())
+    twin = jt_run_dir(jt_env, tmp_path / "twin")
+    assert jtcse_analysis.inference_cost(str(twin), L) == (2 * params, 2 * macs, 2 * linear)
+    sscl_run = jt_run_dir(jt_env, tmp_path / "sscl", ("a",), "sscl", proj_dim=8)
+    assert jtcse_analysis.inference_cost(str(sscl_run), L) == (params + H * 8 + 8,
+                                                               macs + H * 8, linear + H * 8)
+    # an ensemble (+UC): its members together; the towers of each, in order
+    uc = f"{twin}+{sscl_run}"
+    assert jtcse_analysis.inference_cost(uc, L) == (3 * params + H * 8 + 8, 3 * macs + H * 8,
+                                                    3 * linear + H * 8)
+    assert jtcse_analysis.towers_of(uc) == [str(twin / "tower_a"), str(twin / "tower_b"),
+                                            str(sscl_run)]
+
+
+def test_attention_maps_equal_stock_eager_attentions(jt_env):
+    """Fig. 9's maps (eq. 8 from each layer's own query and key) = the stock model's
+    output_attentions (eager attention) averaged over heads, at every real query; rows sum to 1."""
+    d, tok = jt_env
+    tower = BertModel.from_pretrained(d / "a").eval()
+    stock = BertModel.from_pretrained(d / "a", attn_implementation="eager").eval()
+    batch = jt_batch_of(tok, ["a man is playing a guitar .", "the cat sits"])
+    maps = jtcse_analysis.attention_maps(tower, batch)
+    with torch.no_grad():
+        ref = stock(**batch, output_attentions=True).attentions  # (N, heads, L, L) per layer
+    real = batch["attention_mask"].bool()
+    assert len(maps) == len(ref) == 4
+    for m, r in zip(maps, ref):
+        torch.testing.assert_close(m[real], r.mean(1)[real], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:2]))
+
+
+def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
+    """e_cls (batched, padded) = eq. 6 from the input of each layer's attention output projection
+    (the context SA·V, heads merged) of the stock model, one unpadded sentence at a time."""
+    d, tok = jt_env
+    tower = BertModel.from_pretrained(d / "a").eval()
+    sents = ["a man is playing a guitar", "the cat", "two dogs run in the park today",
+             "a woman slices an onion", "children play"]
+    got = jtcse_analysis.e_cls({"a": ([tower], tok, 0)}, sents, 32, torch.device("cpu"),
+                               batch_size=2)["a"]  # (1 tower, 4 layers)
+    ctx = []
+    hooks = [l.attention.output.dense.register_forward_pre_hook(lambda m, x: ctx.append(x[0]))
+             for l in tower.encoder.layer]
+    want = torch.zeros(4)
+    with torch.no_grad():
+        for s in sents:
+            ctx.clear()
+            tower(**tok(s, return_tensors="pt"))
+            want += torch.stack([c[0, 0].norm() / c[0, 1:].norm() for c in ctx])
+    for h in hooks:
+        h.remove()
+    assert got.shape == (1, 4)
+    torch.testing.assert_close(got[0], want / len(sents), atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- end to end ---------------------
 @pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
@@ -1268,9 +1387,45 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     assert "step     2  loss" in o and "lr 1e-05" in o
     assert isinstance(AutoModel.from_pretrained(dd), BertModel)
     monkeypatch.setattr(sys, "argv", ["eval_sts.py", "--model", str(dd), "--tasks", "STS-B"])
-    import eval_sts
     eval_sts.main()
     assert "STS-B" in capsys.readouterr().out
+    # +UC D: the twin and another encoder teach together (the sum of their embeddings)
+    _, o, _ = jt_main(capsys, monkeypatch, "--distill", run_dir, d / "b", "--model-a", d / "a",
+                      "--train", d / "train.txt", "--output-dir", tmp_path / "uc_d", "--batch-size",
+                      "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick", "--no-final-eval")
+    assert f"distil {run_dir} + {d / 'b'} into" in o and "step     2  loss" in o
+    assert json.loads((tmp_path / "uc_d" / common.META).read_text())["teacher"] == [
+        str(run_dir), str(d / "b")]
+
+
+@pytest.mark.slow
+def test_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsys, monkeypatch):
+    """RoBERTa towers end to end: tower b saved without pooler weights (as roberta-base) gets a
+    fresh pooler for eq. 13, said on stderr; the twin and a distilled RoBERTa load in eval_sts.py
+    with their own positions (max_position_embeddings less RoBERTa's offset)."""
+    d, tok = jt_env
+    a, b = jt_towers(jt_env, "roberta")
+    a.save_pretrained(tmp_path / "ra")
+    b.save_pretrained(tmp_path / "rb", state_dict={k: v for k, v in b.state_dict().items()
+                                                    if not k.startswith("pooler.")})
+    for t in ("ra", "rb"):
+        tok.save_pretrained(tmp_path / t)
+    common_args = ["--train", d / "train.txt", "--batch-size", "8", "--max-len", "16",
+                   "--max-steps", "2", "--no-add-sick", "--no-final-eval"]
+    _, out, err = jt_main(capsys, monkeypatch, "--model-a", tmp_path / "ra", "--model-b",
+                          tmp_path / "rb", "--output-dir", tmp_path / "twin", *common_args)
+    assert "'%s' has no pooler.* weights" % (tmp_path / "rb") in err and "step     2  loss" in out
+    meta = json.loads((tmp_path / "twin" / common.META).read_text())
+    assert meta["max_len"] == 128 - tok.pad_token_id - 1
+    _, out, _ = jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a",
+                        tmp_path / "ra", "--output-dir", tmp_path / "d", *common_args)
+    assert "step     2  loss" in out
+    from transformers import RobertaModel
+    assert isinstance(AutoModel.from_pretrained(tmp_path / "d"), RobertaModel)
+    for run_dir in ("twin", "d"):
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / run_dir,
+                                 "--data-dir", JT_DATA["sts"], "--tasks", "STS-B")
+        assert code == 0 and "STS-B" in out, err
 
 
 @pytest.mark.slow
@@ -1290,6 +1445,70 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     assert all(row[1] == row[2] for row in rows)
     # layer 1 ordinary, layer 2 a CAEL
     assert rows[0][2:4] == rows[0][4:6] and rows[1][2:4] != rows[1][4:6]
+
+
+@pytest.mark.slow
+def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
+    """--compare (Fig. 10), --cost (Table VII) and --attention (Fig. 9) on tower a, tower b and
+    their twin: the printed correlations are scipy's of the printed columns, the cost columns are
+    inference_cost's, η = Avg. / GMACs, the attention shares are the maps' column means; eval_sts.py
+    draws Fig. 7 for several models."""
+    from scipy.stats import pearsonr, spearmanr
+    d, _ = jt_env
+    twin = jt_run_dir(jt_env, tmp_path / "twin")
+    models = [str(d / "a"), str(d / "b"), str(twin)]
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
+                        tmp_path / "fig10.png")
+    rows = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in out.splitlines()
+            if l.split() and l.split()[0] in models + ["Spearman", "Pearson"]}
+    assert list(rows) == models + ["Spearman", "Pearson"]
+    # E_CLS per layer and the 7-STS average as printed, from the functions behind them
+    data = common.senteval_dir(str(JT_DATA["sts"]))
+    sents, _ = jtcse_analysis.stsb_sentences(data)
+    E, y = [], []
+    for m in models:
+        towers, tok = common.load_towers(jtcse_analysis.towers_of(m))
+        E.append(jtcse_analysis.e_cls({m: ([t.eval() for t in towers], tok, 0)}, sents, 16,
+                                      torch.device("cpu"))[m].mean(0))  # (4,): a twin's mean
+        y.append(jtcse_analysis.sts_average(m, data, torch.device("cpu")))
+        assert rows[m] == [round(float(e), 4) for e in E[-1]] + [round(y[-1], 2)]
+    for j in range(4):  # each layer's correlation over the models = scipy's
+        x = [float(e[j]) for e in E]
+        assert rows["Spearman"][j] == pytest.approx(spearmanr(x, y).statistic, abs=1e-3)
+        assert rows["Pearson"][j] == pytest.approx(pearsonr(x, y).statistic, abs=1e-3)
+    rho, r = re.search(r"Spearman (\S+), Pearson (\S+)$", out, re.M).groups()
+    assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
+    assert png_size(tmp_path / "fig10.png") == (810, 630)
+    uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost", 16)
+    assert "a sentence of 16 tokens" in out
+    assert float(next(l.split()[5] for l in out.splitlines() if l.startswith(uc + " "))) == \
+        pytest.approx(np.mean(list(common.evaluate(eval_sts.load_ensemble(
+            [models[2], models[1]], device=torch.device("cpu")), data).values())), abs=0.005)
+    for name, t in ((models[0], 1), (models[2], 2), (uc, 3)):
+        row = next(l.split() for l in out.splitlines() if l.startswith(name + " "))
+        params, macs, linear = jtcse_analysis.inference_cost(name, 16)
+        assert row[1:5] == [str(t), f"{params / 1e6:.2f}M", f"{macs / 1e9:.3f}",
+                            f"{linear / 1e9:.3f}"]
+        # η of the unrounded average: within the printed average's rounding (±0.005) / GMACs
+        assert float(row[6]) == pytest.approx(float(row[5]) / (macs / 1e9),
+                                              abs=0.005 / (macs / 1e9) + 0.005)
+    sentence = "a man is playing a guitar ."
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], "--attention",
+                        sentence, "--plot", tmp_path / "fig9.png")
+    assert [l.split(" (")[0] for l in out.splitlines() if "tokens:" in l] == [
+        models[0], models[2] + " I", models[2] + " II"]
+    tok = PreTrainedTokenizerFast.from_pretrained(d / "a")
+    maps = jtcse_analysis.attention_maps(BertModel.from_pretrained(d / "a").eval(),
+                                         jt_batch_of(tok, [sentence]))
+    shares = [l.split()[1:3] for l in out.splitlines()[3:7]]  # tower a, layers 1-4
+    assert shares == [[f"{m[0].mean(0)[0]:.3f}", f"{m[0].mean(0)[-1]:.3f}"] for m in maps]
+    assert png_size(tmp_path / "fig9.png") == (1800, 1350)  # 3 towers x 4 layers, 3 x 3 inches
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", models[0], models[2],
+                             "--data-dir", JT_DATA["sts"], "--tasks", "STS-B", "--align-uniform",
+                             "--plot", tmp_path / "fig7.png")
+    assert code == 0, err
+    assert out.count("  align uniform") == 2 and png_size(tmp_path / "fig7.png") == (810, 630)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -2199,6 +2418,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
     ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"),
      ["--distill", "drop --objective"], None),
+    ("jtcse", lambda c: JT(c, "--distill", c.srun), ["dimensions", "the student's"], None),
     ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
      ["--objective paper", "--objective authors"],
      lambda c: fake_state(c.run / runs.CKPT, "jtcse", objective="paper")),
@@ -2226,8 +2446,22 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
     ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
+    ("eval_sts", lambda c: EV(c, "--plot", c.tmp / "f.png"), ["--plot", "add --align-uniform"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--align-uniform", "--plot", c.tmp / "no" / "f.png"),
+     ["--plot", "create it first"], None),
+    ("eval_sts", lambda c: EV(c, "--align-uniform", "--plot", c.tmp / "f.jpg"), ["--plot", ".png"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--json", c.tmp / "r.json") + ["--model", c.run, c.plain],
+     ["--json", "--model got 2"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.train / "out.json"), ["--json"], None),
-    # ---- issue 23: every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
+    ("eval_sts", lambda c: EV(c, "--ensemble") + ["--model", c.run, c.tmp / "nowhere"],
+     ["nowhere"], None),
+    ("eval_sts", lambda c: EV(c, "--ensemble", "--pooler", "cls", "avg", "cls") + [
+        "--model", c.run, c.plain], ["--pooler got 3 values for 2 models"], None),
+    ("eval_sts", lambda c: EV(c, "--ensemble") + ["--model", c.srun, c.plain],
+     ["dimensions", "one size"], None),
+    # ---- every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
      lambda c: cut(c.srun / "model.safetensors")),
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "lacks 1 of the model's weights"],
@@ -2321,6 +2555,29 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
      lambda c: fake_state(c.jrun / runs.CKPT, "jtcse")),
+    # ---- jtcse.py: the analyses of several models (--compare, --cost, --attention) ----
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
+     None),
+    ("jtcse", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
+     lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
+     ["--plot", "create it first"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
+     ["--cost 200", "128 positions", "--cost 128"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
+     ["--cost", "drop --plot"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
+     ["one at a time"], None),
+    ("jtcse", lambda c: ["--cost"], ["add --compare"], None),
+    ("jtcse", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
+     ["pass the twin to --compare"], None),
     # ---- bellm.py ----
     ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
     ("bellm", lambda c: BL(c, "--train", c.tmp), ["is a folder"], None),
