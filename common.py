@@ -372,11 +372,11 @@ def check_encoder(name, max_len, flag="--model"):
     return config
 
 
-def check_towers(names, max_len=None, num_cael=None):
+def check_towers(names, max_len=None, num_cael=None, drop=0):
     """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
     layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
     tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
-    layer count."""
+    layer count; a --drop-layernorm within it."""
     from transformers import AutoConfig, AutoTokenizer
     configs = [load_pretrained(AutoConfig, n) for n in names]
     for name, c in zip(names, configs):
@@ -393,6 +393,9 @@ def check_towers(names, max_len=None, num_cael=None):
             "equal layers, so pass towers of one architecture")
     if max_len:
         check_max_len(max_len, configs[0], names[0])
+    if drop > shapes[0][0]:
+        die(f"--drop-layernorm {drop} is more than the {shapes[0][0]} layers of '{names[0]}': "
+            f"pass 0 to {shapes[0][0]}")
     if num_cael and shapes[0][0] % num_cael:
         n = shapes[0][0]
         die(f"--num-cael {num_cael} does not divide the {n} layers: choose one of "

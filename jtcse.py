@@ -12,7 +12,8 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
   eq. 11 / 12, InfoNCE / ICNCE               nce, jtcse_loss (nce_authors: --objective authors)
   eqs. 13-14, tensor-modulus constraint      tmc, modulus_ratio (tmc_authors)
   eq. 15, the total; one step                jtcse_loss, train_step
-  eq. 6, Figs. 5, 9, 10, Table VII          jtcse_analysis.py (--analyze, --compare)
+  Fig. 8, LayerNorm removed                  drop_layernorm (--drop-layernorm N)
+  eq. 6, Figs. 5, 8-10, Table VII            jtcse_analysis.py (--analyze, --compare)
 
   python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2       # the paper (GPU)
   python jtcse.py --model-a sentence-transformers/all-MiniLM-L6-v2 --model-b runs/sscl_minilm \\
@@ -48,6 +49,8 @@ p.add_argument("--no-add-sick", dest="add_sick", action="store_false",
 p.add_argument("--no-nce", action="store_true", help="drop L_NCE, eq. 11 (Table X)")
 p.add_argument("--no-icnce", action="store_true", help="drop L_ICNCE, eq. 12 (Table X)")
 p.add_argument("--no-ictm", action="store_true", help="drop L_ICTM, eqs. 13-14 (Table X)")
+p.add_argument("--drop-layernorm", type=common.NONNEG_INT, default=0, metavar="N", help="Fig. 8: "
+               "no output LayerNorm in each tower's last N layers; L_TMC then reads h, not h^P")
 p.add_argument("--objective", default="paper", choices=["paper", "authors"], help="paper: eqs. "
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
@@ -59,6 +62,7 @@ p.add_argument("--compare", nargs="+", metavar="MODEL", help="no training: last-
 p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS", help="with "
                "--compare: parameters, GMACs of a TOKENS-token sentence, Avg./GMACs (Table VII)")
 p.add_argument("--attention", metavar="SENTENCE", help="with --compare: attention maps (Fig. 9)")
+p.add_argument("--modulus", action="store_true", help="with --compare: STS and |h| by N (Fig. 8)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze, --compare: draw into this PNG")
 common.show_ranges(p)
 
@@ -87,6 +91,14 @@ def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
             ctxs.append(ctx)
         out.append(layer.feed_forward_chunk(layer.attention.output(ctx, x)))  # W_O .. FFN
     return out
+
+
+def drop_layernorm(tower, n):
+    """Fig. 8: the output LayerNorm of the tower's last n layers passes the residual sum through,
+    unnormalised (its weights stay in the checkpoint, frozen and unused). -> the tower"""
+    for layer in tower.encoder.layer[-n:] if n else []:
+        layer.output.LayerNorm.requires_grad_(False).forward = torch.nn.Identity().forward
+    return tower
 
 
 # ---------------------------------------------------------------- the loss ----------------------
@@ -192,7 +204,7 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
             outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
             # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
             h, hP, c = ([common.gather_views(z, B) for z in zs] if zs else None for zs in outs)
-            loss, terms = jtcse_loss(h, hP, c, R, a)
+            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a)  # Fig. 8: h
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / a.grad_accum).backward()
     return loss, terms
@@ -218,6 +230,7 @@ def save_model(towers, names, tokenizer, max_len, folder):
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
     towers, tokenizer = common.load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
+    towers = [drop_layernorm(t, meta.get("drop_layernorm", 0)) for t in towers]  # Fig. 8
     max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir,
                                    "sentemb.json's max_len")
     return make_encode([t.to(device).eval() for t in towers], tokenizer, max_len, device)
@@ -246,12 +259,13 @@ def main():
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
     towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
+    towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len)
         teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=run.device,
                                          size=(towers[0].config.hidden_size, "the student's"))
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
-        tower.pooler.requires_grad_(not (a.distill or a.no_ictm))
+        tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
     model = run.wrap(net.to(run.device))  # DDP under torchrun
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = make_encode(towers, tokenizer, eval_len, run.device)
@@ -289,7 +303,8 @@ def main():
             write = functools.partial(save_model, towers, names, tokenizer, eval_len)
             run.save(state, params, dev, write, towers=names, max_len=eval_len, stsb_dev=dev,
                      step=step, teacher=a.distill, objective=None if a.distill else a.objective,
-                     num_cael=None if a.distill else net.n // net.k if net.k else 0)
+                     num_cael=None if a.distill else net.n // net.k if net.k else 0,
+                     drop_layernorm=a.drop_layernorm)
         if halt:
             break
     run.end()  # the peak memory; after a signal: exit, saying how to resume
@@ -299,13 +314,14 @@ def main():
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2)."""
-    if a.plot or a.cost is not None or a.attention is not None:  # the analyses' flags
-        common.die("--plot, --cost and --attention belong to the analyses (no training): add "
-                   "--compare MODEL ... (or --analyze, for --plot)")
+    if a.plot or a.cost is not None or a.attention is not None or a.modulus:  # the analyses'
+        common.die("--plot, --cost, --attention and --modulus belong to the analyses (no "
+                   "training): add --compare MODEL ... (or --analyze, for --plot)")
     if a.batch_size * world < 2 and not a.distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
-    if a.distill and a.objective != "paper":
-        common.die("--distill trains with MSE, not an --objective's loss: drop --objective")
+    if a.distill and (a.objective != "paper" or a.drop_layernorm):
+        common.die("--distill trains one plain tower with MSE: drop --objective and "
+                   "--drop-layernorm (they set up the twin)")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
     for t in a.distill or []:  # each as eval_sts.py loads it: a missing or damaged one stops here
@@ -313,7 +329,7 @@ def check_args(a, world):
     if a.distill and not runs.given("--lr"):
         a.lr = 1e-5  # the authors' supplementary, for JTCSE D
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
-    common.check_towers(towers, a.max_len, None if a.distill else a.num_cael)
+    common.check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
 
 
 if __name__ == "__main__":

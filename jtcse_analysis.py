@@ -24,25 +24,26 @@ from transformers import AutoConfig, AutoModel
 import common
 import figures
 import runs
-from jtcse import Twin, layer_forward, make_encode
+from jtcse import Twin, drop_layernorm, layer_forward, make_encode
 
 
 def analyze(a, device):
     """jtcse.py --analyze: one twin (E_CLS per layer and Fig. 5) or the models of --compare
-    (Fig. 10; --cost: Table VII; --attention: Fig. 9)."""
+    (Fig. 10; --cost: Table VII; --attention: Fig. 9; --modulus: Fig. 8)."""
     figures.check(a.plot)  # a bad --plot path stops before any model is loaded
     if a.attention is not None and not a.attention.strip():
         common.die("--attention is empty: pass a sentence, e.g. --attention \"This is an example "
                    "sentence for visualizing attention scores.\"")
     if a.compare is None:
-        if a.cost is not None or a.attention is not None:
-            common.die("--cost and --attention compare models: add --compare MODEL [MODEL ...]")
+        if a.cost is not None or a.attention is not None or a.modulus:
+            common.die("--cost, --attention and --modulus compare models: add --compare MODEL "
+                       "[MODEL ...]")
         return twin(a, device)
     if a.analyze:
         common.die(f"--analyze '{a.analyze}' analyses one twin and --compare several models: "
                    "pass the twin to --compare instead")
-    if a.cost is not None and a.attention is not None:
-        common.die("--cost and --attention are two analyses: run one at a time")
+    if (a.cost is not None) + (a.attention is not None) + a.modulus > 1:
+        common.die("--cost, --attention and --modulus are three analyses: run one at a time")
     if a.cost is not None and a.plot:
         common.die("--cost prints Table VII and draws nothing: drop --plot")
     towers = {name: towers_of(name) for name in a.compare}  # every model checked before any work
@@ -54,6 +55,8 @@ def analyze(a, device):
         return cost_table(a, towers, device)
     if a.attention is not None:
         return attention_figure(a, towers, device)
+    if a.modulus:
+        return modulus_figure(a, towers, device)
     return e_cls_against_sts(a, towers, device)
 
 
@@ -77,6 +80,23 @@ def towers_of(name):
         return [os.path.normpath(os.path.join(name, t)) for t in meta["towers"]]
     common.die(f"'{name}' is a bellm.py run: --compare takes BERT encoders (Hugging Face BERTs, "
                "sscl.py and jtcse.py runs)")
+
+
+def dropped(name):
+    """Per tower of towers_of(name): the --drop-layernorm its jtcse.py run trained with (Fig. 8),
+    0 for any other model."""
+    if len(members(name)) > 1:
+        return [n for m in members(name) for n in dropped(m)]
+    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    if meta is None or meta["method"] != "jtcse":
+        return [0]
+    return [meta.get("drop_layernorm", 0)] * len(meta["towers"])
+
+
+def load_model(name, names):
+    """The towers of `name` (towers_of) as its encoder runs them, and their tokenizer."""
+    ts, tokenizer = common.load_towers(names)
+    return [drop_layernorm(t, n) for t, n in zip(ts, dropped(name))], tokenizer
 
 
 def load_config(name):
@@ -139,7 +159,8 @@ def twin(a, device):
                   if a.analyze else [a.model_a, a.model_b])
     common.check_towers(twin_names, num_cael=a.num_cael)
     common.check_towers([a.model_a])
-    towers, tokenizer = common.load_towers(twin_names)
+    towers, tokenizer = load_model(a.analyze, twin_names) if a.analyze else \
+        common.load_towers(twin_names)
     single, single_tok = common.load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
@@ -197,7 +218,7 @@ def e_cls_against_sts(a, towers, device):
     sents, _ = stsb_sentences(data)
     E, avg = {}, {}
     for name, names in towers.items():
-        ts, tokenizer = common.load_towers(names)
+        ts, tokenizer = load_model(name, names)
         ts = [t.to(device).eval() for t in ts]
         E[name] = e_cls({name: (ts, tokenizer, 0)}, sents, a.max_len, device)[name].mean(0)
         del ts
@@ -317,7 +338,7 @@ def attention_figure(a, towers, device):
     punctuation token."""
     rows = []  # (row label, tokens, [(L, L)] per layer), one row per tower
     for name, names in towers.items():
-        ts, tokenizer = common.load_towers(names)
+        ts, tokenizer = load_model(name, names)
         batch = common.tokenize(tokenizer, [a.attention], a.max_len, device)
         tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
         for t, tower in enumerate(ts):
@@ -343,3 +364,50 @@ def attention_figure(a, towers, device):
         figures.draw(a.plot, panels, f"Fig. 9: attention maps of {a.attention!r}, heads averaged "
                      "(colour: 0 to the panel's largest weight)",
                      ncols=max(len(r[3]) for r in rows), size=(3.0, 3.0))
+
+
+# ---------------------------------------------------------------- Fig. 8: LayerNorm removed -----
+@torch.no_grad()
+def modulus(towers, tokenizer, sents, max_len, device, batch_size=128):
+    """The mean L2 norm of the last hidden state over every real token, and of its CLS vector,
+    over the sentences (and a twin's towers). -> (tokens' mean, CLS mean)"""
+    tokens = cls = count = 0.0
+    for i in common.progress(range(0, len(sents), batch_size), "modulus", unit="batch"):
+        batch = common.tokenize(tokenizer, sents[i:i + batch_size], max_len, device)
+        real = batch["attention_mask"].bool()  # (b, L)
+        for t in towers:
+            norms = t(**batch).last_hidden_state.norm(dim=-1)  # (b, L)
+            tokens += norms[real].sum().item()
+            cls += norms[:, 0].sum().item()
+            count += real.sum().item()
+    return tokens / count, cls / (len(sents) * len(towers))
+
+
+def modulus_figure(a, towers, device):
+    """Fig. 8: per model, the LayerNorms removed (its --drop-layernorm N), the 7-STS average and
+    the mean L2 norm of the last hidden state (every token; CLS) over the STS-B test sentences;
+    the figure: both against N."""
+    data = common.check_sts(common.senteval_dir(a.data_dir))  # every file, before the work
+    sents, _ = stsb_sentences(data)
+    rows = {}
+    for name, names in towers.items():
+        ts, tokenizer = load_model(name, names)
+        norms = modulus([t.to(device).eval() for t in ts], tokenizer, sents, a.max_len, device)
+        rows[name] = (max(dropped(name)), *norms, sts_average(name, data, device))
+    width = max(len(n) for n in towers)
+    print(f"Fig. 8: LayerNorms removed (N = --drop-layernorm), the last hidden state's mean L2 "
+          f"norm over {len(sents)} STS-B test sentences (every token; CLS), 7-STS average")
+    print(f"{'model':<{width}} {'N':>2} {'|h|':>8} {'|h_CLS|':>8} {'STS Avg.':>8}")
+    for name, (n, tok, cls, avg) in rows.items():
+        print(f"{name:<{width}} {n:2d} {tok:8.3f} {cls:8.3f} {avg:8.2f}")
+    if a.plot:
+        order = sorted(rows, key=lambda m: rows[m][0])
+        ns = [rows[m][0] for m in order]
+        figures.draw(a.plot, [
+            dict(kind="lines", title="7-STS average", xlabel="LayerNorms removed (N)",
+                 ylabel="Avg. (Spearman x 100)", series={"STS": (ns, [rows[m][3] for m in order])}),
+            dict(kind="lines", title="modulus of the last hidden state",
+                 xlabel="LayerNorms removed (N)", ylabel="mean L2 norm",
+                 series={"every token": (ns, [rows[m][1] for m in order]),
+                         "CLS": (ns, [rows[m][2] for m in order])})],
+            "Fig. 8: removing the LayerNorm of the last N layers (TMC on the CLS hidden state)")

@@ -260,7 +260,8 @@ META_KEYS = {  # per method: the keys sentemb.json must hold, and the values eac
               "prompt": lambda v: isinstance(v, str) and "{sentence}" in v},
 }
 META_OPTIONAL = {"bellm": {"bi_strategy": ("convert", "add").__contains__,
-                           "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1)}}
+                           "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1)},
+                 "jtcse": {"drop_layernorm": _int(0)}}
 
 
 def _first(e):

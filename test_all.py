@@ -1034,6 +1034,32 @@ def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_drop_layernorm_0_is_the_stock_model_and_n_changes_only_the_last_n_layers(jt_env, arch):
+    """Fig. 8: N = 0 leaves the tower bit-identical; N removes the output LayerNorm of the last N
+    layers only: earlier hidden states are unchanged, and the last hidden state is the stock last
+    layer's sum before its LayerNorm (N = 1)."""
+    d, tok = jt_env
+    stock = jt_towers(jt_env, arch)[0]
+    batch = jt_batch_of(tok, ["a man is playing a guitar", "the cat sits"])
+    with torch.no_grad():
+        ref = stock(**batch, output_hidden_states=True)
+        assert torch.equal(jtcse.drop_layernorm(copy.deepcopy(stock), 0)(**batch).last_hidden_state,
+                           ref.last_hidden_state)
+        seen = []
+        hook = stock.encoder.layer[-1].output.LayerNorm.register_forward_hook(
+            lambda m, inp, out: seen.append(inp[0]))
+        stock(**batch)
+        hook.remove()
+        for n in (1, 2):
+            out = jtcse.drop_layernorm(copy.deepcopy(stock), n)(**batch, output_hidden_states=True)
+            for j in range(len(ref.hidden_states)):  # hidden_states[j]: the output of layer j
+                same = torch.equal(out.hidden_states[j], ref.hidden_states[j])
+                assert same == (j <= 4 - n), (n, j)
+        torch.testing.assert_close(jtcse.drop_layernorm(copy.deepcopy(stock), 1)(**batch)
+                                   .last_hidden_state, seen[0])
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
 def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     d, tok = jt_env
     a, b = jt_towers(jt_env, arch)
@@ -1429,6 +1455,44 @@ def test_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsys, mon
 
 
 @pytest.mark.slow
+def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys, monkeypatch):
+    """--drop-layernorm 1: the removed LayerNorm and the (unused) poolers stay as they were, every
+    other weight trains; sentemb.json records N and eval_sts.py encodes with that LayerNorm
+    removed; --compare --modulus prints N, the norms modulus() computes and the 7-STS average."""
+    d, tok = jt_env
+    jt_train(jt_env, tmp_path / "ln", capsys, monkeypatch, "--drop-layernorm", "1")
+    meta = json.loads((tmp_path / "ln" / common.META).read_text())
+    assert meta["drop_layernorm"] == 1
+    for t, name in (("a", "tower_a"), ("b", "tower_b")):
+        before = BertModel.from_pretrained(d / t).state_dict()
+        after = BertModel.from_pretrained(tmp_path / "ln" / name).state_dict()
+        frozen = {k for k in before if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
+        assert len(frozen) == 4 and all(torch.equal(before[k], after[k]) for k in frozen)
+        assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
+                               after["encoder.layer.3.output.dense.weight"])
+    s = ["a man is playing a guitar", "the cat sits on the mat"]
+    towers = [jtcse.drop_layernorm(BertModel.from_pretrained(tmp_path / "ln" / n).eval(), 1)
+              for n in ("tower_a", "tower_b")]
+    b = jt_batch_of(tok, s)
+    with torch.no_grad():
+        want = sum(t(**b).last_hidden_state[:, 0] for t in towers)
+    got = eval_sts.load_encoder(str(tmp_path / "ln"), device=torch.device("cpu"))(s)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    models = [str(d / "a"), str(tmp_path / "ln")]
+    _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--modulus", "--max-len", 16,
+                        "--plot", tmp_path / "fig8.png")
+    data = common.senteval_dir(str(JT_DATA["sts"]))
+    sents, _ = jtcse_analysis.stsb_sentences(data)
+    for m, n, ts in ((models[0], 0, [BertModel.from_pretrained(d / "a").eval()]),
+                     (models[1], 1, towers)):
+        row = next(l.split() for l in out.splitlines() if l.startswith(m + " "))
+        norms = jtcse_analysis.modulus(ts, tok, sents, 16, torch.device("cpu"))
+        avg = jtcse_analysis.sts_average(m, data, torch.device("cpu"))
+        assert row[1:] == [str(n), f"{norms[0]:.3f}", f"{norms[1]:.3f}", f"{avg:.2f}"]
+    assert png_size(tmp_path / "fig8.png") == (1620, 630)
+
+
+@pytest.mark.slow
 def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     """On the real STS-B sentences: on tiny random towers and random words the cross stream moves
     E_CLS by less than the table's 4 decimals."""
@@ -1514,6 +1578,8 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
 @pytest.mark.parametrize("args, needle", [
     (["--model-b", "{d}/other"], "different tokenizers"),
     (["--num-cael", "3"], "does not divide"),
+    (["--drop-layernorm", "5"], "--drop-layernorm 5 is more than the 4 layers"),
+    (["--drop-layernorm", "1", "--distill", "{d}/a"], "--drop-layernorm"),
     (["--distill", "{d}/nowhere"], "nowhere"),
     (["--distill", "{d}/llama"], "is missing"),
     (["--batch-size", "1"], "--batch-size"),
@@ -2576,6 +2642,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
      ["one at a time"], None),
     ("jtcse", lambda c: ["--cost"], ["add --compare"], None),
+    ("jtcse", lambda c: ["--modulus"], ["add --compare"], None),
+    ("jtcse", lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
+    ("jtcse", lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
     ("jtcse", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
      ["pass the twin to --compare"], None),
     # ---- bellm.py ----
@@ -2626,7 +2695,6 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     shutil.copytree(bert_dir, c.plain)
     c.latin1.write_bytes("a first line\nun caf\xe9 noir\n".encode("latin-1"))
     c.binary.write_bytes(bytes(range(256)) * 4)
-
 
     def csv_file(body):
         (tmp_path / "train.csv").write_bytes(body)
