@@ -13,7 +13,7 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
   eqs. 3-4, causal / bidirectional masks      attn_mask
   eq. 5, h = LLM->(x) + BiLLM<->(x)           forward, BeLLM (last_token pooling)
   eq. 6, the contrastive loss; one step       bellm_loss, train_step (C-STS: cosent_loss)
-  Figs. 2, 4, 5 (--dependency, --degradation) bellm_analysis.py
+  Figs. 2, 4, 5, App. A (no training)         bellm_analysis.py
 
   torchrun --nproc_per_node 4 bellm.py --batch-size 16 --output-dir runs/bellm_7b  # paper: 4 GPUs
   python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train snli_devtest.csv --bf16 \\
@@ -41,9 +41,10 @@ warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", F
 p = common.parser(__doc__)
 # --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
 p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="a decoder LLM "
-               "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); --dependency takes several")
+               "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); the analyses take several")
 p.add_argument("--train", help="csv with sent0,sent1,hard_neg (default: SimCSE's "
-               "nli_for_simcse.csv) or C-STS's sentence1,sentence2,condition,label")
+               "nli_for_simcse.csv) or C-STS's sentence1,sentence2,condition,label; "
+               "--representative-words: the word counts")
 common.training_flags(p, output_dir="runs/bellm", lr=2e-4, max_len=64, batch_size=64,
                       eval_steps=100, lr_note=" (batch: one of 16, 32, 64, 128)")
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
@@ -55,7 +56,7 @@ p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
 p.add_argument("--tasks", default=",".join(common.TASKS), help="the final table's tasks")
 # --- BeLLM ---
 p.add_argument("--bi-layers", type=common.NONNEG_INT, nargs="+", default=[1], help="K, the last "
-               "layers made bidirectional (paper: 1; 0 = the causal LLM); --dependency: several")
+               "layers made bidirectional (paper: 1; 0 = the causal LLM); the analyses: several")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
                help="parallel = eq. 5 (the authors' code); sequential = BiLLM")
 p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"], help="convert the "
@@ -71,6 +72,8 @@ p.add_argument("--degradation", action="store_true", help="no training: STS of t
                "after each layer (Fig. 4; bellm_analysis.py)")
 p.add_argument("--dependency", action="store_true", help="no training: Spearman of the pooled "
                "token to each token of the sentence, per --model (Figs. 2, 5; bellm_analysis.py)")
+p.add_argument("--representative-words", action="store_true", help="no training: the LM head's "
+               "next token after the prompt, per STS-B test sentence (App. A; bellm_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--degradation / --dependency: draw the figure")
 common.show_ranges(p)
 
@@ -274,7 +277,7 @@ def dev_score(encode, data, csts_dev=None):
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    if a.degradation or a.dependency:  # the paper's figures, no training
+    if a.degradation or a.dependency or a.representative_words:  # the analyses, no training
         import bellm_analysis
         return bellm_analysis.main(a, common.pick_device())
     run = runs.Run(a, "bellm")  # torchrun: this process's rank, the world size, its device
@@ -381,7 +384,7 @@ def check_args(a, world):
     if a.plot:
         common.die("--plot draws an analysis: add --degradation or --dependency (no training)")
     if len(a.model) > 1 or len(a.bi_layers) > 1:
-        common.die("--model and --bi-layers take one value for training (several: --dependency)")
+        common.die("--model and --bi-layers take one value for training (several: the analyses)")
     a.model, a.bi_layers = a.model[0], a.bi_layers[0]
     if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")

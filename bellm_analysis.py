@@ -1,13 +1,18 @@
 """BeLLM's analyses, no training (run them through bellm.py): Fig. 4, the STS score of the causal
-LLM cut after each layer (`--degradation`), and Fig. 2 / Fig. 5, how much the pooled pivot token
-depends on the sentence's tokens (`--dependency`). With `--plot FILE.png` each draws its figure.
+LLM cut after each layer (`--degradation`), Fig. 2 / Fig. 5, how much the pooled pivot token
+depends on the sentence's tokens (`--dependency`), and App. A, the word the LM head predicts after
+the prompt (`--representative-words`). With `--plot FILE.png` the figures are drawn.
 
   python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B \\
       --plot fig4.png
   python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \\
       sentence-transformers/all-MiniLM-L6-v2 --bi-layers 0 1 --plot fig5.png
+  python bellm.py --representative-words --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm
 """
+import json
 import os
+import re
+from collections import Counter
 
 import numpy as np
 import torch
@@ -17,7 +22,7 @@ import common
 import figures
 import runs
 from bellm import (BeLLM, check_prompt, check_tasks, fill, forward, last_token, load_decoder,
-                   load_run, prompted)
+                   load_run, make_encoder, prompted)
 
 
 def main(a, device):
@@ -28,6 +33,8 @@ def main(a, device):
     common.seed_everything(a.seed)
     if a.dependency:
         return dependency(a, device, common.check_sts(data, ["STS-B"]))
+    if a.representative_words:
+        return representative_words(a, device, common.check_sts(data, ["STS-B"]))
     check_prompt(a.prompt, False)
     tok, dec = load_decoder(a.model[0], 0, "convert", device)
     degradation(a, tok, dec.eval(), device, data, tasks)
@@ -182,3 +189,113 @@ def dependency(a, device, data):
                                    ylabel="mean Spearman rho, pivot vs. sentence tokens")],
                      f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
     return res
+
+
+# ================================================================ representative words (App. A) =
+WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?")  # a word: letters, with one inner apostrophe
+TOP_N = (10, 100, 1000)  # "high-frequency": among the N most frequent words; 100 is the headline
+
+
+def word_counts(texts):
+    """Counter of the lowercased words (WORD) of the texts, in order of first appearance."""
+    return Counter(w for t in texts for w in WORD.findall(t.lower()))
+
+
+def as_word(token_text):
+    """A predicted token's text -> its word (stripped, lowercased), or None when it is no word
+    (punctuation, digits, whitespace, or a mix of letters and other characters)."""
+    w = token_text.strip().lower()
+    return w if WORD.fullmatch(w) else None
+
+
+def not_frequent(words, counts, n):
+    """The share (0..1) of the predicted words that are not among the n most frequent words of
+    counts (ties at the cut: the first seen, Counter.most_common's order); a prediction that is no
+    word (None) is not a frequent word."""
+    top = {w for w, _ in counts.most_common(n)}
+    return sum(w not in top for w in words) / len(words)
+
+
+def lm_head(name, dec):
+    """The stock LM head's weight (V, H) of the decoder checkpoint `name`: the input embeddings
+    when tied (config.tie_word_embeddings), else `lm_head.weight` read from its safetensors file
+    alone (no second copy of the model). BeLLM's training never changes it: LoRA wraps the
+    decoder (AutoModel), which has no LM head."""
+    if dec.config.tie_word_embeddings:
+        return dec.embed_tokens.weight
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    def find(f):
+        return cached_file(name, f, _raise_exceptions_for_missing_entries=False)
+    key, index = "lm_head.weight", find("model.safetensors.index.json")
+    path = find(json.loads(common.read_text(index))["weight_map"].get(key, "-")) if index else \
+        find("model.safetensors")
+    if path:
+        with safe_open(path, "pt") as f:
+            if key in f.keys():
+                return f.get_tensor(key).to(dec.embed_tokens.weight.device)
+    common.die(f"'{name}' has no {key} in a safetensors file: --representative-words needs the LM "
+               "head of a causal LM checkpoint (…ForCausalLM, saved as safetensors)")
+
+
+@torch.no_grad()
+def next_tokens(encode, head, sentences, chunk=256):
+    """The LM head's top next token after each prompted sentence: argmax over the vocabulary of
+    head @ e, e the final-norm hidden state of the last token (the embedding, encode). -> ids."""
+    e = encode(sentences).float()  # (N, H)
+    return torch.cat([(e[i:i + chunk] @ head.float().T).argmax(-1)  # (chunk, V) -> (chunk,)
+                      for i in range(0, len(e), chunk)]).tolist()
+
+
+def representative_words(a, device, data):
+    """For each --model (a decoder at each --bi-layers K, or a bellm.py run folder with its own K
+    and prompt), the representative word of every distinct STS-B test sentence; the share that is
+    not a high-frequency word (App. A), and the most common ones. High-frequency: among the N most
+    frequent words of the STS-B test sentences, or with --train of the training file's."""
+    if a.plot:
+        common.die("--representative-words prints a table, no figure: drop --plot")
+    sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
+    source = "the STS-B test sentences" if not a.train else f"'{os.path.basename(a.train)}'"
+    counts = word_counts(sents if not a.train else
+                         [t for r in common.read_csv(a.train)[1] for t in r if isinstance(t, str)])
+    res = {}
+    for name in a.model:
+        meta = runs.read_meta(name) if os.path.isdir(name) else None
+        short = os.path.basename(os.path.normpath(name))
+        if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
+            dec, tok, cfg = load_run(name, meta, device)
+            configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg,
+                        meta["base_model"])]
+        else:  # a causal LLM, zero-shot, at each K
+            check_prompt(a.prompt, False)
+            configs = []
+            for k in a.bi_layers:
+                tok, dec = load_decoder(name, k, a.bi_strategy, device)
+                configs.append((f"{short} (K={k})", dec.eval(), tok,
+                                dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy,
+                                     prompt=a.prompt, max_len=dec.config.max_position_embeddings),
+                                name))
+        for label, dec, tok, cfg, base in configs:
+            ids = next_tokens(make_encoder(dec, tok, cfg, device, a.bf16), lm_head(base, dec),
+                              sents)
+            res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
+    total = sum(counts.values())
+    cover = [sum(c for _, c in counts.most_common(n)) / total for n in TOP_N]
+    print(f"representative words (App. A): the LM head's top next token after the prompt, "
+          f"{len(sents)} distinct STS-B test sentences; decoders with prompt {a.prompt!r} "
+          "(runs: their own)")
+    print(f"high-frequency word: one of the N = {TOP_N[1]} most frequent words of {source} "
+          f"({total:,} words, {len(counts):,} distinct; lowercased, letters only), N = "
+          f"{' / '.join(map(str, TOP_N))} cover {' / '.join(f'{100 * c:.1f}' for c in cover)} % "
+          "of these words")
+    print(f"{'model':<40} " + " ".join(f"{'not top-' + str(n):>13}" for n in TOP_N)
+          + f" {'no word':>9}")
+    for label, texts in res.items():
+        words = [as_word(t) for t in texts]
+        print(f"{label:<40} " + " ".join(f"{100 * not_frequent(words, counts, n):11.2f} %"
+                                         for n in TOP_N)
+              + f" {100 * words.count(None) / len(words):7.2f} %")
+        top = Counter(w or repr(t) for w, t in zip(words, texts)).most_common(20)
+        print("  the 20 most common: " + ", ".join(f"{w} {c}" for w, c in top))
+    return res, counts

@@ -2097,6 +2097,85 @@ def test_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp
     assert_two_ranks_equal_one(monkeypatch, make, step, rows)
 
 
+# ---- App. A: representative words (bellm_analysis.py) ----
+def bl_tied(tok_dir, tmp):
+    """The tiny LLaMA of bl_make_model with its LM head tied to the input embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = bl_make_model(tok_dir, tmp)
+    cfg = LlamaConfig.from_pretrained(d)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp / "tied")
+    for f in os.listdir(tok_dir):
+        shutil.copy(tok_dir / f, tmp / "tied" / f)
+    return tmp / "tied"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_representative_word_is_the_stock_lm_heads_argmax(tok_dir, tmp_path, tie):
+    """App. A: with no bidirectional layer (K = 0), the LM head applied to the embedding gives the
+    stock ...ForCausalLM's logits at the prompt's last position (each prompt alone, unpadded), so
+    the predicted token is their argmax; the head is read from the checkpoint (untied) or is the
+    input embeddings (tied)."""
+    from transformers import LlamaForCausalLM
+    d = bl_tied(tok_dir, tmp_path) if tie else bl_make_model(tok_dir, tmp_path)
+    tok, dec = bellm.load_decoder(str(d), 0, "convert", bl_CPU)
+    meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
+                max_len=64)
+    encode, head = bellm.make_encoder(dec.eval(), tok, meta, bl_CPU), bellm_analysis.lm_head(d, dec)
+    stock = LlamaForCausalLM.from_pretrained(d).eval()
+    assert stock.config.tie_word_embeddings == tie
+    with torch.no_grad():
+        want = torch.stack([stock(**tok(bellm.fill(bellm.PROMPT, s), return_tensors="pt")).logits[
+            0, -1] for s in SENTS])  # (8, V)
+        got = encode(SENTS) @ head.T
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert bellm_analysis.next_tokens(encode, head, SENTS, chunk=3) == want.argmax(-1).tolist()
+
+
+def test_share_of_words_not_among_the_n_most_frequent_by_hand():
+    counts = bellm_analysis.word_counts(["The cat and the dog.", "A dog, the cat's toy!"])
+    # the 3, dog 2, then cat, and, a, cat's, toy 1 each, in the order first seen
+    assert [w for w, _ in counts.most_common()] == ["the", "dog", "cat", "and", "a", "cat's", "toy"]
+    tokens = [" Dog", "toy", '"', "THE", "piano", "cat's", " and", "12", "\n"]
+    words = [bellm_analysis.as_word(t) for t in tokens]
+    assert words == ["dog", "toy", None, "the", "piano", "cat's", "and", None, None]
+    share = lambda n: bellm_analysis.not_frequent(words, counts, n)  # noqa: E731
+    assert share(1) == 8 / 9  # top {the}: all but "the"
+    assert share(2) == 7 / 9  # top {the, dog}
+    assert share(3) == 7 / 9  # + cat (first seen of the words counted once), not "and"
+    assert share(4) == 6 / 9  # + and
+    assert share(1000) == 4 / 9  # every word of the counts: piano and the three no-words remain
+
+
+def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, capsys,
+                                                            monkeypatch):
+    """bellm.py --representative-words: one row per K of a decoder and one for a run folder (its
+    own K and prompt), with the shares of the table above recomputed from its predictions."""
+    from peft import LoraConfig, get_peft_model
+    model, data = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path)
+    tok, dec = bellm.load_decoder(str(model), 1, "convert", bl_CPU)
+    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
+    peft.save_pretrained(tmp_path / "run")
+    (tmp_path / "run" / common.META).write_text(json.dumps(dict(
+        method="bellm", base_model=str(model), bi_mode="parallel", bi_layers=1,
+        bi_strategy="convert", prompt=bellm.PROMPT, max_len=64)))
+    code, out, err = bl_main(capsys, monkeypatch, "--representative-words", "--model", model,
+                             tmp_path / "run", "--bi-layers", 0, 2, "--data-dir", data)
+    assert code == 0, err
+    rows = {line.split(" (")[1].split(")")[0]: line for line in out.splitlines()
+            if line.startswith(("llama-4 (", "run ("))}
+    assert list(rows) == ["K=0", "K=2", "trained, K=1"], out
+    assert "N = 100 most frequent words of the STS-B test sentences" in out
+    sents = sorted({s for i in range(16) for s in (SENTS[i % 8], SENTS[(i * 3 + 1) % 8])})
+    a = bellm.p.parse_args(["--model", str(model), "--data-dir", str(data), "--bi-layers", "0"])
+    res, counts = bellm_analysis.representative_words(a, bl_CPU, common.senteval_dir(str(data)))
+    assert counts == bellm_analysis.word_counts(sents)
+    words = [bellm_analysis.as_word(t) for t in res["llama-4 (K=0)"]]
+    want = [f"{100 * bellm_analysis.not_frequent(words, counts, n):.2f}" for n in (10, 100, 1000)]
+    assert rows["K=0"].split()[2:8:2] == want
+
+
 # ---------------------------------------------------------------- nothing lost: kills, signals,
 # full disks
 def save_versions(out, pause):
