@@ -260,7 +260,7 @@ def load_run(run_dir, meta, device):
         runs.load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
     if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
-        print("note: the prompt has {condition} (C-STS) and these sentences have none: left empty")
+        print("note: the prompt has {condition} (C-STS): left empty for sentences without one")
     return dec.eval(), tok, cfg
 
 

@@ -380,6 +380,113 @@ def align_uniform(encode, data, split="test"):
     return alignment.item(), uniformity.item()
 
 
+# ---------------------------------------------------------------- retrieval (BeLLM Table 5) -----
+RECALL_AT = (1, 5, 10)
+
+
+def read_groups(path):
+    """--retrieval FILE: `group_id<TAB>caption` lines (flickr30k: an image's id and one of its 5
+    captions), blank lines skipped -> {group_id: [captions]}, each in file order. Every group needs
+    2 or more captions: its first queries the others."""
+    if not os.path.isfile(path):
+        common.die(f"--retrieval '{path}' is not a file: pass a file of group_id<TAB>caption "
+                   "lines (docs/evaluation.md, Retrieval)")
+    groups = {}
+    for i, line in enumerate(common.read_text(path).split("\n"), 1):
+        gid, tab, caption = line.partition("\t")
+        if not line.strip():
+            continue
+        if not (tab and gid.strip() and caption.strip()):
+            common.die(f"'{path}', line {i}: expected group_id<TAB>caption, got {line[:60]!r}; "
+                       "fix or delete the line")
+        groups.setdefault(gid.strip(), []).append(caption.strip())
+    if small := [g for g, cs in groups.items() if len(cs) < 2]:
+        common.die(f"'{path}': group '{small[0]}' has one caption ({len(small)} such group(s)); "
+                   "a group's first caption queries its others: give each group 2 or more "
+                   "captions, or drop it")
+    if len(groups) < 2:
+        common.die(f"'{path}' holds {len(groups)} group(s): retrieval needs 2 or more, so that "
+                   "other groups' captions compete")
+    return groups
+
+
+@torch.no_grad()
+def retrieval(encode, groups, show=0, batch=256):
+    """BeLLM Table 5: the first caption of each group queries every other caption of the file,
+    by exact cosine search (normalised embeddings, one matmul per batch of queries; the query
+    itself excluded). A query whose group has m other captions scores
+      strict:   its top m are exactly those m (flickr30k, 5 captions an image: the top 4),
+      recall@k: at least one of them is among its top k.
+    -> {"queries", "captions", "strict", "recall@1", ...} (percent) and "shown": the top m of the
+    first `show` queries [(caption, cosine, of the query's group)]."""
+    captions = [c for cs in groups.values() for c in cs]
+    gid = torch.tensor([g for g, cs in enumerate(groups.values()) for _ in cs])  # (N,)
+    size = torch.tensor([len(cs) for cs in groups.values()])  # (G,)
+    first = torch.cumsum(size, 0) - size  # (G,) each group's first caption
+    e = F.normalize(encode(captions).float().cpu(), dim=-1)  # (N, H)
+    k = min(max(max(RECALL_AT), int(size.max()) - 1), len(captions) - 1)
+    strict, recall, shown = [], {r: [] for r in RECALL_AT}, []
+    for i in range(0, len(first), batch):
+        q = first[i:i + batch]  # (b,) query rows
+        sim = e[q] @ e.T  # (b, N) cosines
+        sim[torch.arange(len(q)), q] = -float("inf")  # a query never retrieves itself
+        top = sim.topk(k, dim=1)  # (b, k), best first
+        same = gid[top.indices] == gid[q][:, None]  # (b, k): of the query's group
+        m = size[gid[q]] - 1  # (b,) the group's other captions
+        strict += [bool(s[:n].all()) for s, n in zip(same, m.tolist())]
+        for r in RECALL_AT:
+            recall[r] += same[:, :r].any(1).tolist()
+        for j in range(min(len(q), show - len(shown))):
+            shown.append({"query": captions[int(q[j])], "top": [
+                (captions[c], round(v, 4), bool(s)) for c, v, s in
+                zip(top.indices[j, :m[j]].tolist(), top.values[j, :m[j]].tolist(), same[j])]})
+    out = {"queries": len(first), "captions": len(captions),
+           "strict": 100 * float(np.mean(strict))}
+    out.update({f"recall@{r}": 100 * float(np.mean(v)) for r, v in recall.items()})
+    return {**out, "shown": shown} if show else out
+
+
+def format_retrieval(r):
+    """The scores, then the shown queries: + a caption of the query's group, - another's."""
+    head = ["strict"] + [f"R@{k}" for k in RECALL_AT]
+    lines = [f"retrieval: {r['queries']:,} queries (each group's first caption) among "
+             f"{r['captions']:,} captions, exact cosine",
+             " ".join(f"{h:>7}" for h in head),
+             " ".join(f"{r[k]:7.2f}" for k in ["strict"] + [f"recall@{k}" for k in RECALL_AT])]
+    for s in r.get("shown", []):
+        lines.append(f"query: {s['query']}")
+        lines += [f"  {'+' if same else '-'} {cos:.4f}  {c}" for c, cos, same in s["top"]]
+    return "\n".join(lines)
+
+
+def csts_prompt(name, pooler, prompt):
+    """The prompt a model encodes C-STS with (None when it reads no prompt): a bellm.py run's own,
+    or --prompt for a plain decoder (--pooler last)."""
+    if pooler == "last":
+        return prompt
+    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    return meta["prompt"] if meta and meta["method"] == "bellm" else None
+
+
+def read_csts(path, models, ensemble, prompt):
+    """--csts FILE: C-STS rows (sentence1, sentence2, condition, label), checked before any model
+    loads: a C-STS csv with labels that vary, and models that read a condition."""
+    if not os.path.isfile(path) or common.read_csv(path)[0] != "csts":
+        common.die(f"--csts '{path}' is not a C-STS csv (sentence1,sentence2,condition,label)")
+    rows = common.read_csv(path)[1]
+    if len({r[3] for r in rows}) < 2:
+        common.die(f"--csts '{path}': every label is {rows[0][3]:g}, so Spearman is undefined "
+                   "(C-STS withholds its test labels, -1): evaluate csts_validation.csv")
+    if ensemble and len(models) > 1:
+        common.die("--csts evaluates one model at a time: drop --ensemble")
+    for name, pooler in models:
+        if "{condition}" not in (csts_prompt(name, pooler, prompt) or ""):
+            common.die(f"--csts: '{name}' reads no condition: pass a bellm.py run trained with a "
+                       "{condition} prompt, or a decoder with --pooler last --prompt "
+                       "'...{condition}...{sentence}...'")
+    return rows
+
+
 def format_transfer(results):
     """The papers' transfer table: MR CR SUBJ MPQA SST TREC MRPC Avg., accuracy x 100, two
     decimals."""
@@ -423,9 +530,10 @@ p.add_argument("--prompt", default='The representative word for {sentence} is:"'
 p.add_argument("--data-dir", default=None,
                help="SentEval's data folder: DIR/downstream/{STS,SICK,MR,...} as in SimCSE's "
                     "senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
-p.add_argument("--tasks", default="sts",
+p.add_argument("--tasks", default=None,
                help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
-                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks")
+                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks (none with "
+                    "--retrieval or --csts)")
 p.add_argument("--split", default="test", choices=["test", "dev"],
                help="split for STS-B and SICK-R, and the STS-B split of --align-uniform")
 p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
@@ -438,6 +546,16 @@ p.add_argument("--align-uniform", action="store_true",
 p.add_argument("--plot", metavar="FILE.png",
                help="with --align-uniform: draw alignment against uniformity, one labelled point "
                     "per --model (JTCSE Fig. 7)")
+p.add_argument("--retrieval", metavar="FILE",
+               help="also the caption retrieval of BeLLM Table 5: FILE holds group_id<TAB>caption "
+                    "lines (flickr30k test: image id, caption); each group's first caption "
+                    "queries all other captions; strict accuracy and recall@1/5/10")
+p.add_argument("--show", type=common.NONNEG_INT, default=0,
+               help="with --retrieval: print the top captions of the first N queries (Table 5)")
+p.add_argument("--csts", metavar="FILE",
+               help="also C-STS (BeLLM Table 2): Spearman x 100 of cosine against label on a "
+                    "C-STS csv (sentence1,sentence2,condition,label), each sentence under its "
+                    "condition; a bellm.py run with a {condition} prompt, or --pooler last")
 p.add_argument("--batch-size", type=common.POS_INT, default=128,
                help="pairs per batch with --exact")
 p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
@@ -525,7 +643,8 @@ def main():
     a = p.parse_args()
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
-    sts_tasks, transfer_tasks = parse_tasks(a.tasks)
+    no_tasks = a.tasks is None and (a.retrieval or a.csts)  # the STS tasks only when asked for
+    sts_tasks, transfer_tasks = ([], []) if no_tasks else parse_tasks(a.tasks or "sts")
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
     if a.json and len(a.model) > 1 and not a.ensemble:
@@ -538,7 +657,14 @@ def main():
                    or not os.access(parent, os.W_OK)):
         common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
                    "pass a file path")
-    data = common.senteval_dir(a.data_dir)
+    if a.show and not a.retrieval:
+        common.die("--show prints retrieved captions: add --retrieval FILE")
+    # read before any model loads: a bad file costs nothing
+    a.groups = read_groups(a.retrieval) if a.retrieval else None
+    a.csts_rows = read_csts(a.csts, list(zip(a.model, poolers)), a.ensemble,
+                            a.prompt) if a.csts else None
+    need_data = sts_tasks or transfer_tasks or a.align_uniform
+    data = common.senteval_dir(a.data_dir) if need_data else None
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
     # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
@@ -586,6 +712,16 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
             out["align"], out["uniform"] = align_uniform(encode, data, a.split)
             seconds["align_uniform"] = time.perf_counter() - t0
             print(f"  align uniform\n{out['align']:7.4f} {out['uniform']:7.4f}")
+        if a.retrieval:
+            t0 = time.perf_counter()
+            out["retrieval"] = retrieval(encode, a.groups, a.show)
+            seconds["retrieval"] = time.perf_counter() - t0
+            print(format_retrieval(out["retrieval"]))
+        if a.csts:  # bellm.py's checkpoint selection score, the same function
+            t0 = time.perf_counter()
+            out["csts"] = importlib.import_module("bellm").dev_score(encode, None, a.csts_rows)
+            seconds["csts"] = time.perf_counter() - t0
+            print(f"  C-STS\n{out['csts']:7.2f}")
     out["seconds"] = seconds
     print(f"({name}, split {a.split}"
           + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "

@@ -524,6 +524,53 @@ def test_senteval_transfer_parity_minilm_avg(tmp_path):
     assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
 
 
+# ---------------------------------------------------------------- eval_sts.py: retrieval --------
+# BeLLM Table 5's task on a file whose answers are known: a caption "... <angle>" is embedded as
+# (cos, sin) of its angle in degrees, so cosine similarity falls with the angle between captions
+RET_GROUPS = {"a": [20, 25, 30, 35, 40], "b": [90, 100, 110, 120, 255], "c": [180, 183, 65],
+              "d": [300, 350], "e": [225, 45]}
+
+
+def angle_encode(captions):
+    t = torch.tensor([math.radians(float(c.split()[-1])) for c in captions])
+    return torch.stack([t.cos(), t.sin()], 1)  # (N, 2)
+
+
+def ret_file(tmp, groups=RET_GROUPS):
+    path = tmp / "groups.tsv"
+    path.write_text("".join(f"{g}\ttwo people at {d}\n" for g, ds in groups.items() for d in ds))
+    return path
+
+
+def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
+    """Each group's first caption queries the 16 others. By hand (angle distances): a (20): its
+    4 others are the 4 nearest -> strict hit. b (90): 100, 110, then c's 65 before its own 120
+    -> strict miss, R@1 hit. c (180): 183 then e's 225 before its 65 -> miss, R@1 hit. d (300):
+    b's 255 (45) before its 350 (50) -> R@1 miss, R@5 hit. e (225): its 45 is 180 away, the
+    farthest of all -> R@10 miss. Strict 1/5, R@1 3/5, R@5 4/5, R@10 4/5."""
+    groups = eval_sts.read_groups(str(ret_file(tmp_path)))
+    assert {g: len(c) for g, c in groups.items()} == {"a": 5, "b": 5, "c": 3, "d": 2, "e": 2}
+    r = eval_sts.retrieval(angle_encode, groups, show=2, batch=2)  # queries in 3 batches
+    assert (r["queries"], r["captions"]) == (5, 17)
+    assert [r[k] for k in ("strict", "recall@1", "recall@5", "recall@10")] == [20, 60, 80, 80]
+    assert [s["query"] for s in r["shown"]] == ["two people at 20", "two people at 90"]
+    assert [(c.split()[-1], same) for c, _, same in r["shown"][1]["top"]] == [
+        ("100", True), ("110", True), ("65", False), ("120", True)]
+    assert r["shown"][0]["top"][0][1] == pytest.approx(math.cos(math.radians(5)), abs=1e-4)
+    # through the command line, with a fake model: the table, the shown queries, --json
+    monkeypatch.setattr(eval_sts, "load_ensemble", lambda *a, **k: angle_encode)
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", "angles", "--retrieval",
+                             ret_file(tmp_path), "--show", 1, "--json", tmp_path / "r.json")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[1].split() == ["strict", "R@1", "R@5", "R@10"]
+    assert lines[2].split() == ["20.00", "60.00", "80.00", "80.00"]
+    assert lines[3] == "query: two people at 20" and lines[4].startswith("  + 0.9962  two")
+    assert len(lines) == 9 and "STS" not in out  # no STS task unless --tasks asks for one
+    saved = json.loads((tmp_path / "r.json").read_text())["retrieval"]
+    assert saved["strict"] == 20 and len(saved["shown"]) == 1
+
+
 # ---------------------------------------------------------------- SSCL ---------------------------
 def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
     return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
@@ -2097,6 +2144,39 @@ def test_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp
     assert_two_ranks_equal_one(monkeypatch, make, step, rows)
 
 
+def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_path, capsys,
+                                                                 monkeypatch):
+    """eval_sts.py --csts (Table 2): Spearman x 100 of cos(s1 | condition, s2 | condition) against
+    the label, recomputed here for a decoder zero-shot (--pooler last, C-STS's prompt); without
+    the conditions the score differs, so they are read."""
+    from scipy.stats import spearmanr
+    model, path = bl_make_model(tok_dir, tmp_path), tmp_path / "csts.csv"
+    conditions = ["the number of people", "the place", "what they do"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sentence1", "sentence2", "condition", "label"])
+        for i in range(8):
+            w.writerow([SENTS[i], SENTS[(i + 3) % 8], conditions[i % 3], (i * 3) % 5 + 1])
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", model, "--pooler", "last",
+                             "--prompt", bellm.CSTS_PROMPT, "--csts", path, "--json",
+                             tmp_path / "r.json")
+    assert code == 0, err
+    tok, dec = bellm.load_decoder(str(model), 0, "convert", bl_CPU)
+    encode = bellm.make_encoder(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
+                                                      bi_strategy="convert", max_len=256,
+                                                      prompt=bellm.CSTS_PROMPT), bl_CPU)
+    rows = common.read_csv(path)[1]
+
+    def score(cond):
+        cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
+                                                                             cond))
+        return 100 * spearmanr(cos.numpy(), [r[3] for r in rows]).statistic
+    want = score([r[2] for r in rows])
+    assert json.loads((tmp_path / "r.json").read_text())["csts"] == pytest.approx(want, abs=1e-6)
+    assert out.splitlines()[-3:-1] == ["  C-STS", f"{want:7.2f}"]
+    assert abs(want - score(None)) > 1e-3
+
+
 # ---- App. A: representative words (bellm_analysis.py) ----
 def bl_tied(tok_dir, tmp):
     """The tiny LLaMA of bl_make_model with its LM head tied to the input embeddings."""
@@ -2486,6 +2566,13 @@ def SJ(c, body):  # noqa: N802 (a row's command, as SSCL, JT, BL)
     return [c.tmp / "r.json"]
 
 
+def TSV(c, body):  # noqa: N802 (as SJ)
+    """eval_sts.py --retrieval's argument: a group_id<TAB>caption file with this body."""
+    (c.tmp / "g.tsv").write_text(body)
+    return c.tmp / "g.tsv"
+
+
+CSTS_HEAD = b"sentence1,sentence2,condition,label\n"
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
     c.held = open(c.run / runs.LOCK, "a+")
@@ -2606,6 +2693,23 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         "--model", c.run, c.plain], ["--pooler got 3 values for 2 models"], None),
     ("eval_sts", lambda c: EV(c, "--ensemble") + ["--model", c.srun, c.plain],
      ["dimensions", "one size"], None),
+    # ---- eval_sts.py --retrieval (BeLLM Table 5) and --csts (Table 2) ----
+    ("eval_sts", lambda c: EV(c, "--retrieval", c.tmp / "no.tsv"),
+     ["--retrieval", "not a file", "group_id<TAB>caption"], None),
+    ("eval_sts", lambda c: EV(c, "--retrieval", TSV(c, "1\ta dog runs\n1 a dog sleeps\n")),
+     ["line 2", "expected group_id<TAB>caption"], None),
+    ("eval_sts", lambda c: EV(c, "--retrieval", TSV(c, "1\ta dog\n1\ta cat\n2\ta cow\n")),
+     ["group '2' has one caption", "2 or more captions"], None),
+    ("eval_sts", lambda c: EV(c, "--retrieval", TSV(c, "1\ta dog\n1\ta cat\n")),
+     ["1 group(s)", "2 or more"], None),
+    ("eval_sts", lambda c: EV(c, "--show", 3), ["--show", "add --retrieval"], None),
+    ("eval_sts", lambda c: EV(c, "--csts", c.nli), ["--csts", "not a C-STS csv"], None),
+    ("eval_sts", lambda c: EV(c, "--csts", c.csv(CSTS_HEAD + b"a,b,c,-1\nd,e,f,-1\n")),
+     ["every label is -1", "csts_validation.csv"], None),
+    ("eval_sts", lambda c: EV(c, "--csts", c.csv(CSTS_HEAD + b"a,b,c,1\nd,e,f,2\n")),
+     ["reads no condition", "--pooler last"], None),
+    ("eval_sts", lambda c: EB(c, "--csts", c.csv(CSTS_HEAD + b"a,b,c,1\nd,e,f,2\n")),
+     ["reads no condition", "{condition} prompt"], None),
     # ---- every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
      lambda c: cut(c.srun / "model.safetensors")),
@@ -2741,6 +2845,12 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: fake_state(c.brun / runs.CKPT, "bellm")),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
      lambda c: cut(c.brun / "adapter_model.safetensors")),
+    ("bellm", lambda c: ["--representative-words", "--model", c.llama, "--data-dir", c.bl_sts,
+                         "--plot", c.tmp / "f.png"], ["no figure", "drop --plot"], None),
+    ("bellm", lambda c: ["--representative-words", "--model", c.tmp / "bare", "--data-dir",
+                         c.bl_sts], ["no lm_head.weight", "causal LM"],
+     lambda c: (AutoModel.from_pretrained(c.llama).save_pretrained(c.tmp / "bare"),
+                [shutil.copy(f, c.tmp / "bare") for f in c.llama.glob("tokenizer*")])),
     # ---- seeds.py: eval_sts.py --json files ----
     ("seeds", lambda c: SJ(c, '{"results": {"STS-B": "80.1"}}'), ["results.STS-B", "not a number"],
      None),
