@@ -14,6 +14,9 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
   # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
   python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased --ensemble
+  # BeLLM's Table 5 (caption retrieval; docs/evaluation.md) and Table 2 (C-STS), without STS
+  python eval_sts.py --model runs/bellm --retrieval flickr30k_test.tsv --show 4
+  python eval_sts.py --model runs/bellm_csts --csts csts_validation.csv
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
@@ -476,7 +479,7 @@ def read_csts(path, models, ensemble, prompt):
     rows = common.read_csv(path)[1]
     if len({r[3] for r in rows}) < 2:
         common.die(f"--csts '{path}': every label is {rows[0][3]:g}, so Spearman is undefined "
-                   "(C-STS withholds its test labels, -1): evaluate csts_validation.csv")
+                   "(C-STS's test labels are not public): evaluate csts_validation.csv")
     if ensemble and len(models) > 1:
         common.die("--csts evaluates one model at a time: drop --ensemble")
     for name, pooler in models:
@@ -550,7 +553,7 @@ p.add_argument("--retrieval", metavar="FILE",
                help="also the caption retrieval of BeLLM Table 5: FILE holds group_id<TAB>caption "
                     "lines (flickr30k test: image id, caption); each group's first caption "
                     "queries all other captions; strict accuracy and recall@1/5/10")
-p.add_argument("--show", type=common.NONNEG_INT, default=0,
+p.add_argument("--show", type=common.NONNEG_INT, default=0, metavar="N",
                help="with --retrieval: print the top captions of the first N queries (Table 5)")
 p.add_argument("--csts", metavar="FILE",
                help="also C-STS (BeLLM Table 2): Spearman x 100 of cosine against label on a "
