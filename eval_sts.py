@@ -647,7 +647,8 @@ def main():
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
     no_tasks = a.tasks is None and (a.retrieval or a.csts)  # the STS tasks only when asked for
-    sts_tasks, transfer_tasks = ([], []) if no_tasks else parse_tasks(a.tasks or "sts")
+    sts_tasks, transfer_tasks = ([], []) if no_tasks else parse_tasks(
+        "sts" if a.tasks is None else a.tasks)
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
     if a.json and len(a.model) > 1 and not a.ensemble:
