@@ -455,37 +455,47 @@ def senteval_task(task, data, split="test"):
 
 
 def mteb_tasks(spec, data, split):
-    """--mteb -> [mteb task], each with its data loaded now, before any model: a name mteb does
-    not know, or data the hub cannot give, stops here with one line."""
+    """--mteb -> [mteb task]: task names, benchmark names (their tasks, with the benchmark's
+    subsets and splits) and SentEval:TASK. Every task's data is fetched now, before any model, so
+    that a name mteb does not know, or data the hub cannot give, stops here with one line."""
+    import re
     try:
         import mteb
     except ImportError:
         common.die("--mteb needs mteb, an optional extra: pip install -r requirements-mteb.txt")
-    names = [t.strip() for t in spec.split(",") if t.strip()]
+    # commas separate names, except inside a benchmark's parentheses: "MTEB(eng, v1)"
+    names = [t.strip() for t in re.split(r",(?![^(]*\))", spec) if t.strip()]
     if not names:
         common.die("--mteb is empty: pass MTEB task names, e.g. --mteb STSBenchmark,SICK-R")
-    tasks = []
+    tasks = {}  # name -> task, each once
     for name in names:
         if name.startswith(SENTEVAL_PREFIX):
             if (ours := name[len(SENTEVAL_PREFIX):]) not in common.TASKS:
                 common.die(f"unknown task '{name}': {SENTEVAL_PREFIX}TASK takes TASK from "
                            f"{','.join(common.TASKS)}")
-            tasks.append(senteval_task(ours, data, split))
+            tasks.setdefault(name, senteval_task(ours, data, split))
             continue
         try:
-            tasks.append(mteb.get_task(name))
+            found = [mteb.get_task(name)]
         except KeyError as e:  # mteb's message names the closest task, when there is one
-            common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names from "
-                       "mteb's task list (python -m mteb available-tasks), or "
-                       f"{SENTEVAL_PREFIX}TASK for one of our STS tasks")
-    for t in tasks:
+            try:
+                found = list(mteb.get_benchmark(name).tasks)
+            except KeyError:
+                common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names "
+                           "from mteb's lists (python -m mteb available-tasks, or "
+                           f"available-benchmarks), or {SENTEVAL_PREFIX}TASK for one of our STS "
+                           "tasks")
+        for t in found:
+            tasks.setdefault(t.metadata.name, t)
+    for t in tasks.values():
         try:
-            t.load_data()
+            t.load_data()  # into the datasets cache on disk; mteb loads it again for its run
         except OSError as e:  # offline, hub unreachable, dataset gone
             common.die(f"--mteb {t.metadata.name}: its data did not load from the Hugging Face "
                        f"hub ({str(e).splitlines()[0]}): connect once without HF_HUB_OFFLINE=1 "
                        "(the data is then cached), or check the task name")
-    return tasks
+        t.unload_data()  # one task in memory at a time
+    return list(tasks.values())
 
 
 def run_mteb(encode, name, tasks):

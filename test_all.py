@@ -362,12 +362,16 @@ def test_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_mteb_hub_data_offline(bert_dir, tmp_path):
-    """An MTEB task whose data is not cached, offline: one line saying how to get it."""
+def test_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
+    """MTEB data not in the cache, offline: one line saying how to get it, before the model loads.
+    A benchmark name stands for its tasks (MTEB(eng, v1)'s first: AmazonPolarityClassification);
+    SentEval:STS-B, read from --data-dir, loads."""
     need_mteb()
-    proc = run("eval_sts.py", "--model", bert_dir, "--mteb", "STSBenchmark",
-               env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache; ENV has HF_HUB_OFFLINE=1
-    assert_bad_input(proc, "STSBenchmark", "Hugging Face hub", "HF_HUB_OFFLINE")
+    proc = run("eval_sts.py", "--model", bert_dir, "--mteb", "SentEval:STS-B,MTEB(eng, v1)",
+               "--data-dir", sts_dir, env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache,
+    # and ENV has HF_HUB_OFFLINE=1
+    assert_bad_input(proc, "--mteb AmazonPolarityClassification:", "Hugging Face hub",
+                     "HF_HUB_OFFLINE")
 
 
 @pytest.mark.slow
