@@ -568,11 +568,12 @@ p.add_argument("--tasks", default=None,
                help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
                     "(or 'transfer'), 'all' = both; default: the 7 STS tasks (none with --mteb)")
 p.add_argument("--mteb", metavar="TASK[,TASK...]",
-               help="also run these MTEB tasks (mteb's names, e.g. STSBenchmark, "
-                    "Banking77Classification; JTCSE Table I right, Tables II-VI) with mteb's own "
-                    "evaluators and print their main scores x 100; SentEval:STS-B (any of the 7 "
-                    "STS tasks) reads --data-dir instead of the hub. Needs pip install -r "
-                    "requirements-mteb.txt; the data downloads from the Hugging Face hub")
+               help="run these MTEB tasks or benchmarks (mteb's names, e.g. STSBenchmark, "
+                    "Banking77Classification, 'MTEB(eng, v1)'; JTCSE Table I right, Tables II-VI) "
+                    "with mteb's own evaluators and print their main scores x 100; SentEval:STS-B "
+                    "(any of our 7 STS tasks) reads --data-dir instead of the hub. Needs pip "
+                    "install -r requirements-mteb.txt; the data downloads from the Hugging Face "
+                    "hub")
 p.add_argument("--split", default="test", choices=["test", "dev"],
                help="split for STS-B and SICK-R, and the STS-B split of --align-uniform")
 p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
