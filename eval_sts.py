@@ -14,6 +14,9 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
   # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
   python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased --ensemble
+  # MTEB tasks, zero-shot (JTCSE Tables II-VI; pip install -r requirements-mteb.txt; the data
+  # downloads from the Hugging Face hub)
+  python eval_sts.py --model runs/jtcse --mteb Banking77Classification,SciFact,STSBenchmark
 
 A run folder written by our scripts holds `sentemb.json`, which names the method; that script's own
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
@@ -380,6 +383,144 @@ def align_uniform(encode, data, split="test"):
     return alignment.item(), uniformity.item()
 
 
+# ---------------------------------------------------------------- MTEB --------------------------
+# MTEB (Muennighoff et al. 2023), the zero-shot benchmark of JTCSE's Table I (right) and Tables
+# II-VI: mteb's own tasks and evaluators, fed by the encode function of any model eval_sts.py
+# loads (a run of ours: SSCL, a JTCSE twin or distilled tower, BeLLM; a plain HF model; an
+# ensemble). mteb is optional (requirements-mteb.txt) and imported only for --mteb. Its tasks
+# download their data from the Hugging Face hub; SentEval:TASK is one of our 7 STS tasks read
+# from --data-dir instead, scored by mteb's STS evaluator (offline: the parity check with --tasks).
+SENTEVAL_PREFIX = "SentEval:"
+
+
+class MTEBEncoder:
+    """mteb's EncoderProtocol (mteb 2.x, `mteb.models.EncoderProtocol`) around one of our encode
+    functions, encode(list[str]) -> (N, H) (load_encoder, load_ensemble).
+
+    encode(inputs, task_metadata=..., hf_split=..., hf_subset=..., prompt_type=...): inputs is
+    mteb's DataLoader of batches {"text": [str], ...}; -> (N, H) float32 numpy, the rows of our
+    encode over all N texts in one call (so our token-length batching applies; mteb's batch size
+    does not change a number). Prompts and instructions are ignored: none of the three papers uses
+    them (BeLLM's prompt is part of its encode). Similarity: cosine, as our STS evaluation uses."""
+
+    def __init__(self, encode, name):
+        self.model_name, self._encode = name, encode
+
+    def encode(self, inputs, *, task_metadata=None, hf_split=None, hf_subset=None,
+               prompt_type=None, **kwargs):
+        texts = [t for batch in inputs for t in batch["text"]]
+        return self._encode(texts).float().cpu().numpy()  # (N, H)
+
+    def similarity(self, e1, e2):  # (N, H), (M, H) -> (N, M)
+        a, b = (F.normalize(torch.as_tensor(e).float(), dim=-1) for e in (e1, e2))
+        return a @ b.T
+
+    def similarity_pairwise(self, e1, e2):  # (N, H), (N, H) -> (N,)
+        return F.cosine_similarity(torch.as_tensor(e1).float(), torch.as_tensor(e2).float(), dim=-1)
+
+    @property
+    def mteb_model_meta(self):  # what mteb records in its results: the name, cosine similarity
+        from mteb.models.model_meta import ModelMeta
+        return ModelMeta.create_empty(overwrites={"name": self.model_name,
+                                                  "similarity_fn_name": "cosine"})
+
+
+def senteval_task(task, data, split="test"):
+    """One of our 7 STS tasks as an MTEB STS task ("SentEval:STS-B"): the pairs common.load_sts
+    reads from SentEval's files (STS12-16: all subsets pooled, SentEval's "all" setting; STS-B and
+    SICK-R: `split`), scored by mteb's evaluator (main score: Spearman of cosine similarity)."""
+    from datasets import Dataset
+    from mteb.abstasks.sts import AbsTaskSTS
+    from mteb.abstasks.task_metadata import TaskMetadata
+    split = split if task in ("STS-B", "SICK-R") else "test"
+
+    class SentEvalSTS(AbsTaskSTS):
+        min_score, max_score = (1, 5) if task == "SICK-R" else (0, 5)
+        metadata = TaskMetadata(
+            name=SENTEVAL_PREFIX + task, dataset={"path": data, "revision": "senteval.tar"},
+            description=f"{task} ({split}) from SentEval's files, as eval_sts.py --tasks reads it",
+            reference="https://github.com/facebookresearch/SentEval", type="STS", category="t2t",
+            modalities=["text"], eval_splits=[split], eval_langs=["eng-Latn"],
+            main_score="cosine_spearman", date=None, domains=None, task_subtypes=None,
+            license=None, annotations_creators=None, dialect=None, sample_creation=None,
+            bibtex_citation=None)
+
+        def load_data(self, num_proc=None, **kwargs):  # SentEval's files, not the hub
+            rows = [r for rs in common.load_sts(data, task, split).values() for r in rs]
+            self.dataset = {split: Dataset.from_dict(dict(zip(("sentence1", "sentence2", "score"),
+                                                              map(list, zip(*rows)))))}
+            self.data_loaded = True
+
+    return SentEvalSTS()
+
+
+def mteb_tasks(spec, data, split):
+    """--mteb -> [mteb task]: task names, benchmark names (their tasks, with the benchmark's
+    subsets and splits) and SentEval:TASK. Every task's data is fetched now, before any model, so
+    that a name mteb does not know, or data the hub cannot give, stops here with one line."""
+    import re
+    try:
+        import mteb
+    except ImportError:
+        common.die("--mteb needs mteb, an optional extra: pip install -r requirements-mteb.txt")
+    # commas separate names, except inside a benchmark's parentheses: "MTEB(eng, v1)"
+    names = [t.strip() for t in re.split(r",(?![^(]*\))", spec) if t.strip()]
+    if not names:
+        common.die("--mteb is empty: pass MTEB task names, e.g. --mteb STSBenchmark,SICK-R")
+    tasks = {}  # name -> task, each once
+    for name in names:
+        if name.startswith(SENTEVAL_PREFIX):
+            if (ours := name[len(SENTEVAL_PREFIX):]) not in common.TASKS:
+                common.die(f"unknown task '{name}': {SENTEVAL_PREFIX}TASK takes TASK from "
+                           f"{','.join(common.TASKS)}")
+            tasks.setdefault(name, senteval_task(ours, data, split))
+            continue
+        try:
+            found = [mteb.get_task(name)]
+        except KeyError as e:  # mteb's message names the closest task, when there is one
+            try:
+                found = list(mteb.get_benchmark(name).tasks)
+            except KeyError:
+                common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names "
+                           "from mteb's lists (python -m mteb available-tasks, or "
+                           f"available-benchmarks), or {SENTEVAL_PREFIX}TASK for one of our STS "
+                           "tasks")
+        for t in found:
+            tasks.setdefault(t.metadata.name, t)
+    for t in tasks.values():
+        try:
+            t.load_data()  # into the datasets cache on disk; mteb loads it again for its run
+        except OSError as e:  # offline, hub unreachable, dataset gone
+            common.die(f"--mteb {t.metadata.name}: its data did not load from the Hugging Face "
+                       f"hub ({str(e).splitlines()[0]}): connect once without HF_HUB_OFFLINE=1 "
+                       "(the data is then cached), or check the task name")
+        t.unload_data()  # one task in memory at a time
+    return list(tasks.values())
+
+
+def run_mteb(encode, name, tasks):
+    """mteb's own evaluation of `tasks` with our encode -> {task: {metric, score, scores}}; score
+    = mteb's main score x 100 (its mean over the task's splits and subsets)."""
+    import mteb
+    show = not common.QUIET and sys.stderr.isatty()
+    result = mteb.evaluate(MTEBEncoder(encode, name), tasks, cache=None, co2_tracker=False,
+                           show_progress_bar=show, encode_kwargs={"batch_size": 256})
+    metric = {t.metadata.name: t.metadata.main_score for t in tasks}
+    return {r.task_name: {"metric": metric[r.task_name], "score": 100 * r.get_score(),
+                          "scores": r.scores} for r in result.task_results}
+
+
+def format_mteb(results):
+    """One line per MTEB task: name, main score's name, score x 100; then their average."""
+    w = max(len(t) for t in results)
+    lines = [f"{'MTEB task':<{w}}  {'main score':<18} {'x 100':>7}"]
+    lines += [f"{t:<{w}}  {r['metric']:<18} {r['score']:7.2f}" for t, r in results.items()]
+    if len(results) > 1:
+        avg = sum(r["score"] for r in results.values()) / len(results)
+        lines.append(f"{'Avg.':<{w}}  {'':<18} {avg:7.2f}")
+    return "\n".join(lines)
+
+
 def format_transfer(results):
     """The papers' transfer table: MR CR SUBJ MPQA SST TREC MRPC Avg., accuracy x 100, two
     decimals."""
@@ -423,9 +564,16 @@ p.add_argument("--prompt", default='The representative word for {sentence} is:"'
 p.add_argument("--data-dir", default=None,
                help="SentEval's data folder: DIR/downstream/{STS,SICK,MR,...} as in SimCSE's "
                     "senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
-p.add_argument("--tasks", default="sts",
+p.add_argument("--tasks", default=None,
                help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
-                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks")
+                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks (none with --mteb)")
+p.add_argument("--mteb", metavar="TASK[,TASK...]",
+               help="run these MTEB tasks or benchmarks (mteb's names, e.g. STSBenchmark, "
+                    "Banking77Classification, 'MTEB(eng, v1)'; JTCSE Table I right, Tables II-VI) "
+                    "with mteb's own evaluators and print their main scores x 100; SentEval:STS-B "
+                    "(any of our 7 STS tasks) reads --data-dir instead of the hub. Needs pip "
+                    "install -r requirements-mteb.txt; the data downloads from the Hugging Face "
+                    "hub")
 p.add_argument("--split", default="test", choices=["test", "dev"],
                help="split for STS-B and SICK-R, and the STS-B split of --align-uniform")
 p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
@@ -525,7 +673,7 @@ def main():
     a = p.parse_args()
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
-    sts_tasks, transfer_tasks = parse_tasks(a.tasks)
+    sts_tasks, transfer_tasks = parse_tasks(a.tasks or "sts") if a.tasks or not a.mteb else ([], [])
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
     if a.json and len(a.model) > 1 and not a.ensemble:
@@ -538,7 +686,9 @@ def main():
                    or not os.access(parent, os.W_OK)):
         common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
                    "pass a file path")
-    data = common.senteval_dir(a.data_dir)
+    senteval = sts_tasks or transfer_tasks or a.align_uniform or SENTEVAL_PREFIX in (a.mteb or "")
+    data = common.senteval_dir(a.data_dir) if senteval else None
+    mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
     # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
@@ -547,7 +697,7 @@ def main():
     for members in models:
         if len(models) > 1:
             print(f"{members[0][0]}:")
-        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks)
+        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb)
         if a.align_uniform:
             points[out["model"]] = (out["uniform"], out["align"])
             short.append(" + ".join(os.path.basename(os.path.normpath(m)) for m, _ in members))
@@ -561,9 +711,9 @@ def main():
         write_json(a.json, out)
 
 
-def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
+def evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb=()):
     """One model, [(name, pooler)], or an ensemble, several: its tables printed, -> the --json
-    dict (results, transfer, align, uniform, seconds)."""
+    dict (results, transfer, mteb, align, uniform, seconds)."""
     t0 = time.perf_counter()
     names, poolers = zip(*members)
     encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt)
@@ -581,6 +731,11 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
             out["transfer"], t = evaluate_transfer(encode, data, transfer_tasks, a.transfer_mode)
             seconds.update({f"transfer_{k}": v for k, v in t.items()})
             print(format_transfer(out["transfer"]))
+        if mteb:
+            t0 = time.perf_counter()
+            out["mteb"] = run_mteb(encode, name, mteb)
+            seconds["mteb"] = time.perf_counter() - t0
+            print(format_mteb(out["mteb"]))
         if a.align_uniform:
             t0 = time.perf_counter()
             out["align"], out["uniform"] = align_uniform(encode, data, a.split)

@@ -262,6 +262,147 @@ def test_senteval_parity_minilm_avg(tmp_path):
     assert json.loads(out.read_text())["results"] == pytest.approx(senteval, abs=0.02)
 
 
+# ---------------------------------------------------------------- eval_sts.py: MTEB -------------
+def need_mteb():
+    """mteb (requirements-mteb.txt), or a skip giving the reason; in CI (CI=true) a failure."""
+    try:
+        import mteb
+    except ImportError:
+        why = "needs mteb: pip install -r requirements-mteb.txt (README: Set up and test)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    return mteb
+
+
+def mteb_inputs(mteb, texts, batch_size=3):
+    """texts as mteb hands them to an encoder (its DataLoader of {"text": [...]} batches), and a
+    task's metadata to pass with them."""
+    from datasets import Dataset
+    from mteb._create_dataloaders import create_dataloader
+    meta = mteb.get_task("STSBenchmark").metadata
+    return create_dataloader(Dataset.from_dict({"text": texts}), task_metadata=meta,
+                             batch_size=batch_size), meta
+
+
+def assert_mteb_adapter_is(mteb, encode, texts):
+    """MTEBEncoder(encode) is an mteb encoder whose embeddings are encode's, bit for bit."""
+    adapter = eval_sts.MTEBEncoder(encode, "m")
+    assert isinstance(adapter, mteb.models.EncoderProtocol)
+    loader, meta = mteb_inputs(mteb, texts)
+    e = adapter.encode(loader, task_metadata=meta, hf_split="test", hf_subset="default")
+    assert isinstance(e, np.ndarray) and e.dtype == np.float32 and e.shape[0] == len(texts)
+    assert np.array_equal(e, encode(texts).float().numpy())
+    return adapter, e
+
+
+def test_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
+    """eval_sts.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
+    out, in mteb's order; cosine similarity."""
+    mteb, cpu, rng = need_mteb(), torch.device("cpu"), random.Random(0)
+    texts = [sentence(rng) for _ in range(10)]
+    texts += texts[:3]  # repeated sentences, as in STS-B
+    for encode in (eval_sts.load_encoder(str(bert_dir), "avg", device=cpu),
+                   eval_sts.load_ensemble([str(bert_dir), str(bert_nodrop_dir)], ["avg", "cls"],
+                                          device=cpu)):
+        adapter, e = assert_mteb_adapter_is(mteb, encode, texts)
+    a, b = torch.as_tensor(e[:6]), torch.as_tensor(e[6:12])
+    torch.testing.assert_close(adapter.similarity_pairwise(e[:6], e[6:12]),
+                               F.cosine_similarity(a, b, dim=-1))
+    torch.testing.assert_close(adapter.similarity(e[:6], e[6:12]).diagonal(),
+                               F.cosine_similarity(a, b, dim=-1))
+
+
+def test_mteb_senteval_tasks_equal_our_sts(sts_dir):
+    """SentEval:TASK (our STS files as an MTEB task, scored by mteb's own STS evaluator) gives
+    common.evaluate's numbers, every task (STS12-16: subsets pooled). hashed_encode: a fixed vector
+    per sentence, so that the cosines are spread and no rank is rounding noise."""
+    mteb = need_mteb()
+    data = common.senteval_dir(str(sts_dir))
+    tasks = [eval_sts.senteval_task(t, data) for t in common.TASKS]
+    res = mteb.evaluate(eval_sts.MTEBEncoder(hashed_encode, "hashed"), tasks, cache=None,
+                        co2_tracker=False, show_progress_bar=False)
+    scores = {r.task_name: 100 * r.scores["test"][0]["cosine_spearman"] for r in res.task_results}
+    ours = common.evaluate(hashed_encode, data)
+    assert scores == pytest.approx({eval_sts.SENTEVAL_PREFIX + t: v for t, v in ours.items()},
+                                   abs=1e-4)
+
+
+def test_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, capsys, monkeypatch):
+    """--mteb alone: the MTEB table (task, main score, x 100, Avg.) and no STS table; --json holds
+    each task's main score, mteb's scores and the seconds."""
+    need_mteb()
+    out = tmp_path / "r.json"
+    code, o, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                           sts_dir, "--mteb", "SentEval:STS-B,SentEval:SICK-R", "--json", out)
+    assert code == 0, err
+    assert re.search(r"MTEB task +main score +x 100\nSentEval:STS-B +cosine_spearman +-?\d+\.\d\d\n"
+                     r"SentEval:SICK-R +cosine_spearman +-?\d+\.\d\d\nAvg\. +-?\d+\.\d\d\n", o), o
+    assert "STS12" not in o
+    r = json.loads(out.read_text())
+    assert "results" not in r and list(r["mteb"]) == ["SentEval:STS-B", "SentEval:SICK-R"]
+    for v in r["mteb"].values():
+        assert v["metric"] == "cosine_spearman"
+        assert v["score"] == 100 * v["scores"]["test"][0]["cosine_spearman"]
+    assert "mteb" in r["seconds"]
+
+
+def test_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
+    """--mteb: mteb missing, an unknown task, an empty list -> one error line naming the fix."""
+    def bad(*args):
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir,
+                                 "--data-dir", sts_dir, *args)
+        return subprocess.CompletedProcess(args, code, out, err)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "mteb", None)  # import mteb fails, as when it is not installed
+        assert_bad_input(bad("--mteb", "STSBenchmark"), "pip install -r requirements-mteb.txt")
+    need_mteb()
+    assert_bad_input(bad("--mteb", "STSBenchmark,NoSuchTask"), "'NoSuchTask'", "available-tasks")
+    assert_bad_input(bad("--mteb", "STSBenchmak"), "Did you mean: 'STSBenchmark'")
+    assert_bad_input(bad("--mteb", "SentEval:STS-X"), "SentEval:STS-X", "STS12")
+    assert_bad_input(bad("--mteb", " , "), "--mteb is empty")
+
+
+@pytest.mark.slow
+def test_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
+    """MTEB data not in the cache, offline: one line saying how to get it, before the model loads.
+    A benchmark name stands for its tasks (MTEB(eng, v1)'s first: AmazonPolarityClassification);
+    SentEval:STS-B, read from --data-dir, loads."""
+    need_mteb()
+    proc = run("eval_sts.py", "--model", bert_dir, "--mteb", "SentEval:STS-B,MTEB(eng, v1)",
+               "--data-dir", sts_dir, env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache,
+    # and ENV has HF_HUB_OFFLINE=1
+    assert_bad_input(proc, "--mteb AmazonPolarityClassification:", "Hugging Face hub",
+                     "HF_HUB_OFFLINE")
+
+
+@pytest.mark.slow
+def test_mteb_adapter_on_every_run_kind(run_templates):
+    """A run of each of our scripts (an SSCL run, a JTCSE twin, a BeLLM LoRA adapter) is an mteb
+    encoder with exactly eval_sts.py's embeddings."""
+    mteb, rng = need_mteb(), random.Random(1)
+    texts = [sentence(rng) for _ in range(7)]
+    for method, folder in run_templates.items():
+        assert_mteb_adapter_is(mteb, eval_sts.load_encoder(str(folder)), texts)
+
+
+@pytest.mark.slow
+def test_mteb_parity_minilm_stsb(tmp_path):
+    """mteb's own STS evaluator on STS-B test (SentEval's files) = eval_sts.py --tasks STS-B on
+    all-MiniLM-L6-v2, avg pooling, within 0.01 (both Spearman of cosine x 100; SentEval: 82.03)."""
+    minilm = MODELS / "minilm"
+    need(minilm / "model.safetensors", REAL_STS / "downstream" / "STS")
+    need_mteb()
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--tasks", "STS-B", "--mteb", "SentEval:STS-B", "--json", out,
+               env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    by_mteb = r["mteb"]["SentEval:STS-B"]
+    assert by_mteb["scores"]["test"][0]["cosine_spearman"] * 100 == by_mteb["score"]
+    assert by_mteb["score"] == pytest.approx(r["results"]["STS-B"], abs=0.01)
+    assert r["results"]["STS-B"] == pytest.approx(82.03, abs=0.02)
+
+
 # ---------------------------------------------------------------- eval_sts.py: transfer tasks ---
 def write_transfer(root, n=40, seed=0):
     """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns
