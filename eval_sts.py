@@ -379,8 +379,7 @@ PROBING = {  # SentEval's name: (the papers' name, the file in DIR/downstream/pr
     "CoordinationInversion": ("CoordInv", "coordination_inversion.txt"),
 }
 PROBING_SPLITS = {"tr": "train", "va": "dev", "te": "test"}
-PROBING_FIX = ("copy data/probing/*.txt from github.com/facebookresearch/SentEval into "
-               "DIR/downstream/probing (DIR: --data-dir)")
+PROBING_SOURCE = "data/probing of github.com/facebookresearch/SentEval"
 
 
 def probing_file(data, task):
@@ -388,7 +387,7 @@ def probing_file(data, task):
     path = os.path.join(data, "probing", PROBING[task][1])
     if not os.path.isfile(path):
         common.die(f"missing {path}: SentEval's probing files are not in SimCSE's senteval.tar; "
-                   + PROBING_FIX)
+                   f"copy them from {PROBING_SOURCE} into {os.path.dirname(path)}")
     return path
 
 
@@ -402,21 +401,23 @@ def load_probing(data, task):
         with open(path, encoding="utf-8") as f:  # newlines as `for line in open(...)` sees them
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        common.die(f"cannot read {path} as UTF-8 text ({e}); " + PROBING_FIX)
+        common.die(f"cannot read {path} as UTF-8 text ({e}); copy it again from "
+                   + PROBING_SOURCE)
     for i, line in enumerate(_file_lines(text), 1):
         t = line.rstrip().split("\t")
         if len(t) < 3 or t[0] not in PROBING_SPLITS:
             common.die(f"{path}, line {i}: malformed line (expected 'tr, va or te<TAB>label<TAB>"
-                       f"sentence'); {PROBING_FIX}")
+                       f"sentence'); copy the file again from {PROBING_SOURCE}")
         rows[PROBING_SPLITS[t[0]]].append((t[-1].split(), t[1], i))
     if empty := [k for k, s in PROBING_SPLITS.items() if not rows[s]]:
         common.die(f"{path} has no '{empty[0]}' lines (SentEval trains on tr, chooses L2 on va, "
-                   f"tests on te); {PROBING_FIX}")
+                   f"tests on te); copy the file again from {PROBING_SOURCE}")
     number = {label: n for n, label in enumerate(sorted({lab for _, lab, _ in rows["train"]}))}
     if unknown := [(i, lab) for r in rows.values() for _, lab, i in r if lab not in number]:
         i, lab = min(unknown)
         common.die(f"{path}, line {i}: label '{lab}' is not among the training labels "
-                   f"({', '.join(number)}), which number SentEval's classes; {PROBING_FIX}")
+                   f"({', '.join(number)}), which number SentEval's classes; copy the file "
+                   f"again from {PROBING_SOURCE}")
     return {s: _sorted([w for w, _, _ in r], [number[lab] for _, lab, _ in r])
             for s, r in rows.items()}
 
