@@ -656,6 +656,29 @@ def test_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatc
         "data/probing"))
 
 
+def test_eval_probing_mixed_with_other_tasks(bert_dir, tmp_path, capsys, monkeypatch):
+    """eval_sts.py --tasks STS-B,Depth,MR,Length: the three tables in order, each family in --json,
+    the probing accuracies those of evaluate_transfer with the same encoder."""
+    write_sts(tmp_path)
+    write_transfer(tmp_path)
+    write_probing(tmp_path)
+    out = tmp_path / "r.json"
+    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--pooler",
+                                "avg", "--data-dir", tmp_path, "--tasks", "STS-B,Depth,MR,Length",
+                                "--transfer-mode", "fasttest", "--json", out, "--quiet")
+    assert code == 0, err
+    heads = [l.split() for l in stdout.splitlines()[0:6:2]]
+    assert heads == [["STS-B", "Avg."], ["MR", "Avg."], ["SentLen", "TreeDepth"]]
+    r = json.loads(out.read_text())
+    assert set(r["results"]) == {"STS-B"} and set(r["transfer"]) == {"MR"}
+    assert list(r["probing"]) == ["Length", "Depth"] and r["transfer_mode"] == "fasttest"
+    assert {"probing_encode", "probing_classifier"} <= set(r["seconds"])
+    encode = eval_sts.load_encoder(str(bert_dir), "avg", device=torch.device("cpu"))
+    want, _ = eval_sts.evaluate_transfer(encode, str(tmp_path / "downstream"), ["Length", "Depth"],
+                                         "fasttest", torch.device("cpu"))
+    assert r["probing"] == want
+
+
 # SentEval itself (SimCSE's copy; SimCSE's batcher, with its pooler avg, or cls_before_pooler = our
 # cls), all-MiniLM-L6-v2, on a sample of SentEval's probing files: test accuracy x 100
 SENTEVAL_PROBING = {
