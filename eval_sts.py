@@ -1,7 +1,8 @@
 """Evaluate any checkpoint on the papers' benchmarks and print their tables:
 the 7 STS tasks (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100),
 SentEval's 7 transfer tasks (MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; accuracy x 100, SentEval's own
-protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
+protocol), SentEval's probing tasks SentLen, TreeDepth, CoordInv (SSCL Table 4; same protocol), and
+the alignment and uniformity of Wang & Isola (2020) on STS-B.
 
   # a plain Hugging Face model, 7 STS tasks
   python eval_sts.py --model bert-base-uncased --pooler cls
@@ -9,6 +10,8 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   python eval_sts.py --model runs/sscl
   # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
   python eval_sts.py --model runs/sscl --tasks transfer
+  # SentLen TreeDepth CoordInv (SentEval's files in DIR/downstream/probing, see --tasks)
+  python eval_sts.py --model runs/sscl --tasks probing
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
   # several models in turn; alignment against uniformity in one figure (JTCSE Fig. 7)
   python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
@@ -291,8 +294,11 @@ def classify(task, X, y, cfg):
     for early stopping). TREC, MRPC: KFoldClassifier (L2 chosen by k-fold accuracy on train; then
     train on all of train, 5% held out). SST2: SplitClassifier (L2 chosen on dev; the final model is
     the grid's model for that L2, which SentEval retrains with the same seed and data, i.e. the same
-    model)."""
+    model). The probing tasks: SplitClassifier, as SST2, one class per training label (SentEval's
+    probing.py: labels 0 .. n-1)."""
     k, nclasses = cfg["kfold"], 6 if task == "TREC" else 2
+    if task in PROBING:
+        nclasses = int(y["train"].max()) + 1
     if task in ("MR", "CR", "SUBJ", "MPQA"):
         Xa, ya, outer = X["all"], y["all"], stratified_kfold(y["all"].cpu().numpy(), k)
         inner = [stratified_kfold(ya[tr].cpu().numpy(), k) for tr, _ in outer]
@@ -324,7 +330,7 @@ def classify(task, X, y, cfg):
                                 nclasses, cfg)
         return {"devacc": float(np.max(scores)),
                 "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
-    # SST2: train / dev / test
+    # SST2, probing tasks: train / dev / test
     Xs = torch.cat([X["train"], X["dev"]])
     ys = torch.cat([y["train"], y["dev"]])
     n, n_dev = len(y["train"]), len(y["dev"])
@@ -342,12 +348,12 @@ def mrpc_features(a, b):
 
 
 def evaluate_transfer(encode, data, tasks, mode="test", device=None):
-    """{task: {"devacc", "acc"}} for SentEval's transfer tasks, and the seconds spent encoding and
-    classifying. Every distinct sentence of the tasks is encoded once (length-bucketed, as for STS);
-    SentEval's batcher gets the same sentences (its word lists joined with spaces) split into
-    per-task, per-split batches."""
+    """{task: {"devacc", "acc"}} for SentEval's transfer tasks (or its probing tasks), and the
+    seconds spent encoding and classifying. Every distinct sentence of the tasks is encoded once
+    (length-bucketed, as for STS); SentEval's batcher gets the same sentences (its word lists joined
+    with spaces) split into per-task, per-split batches."""
     device = device or common.pick_device()
-    loaded = {t: load_transfer(data, t) for t in tasks}
+    loaded = {t: load_probing(data, t) if t in PROBING else load_transfer(data, t) for t in tasks}
     t0 = time.perf_counter()
     embed = common.encode_once(encode, {s for splits in loaded.values()
                                         for texts, _ in splits.values()
@@ -361,6 +367,69 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None):
         results[t] = classify(t, X, y, TRANSFER_MODES[mode])
     seconds["classifier"] = time.perf_counter() - t0
     return results, seconds
+
+
+# ---------------------------------------------------------------- probing tasks (SentEval) ------
+# Conneau et al. (ACL 2018), "What you can cram into a single $&!#* vector": a logistic regression
+# on frozen embeddings predicts one property of the sentence. SSCL's Table 4 reports three of
+# SentEval's ten: SentLen (6 bins of word counts), TreeDepth (depth of the parse tree, 5-12),
+# CoordInv (two coordinated clauses swapped or not). SentEval's probing.py: one file per task, its
+# splits tr, va, te; SplitClassifier (classify's SST2 branch) with the classifier of
+# --transfer-mode.
+PROBING = {  # SentEval's name: (the papers' name, the file in DIR/downstream/probing)
+    "Length": ("SentLen", "sentence_length.txt"),
+    "Depth": ("TreeDepth", "tree_depth.txt"),
+    "CoordinationInversion": ("CoordInv", "coordination_inversion.txt"),
+}
+PROBING_SPLITS = {"tr": "train", "va": "dev", "te": "test"}
+PROBING_SOURCE = "data/probing of github.com/facebookresearch/SentEval"
+
+
+def probing_file(data, task):
+    """The path of a probing task's file; a missing one stops here, before any model is loaded."""
+    path = os.path.join(data, "probing", PROBING[task][1])
+    if not os.path.isfile(path):
+        common.die(f"missing {path}: SentEval's probing files are not in SimCSE's senteval.tar; "
+                   f"copy them from {PROBING_SOURCE} into {os.path.dirname(path)}")
+    return path
+
+
+def load_probing(data, task):
+    """{split: ([sentences], labels)} read as SentEval's probing.py reads its file: each line
+    `split<TAB>label<TAB>...<TAB>sentence` with split tr, va or te, the last field the sentence
+    (words joined by single spaces, as SimCSE's batcher joins them); labels numbered in the sorted
+    order of the training labels' strings ('10' < '5'); each split sorted by (word count, label)."""
+    path, rows = probing_file(data, task), {s: [] for s in PROBING_SPLITS.values()}
+    try:
+        with open(path, encoding="utf-8") as f:  # newlines as `for line in open(...)` sees them
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        common.die(f"cannot read {path} as UTF-8 text ({e}); copy it again from "
+                   + PROBING_SOURCE)
+    for i, line in enumerate(_file_lines(text), 1):
+        t = line.rstrip().split("\t")
+        if len(t) < 3 or t[0] not in PROBING_SPLITS:
+            common.die(f"{path}, line {i}: malformed line (expected 'tr, va or te<TAB>label<TAB>"
+                       f"sentence'); copy the file again from {PROBING_SOURCE}")
+        rows[PROBING_SPLITS[t[0]]].append((t[-1].split(), t[1], i))
+    if empty := [k for k, s in PROBING_SPLITS.items() if not rows[s]]:
+        common.die(f"{path} has no '{empty[0]}' lines (SentEval trains on tr, chooses L2 on va, "
+                   f"tests on te); copy the file again from {PROBING_SOURCE}")
+    number = {label: n for n, label in enumerate(sorted({lab for _, lab, _ in rows["train"]}))}
+    if unknown := [(i, lab) for r in rows.values() for _, lab, i in r if lab not in number]:
+        i, lab = min(unknown)
+        common.die(f"{path}, line {i}: label '{lab}' is not among the training labels "
+                   f"({', '.join(number)}), which number SentEval's classes; copy the file "
+                   f"again from {PROBING_SOURCE}")
+    return {s: _sorted([w for w, _, _ in r], [number[lab] for _, lab, _ in r])
+            for s, r in rows.items()}
+
+
+def format_probing(results):
+    """SSCL's Table 4: SentLen TreeDepth CoordInv, test accuracy x 100, two decimals."""
+    names = [t for t in PROBING if t in results]
+    return (" ".join(f"{PROBING[t][0]:>9}" for t in names) + "\n"
+            + " ".join(f"{results[t]['acc']:9.2f}" for t in names))
 
 
 # ---------------------------------------------------------------- alignment and uniformity ------
@@ -531,17 +600,21 @@ def format_transfer(results):
 
 
 def parse_tasks(spec):
-    """--tasks -> (STS tasks, transfer tasks), each in the papers' order."""
-    names = {"sts": common.TASKS, "transfer": TRANSFER, "all": common.TASKS + TRANSFER}
+    """--tasks -> (STS tasks, transfer tasks, probing tasks), each in the papers' order. 'all' is
+    STS and transfer: the probing files are not in SimCSE's senteval.tar."""
+    names = {"sts": common.TASKS, "transfer": TRANSFER, "probing": list(PROBING),
+             "all": common.TASKS + TRANSFER}
+    known = common.TASKS + TRANSFER + list(PROBING)
     asked = [t.strip() for t in spec.split(",") if t.strip()]
     if unknown := [t for t in asked
-                   if t not in common.TASKS + TRANSFER and t.lower() not in names]:
-        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, all, or "
-                   f"names from {','.join(common.TASKS + TRANSFER)}")
+                   if t not in known and t.lower() not in names]:
+        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, probing, "
+                   f"all, or names from {','.join(known)}")
     chosen = {n for t in asked for n in names.get(t.lower(), [t])}
     if not chosen:
-        common.die("--tasks is empty: pass sts, transfer, all, or task names")
-    return [t for t in common.TASKS if t in chosen], [t for t in TRANSFER if t in chosen]
+        common.die("--tasks is empty: pass sts, transfer, probing, all, or task names")
+    return ([t for t in common.TASKS if t in chosen], [t for t in TRANSFER if t in chosen],
+            [t for t in PROBING if t in chosen])
 
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -566,7 +639,11 @@ p.add_argument("--data-dir", default=None,
                     "senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
 p.add_argument("--tasks", default=None,
                help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
-                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks (none with --mteb)")
+                    "(or 'transfer'), 'all' = both; Length,Depth,CoordinationInversion (or "
+                    "'probing': SentEval's probing tasks, SSCL Table 4, classifier as set by "
+                    "--transfer-mode; their files, not in senteval.tar: "
+                    "DIR/downstream/probing/*.txt from SentEval's data/probing); "
+                    "default: the 7 STS tasks (none with --mteb)")
 p.add_argument("--mteb", metavar="TASK[,TASK...]",
                help="run these MTEB tasks or benchmarks (mteb's names, e.g. STSBenchmark, "
                     "Banking77Classification, 'MTEB(eng, v1)'; JTCSE Table I right, Tables II-VI) "
@@ -673,7 +750,8 @@ def main():
     a = p.parse_args()
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
-    sts_tasks, transfer_tasks = parse_tasks(a.tasks or "sts") if a.tasks or not a.mteb else ([], [])
+    sts_tasks, transfer_tasks, probing_tasks = parse_tasks(a.tasks or "sts") \
+        if a.tasks or not a.mteb else ([], [], [])
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
     if a.json and len(a.model) > 1 and not a.ensemble:
@@ -686,8 +764,11 @@ def main():
                    or not os.access(parent, os.W_OK)):
         common.die(f"--json '{a.json}' cannot be written (a folder, or in no writable folder): "
                    "pass a file path")
-    senteval = sts_tasks or transfer_tasks or a.align_uniform or SENTEVAL_PREFIX in (a.mteb or "")
+    senteval = (sts_tasks or transfer_tasks or probing_tasks or a.align_uniform
+                or SENTEVAL_PREFIX in (a.mteb or ""))
     data = common.senteval_dir(a.data_dir) if senteval else None
+    for t in probing_tasks:  # SentEval's probing files are a separate download: say so now
+        probing_file(data, t)
     mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
@@ -697,7 +778,7 @@ def main():
     for members in models:
         if len(models) > 1:
             print(f"{members[0][0]}:")
-        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb)
+        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks, mteb)
         if a.align_uniform:
             points[out["model"]] = (out["uniform"], out["align"])
             short.append(" + ".join(os.path.basename(os.path.normpath(m)) for m, _ in members))
@@ -711,9 +792,9 @@ def main():
         write_json(a.json, out)
 
 
-def evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb=()):
+def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=(), mteb=()):
     """One model, [(name, pooler)], or an ensemble, several: its tables printed, -> the --json
-    dict (results, transfer, mteb, align, uniform, seconds)."""
+    dict (results, transfer, probing, mteb, align, uniform, seconds)."""
     t0 = time.perf_counter()
     names, poolers = zip(*members)
     encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt)
@@ -731,6 +812,11 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb=()):
             out["transfer"], t = evaluate_transfer(encode, data, transfer_tasks, a.transfer_mode)
             seconds.update({f"transfer_{k}": v for k, v in t.items()})
             print(format_transfer(out["transfer"]))
+        if probing_tasks:  # SSCL Table 4, with the classifier of --transfer-mode
+            out["transfer_mode"] = a.transfer_mode
+            out["probing"], t = evaluate_transfer(encode, data, probing_tasks, a.transfer_mode)
+            seconds.update({f"probing_{k}": v for k, v in t.items()})
+            print(format_probing(out["probing"]))
         if mteb:
             t0 = time.perf_counter()
             out["mteb"] = run_mteb(encode, name, mteb)
@@ -743,7 +829,8 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, mteb=()):
             print(f"  align uniform\n{out['align']:7.4f} {out['uniform']:7.4f}")
     out["seconds"] = seconds
     print(f"({name}, split {a.split}"
-          + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
+          + (f", transfer {a.transfer_mode}" if transfer_tasks or probing_tasks else "")
+          + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
     return out
 

@@ -665,6 +665,200 @@ def test_senteval_transfer_parity_minilm_avg(tmp_path):
     assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
 
 
+def write_probing(root, n=(60, 20, 20), seed=0):
+    """SentEval's three probing files of SSCL Table 4 in DIR/downstream/probing, synthetic: lines
+    'split<TAB>label<TAB>sentence', the splits shuffled together. SentLen's label is the bin of the
+    word count (learnable from length_encode); TreeDepth's labels 5..11 sort as strings ('10' <
+    '5'); one line has an extra middle field, trailing blanks and a double space. -> DIR."""
+    rng = random.Random(seed)
+    d = Path(root) / "downstream" / "probing"
+    d.mkdir(parents=True, exist_ok=True)
+    labels = {"sentence_length.txt": None, "tree_depth.txt": [str(i) for i in range(5, 12)],
+              "coordination_inversion.txt": ["O", "I"]}
+    for name, labs in labels.items():
+        lines = []
+        for split, count in zip(("tr", "va", "te"), n):
+            for i in range(count):
+                s = sentence(rng)
+                lab = str((len(s.split()) - 3) // 2) if labs is None else labs[i % len(labs)]
+                lines.append(f"{split}\t{lab}\t{s}")
+        rng.shuffle(lines)
+        split, lab, s = lines[3].split("\t")
+        lines[3] = f"{split}\t{lab}\tmiddle field\t{s.replace(' ', '  ', 1)} \t "
+        (d / name).write_text("\n".join(lines) + "\n")
+    return Path(root)
+
+
+def length_encode(sentences):
+    """hashed_encode plus the word count, one-hot: features a probe learns SentLen from."""
+    return torch.cat([hashed_encode(sentences), 5 * F.one_hot(
+        torch.tensor([len(s.split()) for s in sentences]), 16).float()], 1)
+
+
+def senteval_probing(path, encode, cfg):
+    """Transcription of SentEval's probing.py (PROBINGEval.loadFile, the sort in run) and
+    validation.py's SplitClassifier.run, with senteval_fit as its MLP. -> (devacc, acc,
+    {split: (sentences as the batcher joins them, labels)})."""
+    tok2split = {"tr": "train", "va": "dev", "te": "test"}
+    task_data = {s: {"X": [], "y": []} for s in ("train", "dev", "test")}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip().split("\t")
+            task_data[tok2split[line[0]]]["X"].append(line[-1].split())
+            task_data[tok2split[line[0]]]["y"].append(line[1])
+    labels = sorted(np.unique(task_data["train"]["y"]))
+    tok2label = dict(zip(labels, range(len(labels))))
+    X, y, texts = {}, {}, {}
+    for key, data in task_data.items():
+        rows = sorted(zip(data["X"], [tok2label[v] for v in data["y"]]),
+                      key=lambda z: (len(z[0]), z[1]))
+        texts[key] = ([" ".join(words) for words, _ in rows], [label for _, label in rows])
+        X[key], y[key] = encode(texts[key][0]), torch.tensor(texts[key][1])
+    scores = [round(100 * senteval_fit(X["train"], y["train"], len(labels), reg, cfg,
+                                       validation_data=(X["dev"], y["dev"]))[0], 2)
+              for reg in REGS]
+    _, model = senteval_fit(X["train"], y["train"], len(labels), REGS[np.argmax(scores)], cfg,
+                            validation_data=(X["dev"], y["dev"]))
+    return np.max(scores), round(100 * senteval_score(model, X["test"], y["test"]), 2), texts
+
+
+def one_error(capsys, fn, *args):
+    """fn(*args) exits with code 2 and prints one `error:` line: -> that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    return err[0]
+
+
+def test_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatch):
+    """SentLen, TreeDepth, CoordInv (SSCL Table 4): each file read, numbered and sorted as
+    SentEval's probing.py does, and the accuracies of its SplitClassifier, in both modes, on
+    synthetic files and a fake encoder; the tasks parsed and printed; bad files stop with one
+    line."""
+    d = write_probing(tmp_path)
+    data = str(d / "downstream")
+    for task, (_, name) in eval_sts.PROBING.items():
+        loaded = eval_sts.load_probing(data, task)
+        want = senteval_probing(d / "downstream" / "probing" / name, length_encode,
+                                eval_sts.TRANSFER_MODES["test"])[2]
+        assert {s: (texts[0], list(y)) for s, (texts, y) in loaded.items()} == want, task
+    # TreeDepth's classes: '10' '11' '5' '6' ... -> 0 1 2 3 ...; the last field is the sentence
+    (texts,), y = eval_sts.load_probing(data, "Depth")["train"]
+    depth = [l.split("\t") for l in (d / "downstream" / "probing" / "tree_depth.txt")
+             .read_text().splitlines() if l.startswith("tr\t")]
+    assert [y[texts.index(" ".join(t[-1].split()))] for t in depth if t[1] in ("10", "5")][:4] == [
+        {"10": 0, "5": 2}[t[1]] for t in depth if t[1] in ("10", "5")][:4]
+    assert not any("middle field" in t for t in texts) and len(texts) == 60
+    for mode, cfg in eval_sts.TRANSFER_MODES.items():
+        got, _ = eval_sts.evaluate_transfer(length_encode, data, list(eval_sts.PROBING), mode,
+                                            torch.device("cpu"))
+        for task, (_, name) in eval_sts.PROBING.items():
+            dev, acc, _ = senteval_probing(d / "downstream" / "probing" / name, length_encode, cfg)
+            assert got[task] == {"devacc": dev, "acc": acc}, (mode, task)
+    # RMSprop (fasttest) learns SentLen from the word count: the labels stay with their sentences
+    assert got["Length"]["acc"] >= 60
+    # --tasks: SentEval's names, the group 'probing', mixed with the others; 'all' is STS+transfer
+    assert eval_sts.parse_tasks("probing") == ([], [], list(eval_sts.PROBING))
+    assert (eval_sts.parse_tasks("CoordinationInversion,STS-B,Length,MR")
+            == (["STS-B"], ["MR"], ["Length", "CoordinationInversion"]))
+    assert eval_sts.parse_tasks("all")[2] == []
+    assert "probing" in one_error(capsys, eval_sts.parse_tasks, "SentLen")
+    head, row = eval_sts.format_probing(got).splitlines()
+    assert head.split() == ["SentLen", "TreeDepth", "CoordInv"]
+    assert row.split() == [f"{got[t]['acc']:.2f}" for t in eval_sts.PROBING]
+
+    # bad files: one line naming the file (and line) and the fix
+    f = d / "downstream" / "probing" / "tree_depth.txt"
+    lines = f.read_text().split("\n")
+    f.write_text("\n".join(lines[:4] + [lines[4].replace("\t", " ")] + lines[5:]))
+    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert "tree_depth.txt, line 5" in err and "malformed" in err
+    f.write_text("\n".join(lines[:6] + ["dev" + lines[6][2:]] + lines[7:]))
+    assert "tree_depth.txt, line 7" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    te = next(i for i, l in enumerate(lines) if l.startswith("te\t"))
+    f.write_text("\n".join(lines[:te] + ["te\t99\ta b c"] + lines[te + 1:]))
+    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert f"line {te + 1}" in err and "'99'" in err
+    f.write_text("\n".join(l for l in lines if not l.startswith("va\t")))
+    assert "no 'va' lines" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    f.write_bytes(b"tr\t5\tcaf\xe9\n")
+    assert "UTF-8" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    # a missing folder stops eval_sts.py before it loads a model (this one does not exist)
+    write_sts(tmp_path)
+    shutil.rmtree(d / "downstream" / "probing")
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "no-model",
+                           "--data-dir", tmp_path, "--tasks", "STS-B,probing")
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert all(w in errors[0] for w in (
+        "sentence_length.txt", f"into {d / 'downstream' / 'probing'}", "facebookresearch/SentEval",
+        "data/probing"))
+
+
+def test_eval_probing_mixed_with_other_tasks(bert_dir, tmp_path, capsys, monkeypatch):
+    """eval_sts.py --tasks STS-B,Depth,MR,Length: the three tables in order, each family in --json,
+    the probing accuracies those of evaluate_transfer with the same encoder."""
+    write_sts(tmp_path)
+    write_transfer(tmp_path)
+    write_probing(tmp_path)
+    out = tmp_path / "r.json"
+    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--pooler",
+                                "avg", "--data-dir", tmp_path, "--tasks", "STS-B,Depth,MR,Length",
+                                "--transfer-mode", "fasttest", "--json", out, "--quiet")
+    assert code == 0, err
+    heads = [l.split() for l in stdout.splitlines()[0:6:2]]
+    assert heads == [["STS-B", "Avg."], ["MR", "Avg."], ["SentLen", "TreeDepth"]]
+    r = json.loads(out.read_text())
+    assert set(r["results"]) == {"STS-B"} and set(r["transfer"]) == {"MR"}
+    assert list(r["probing"]) == ["Length", "Depth"] and r["transfer_mode"] == "fasttest"
+    assert {"probing_encode", "probing_classifier"} <= set(r["seconds"])
+    encode = eval_sts.load_encoder(str(bert_dir), "avg", device=torch.device("cpu"))
+    want, _ = eval_sts.evaluate_transfer(encode, str(tmp_path / "downstream"), ["Length", "Depth"],
+                                         "fasttest", torch.device("cpu"))
+    assert r["probing"] == want
+
+
+# SentEval itself (SimCSE's copy; SimCSE's batcher, with its pooler avg, or cls_before_pooler = our
+# cls), all-MiniLM-L6-v2, on a sample of SentEval's probing files: test accuracy x 100
+SENTEVAL_PROBING = {
+    ("avg", "test"): {"Length": 34.33, "Depth": 21.03, "CoordinationInversion": 45.68},
+    ("avg", "fasttest"): {"Length": 29.00, "Depth": 22.07, "CoordinationInversion": 50.72},
+    ("cls", "test"): {"Length": 28.67, "Depth": 17.93, "CoordinationInversion": 53.24},
+    ("cls", "fasttest"): {"Length": 26.33, "Depth": 18.97, "CoordinationInversion": 47.12},
+}
+# the sample's lines per split (tr, va, te); SentEval's full files have 100k / 10k / 10k
+PROBING_SAMPLE = {"sentence_length.txt": [1192, 300, 300], "tree_depth.txt": [1305, 300, 290],
+                  "coordination_inversion.txt": [1199, 282, 278]}
+
+
+@pytest.mark.slow
+def test_senteval_probing_parity_minilm_avg(tmp_path):
+    """SentEval's test accuracies on its probing tasks SentLen, TreeDepth, CoordInv (SSCL Table 4)
+    for all-MiniLM-L6-v2 with avg pooling in test mode (the papers' setting), each within 0.25, on
+    the sample of SentEval's files (PROBING_SAMPLE; other files there: skipped, saying so). One
+    pooling and one mode, because encoding is most of the time; the other three combinations (cls;
+    fasttest) are docs/evaluation.md's commands, equal to SentEval's too."""
+    minilm, folder = MODELS / "minilm", REAL_STS / "downstream" / "probing"
+    need(minilm / "model.safetensors", *(folder / f for f in PROBING_SAMPLE))
+    found = {f: [sum(l.startswith(f"{s}\t") for l in (folder / f).read_text().splitlines())
+                 for s in ("tr", "va", "te")] for f in PROBING_SAMPLE}
+    if found != PROBING_SAMPLE:
+        why = (f"SentEval's numbers here are for a sample of its probing files, lines per split "
+               f"{PROBING_SAMPLE}; {folder} holds {found}")
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--tasks", "probing", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].split() == ["SentLen", "TreeDepth", "CoordInv"]
+    r = json.loads(out.read_text())
+    got = {t: v["acc"] for t, v in r["probing"].items()}
+    assert r["transfer_mode"] == "test"
+    assert got == pytest.approx(SENTEVAL_PROBING["avg", "test"], abs=0.25)
+
+
 # ---------------------------------------------------------------- SSCL ---------------------------
 def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
     return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
@@ -2563,6 +2757,15 @@ def malformed_sts12(c):
     c.sts = bad
 
 
+def malformed_probing(c):  # SentEval's probing files, line 3 of tree_depth.txt without its tabs
+    bad = c.tmp / "probing_sts"
+    shutil.copytree(c.sts, bad)
+    f = write_probing(bad) / "downstream" / "probing" / "tree_depth.txt"
+    lines = f.read_text().split("\n")
+    f.write_text("\n".join(lines[:2] + [lines[2].replace("\t", " ")] + lines[3:]))
+    c.sts = bad
+
+
 SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
                       "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
                       "--max-steps", 2,
@@ -2651,6 +2854,11 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
      lambda c: (c.run / "model.safetensors").unlink()),
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
+    ("eval_sts", lambda c: EV(c, "--tasks", "STS-B,probing"),
+     ["probing/sentence_length.txt", "data/probing of github.com/facebookresearch/SentEval"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--tasks", "Depth"), ["tree_depth.txt, line 3", "malformed"],
+     malformed_probing),
     ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
     ("eval_sts", lambda c: EV(c, "--plot", c.tmp / "f.png"), ["--plot", "add --align-uniform"],
