@@ -1,7 +1,8 @@
 """Evaluate any checkpoint on the papers' benchmarks and print their tables:
 the 7 STS tasks (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x 100),
 SentEval's 7 transfer tasks (MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; accuracy x 100, SentEval's own
-protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
+protocol), SentEval's probing tasks SentLen, TreeDepth, CoordInv (SSCL Table 4; same protocol), and
+the alignment and uniformity of Wang & Isola (2020) on STS-B.
 
   # a plain Hugging Face model, 7 STS tasks
   python eval_sts.py --model bert-base-uncased --pooler cls
@@ -9,11 +10,16 @@ protocol), and the alignment and uniformity of Wang & Isola (2020) on STS-B.
   python eval_sts.py --model runs/sscl
   # MR CR SUBJ MPQA SST TREC MRPC (SentEval test mode)
   python eval_sts.py --model runs/sscl --tasks transfer
+  # SentLen TreeDepth CoordInv (SentEval's files in DIR/downstream/probing, see --tasks)
+  python eval_sts.py --model runs/sscl --tasks probing
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
   # several models in turn; alignment against uniformity in one figure (JTCSE Fig. 7)
   python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
   # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
   python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased --ensemble
+  # MTEB tasks, zero-shot (JTCSE Tables II-VI; pip install -r requirements-mteb.txt; the data
+  # downloads from the Hugging Face hub)
+  python eval_sts.py --model runs/jtcse --mteb Banking77Classification,SciFact,STSBenchmark
   # BeLLM's Table 5 (caption retrieval; docs/evaluation.md) and Table 2 (C-STS), without STS
   python eval_sts.py --model runs/bellm --retrieval flickr30k_test.tsv --show 4
   python eval_sts.py --model runs/bellm_csts --csts csts_validation.csv
@@ -291,8 +297,11 @@ def classify(task, X, y, cfg):
     for early stopping). TREC, MRPC: KFoldClassifier (L2 chosen by k-fold accuracy on train; then
     train on all of train, 5% held out). SST2: SplitClassifier (L2 chosen on dev; the final model is
     the grid's model for that L2, which SentEval retrains with the same seed and data, i.e. the same
-    model)."""
+    model). The probing tasks: SplitClassifier, as SST2, one class per training label (SentEval's
+    probing.py: labels 0 .. n-1)."""
     k, nclasses = cfg["kfold"], 6 if task == "TREC" else 2
+    if task in PROBING:
+        nclasses = int(y["train"].max()) + 1
     if task in ("MR", "CR", "SUBJ", "MPQA"):
         Xa, ya, outer = X["all"], y["all"], stratified_kfold(y["all"].cpu().numpy(), k)
         inner = [stratified_kfold(ya[tr].cpu().numpy(), k) for tr, _ in outer]
@@ -324,7 +333,7 @@ def classify(task, X, y, cfg):
                                 nclasses, cfg)
         return {"devacc": float(np.max(scores)),
                 "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
-    # SST2: train / dev / test
+    # SST2, probing tasks: train / dev / test
     Xs = torch.cat([X["train"], X["dev"]])
     ys = torch.cat([y["train"], y["dev"]])
     n, n_dev = len(y["train"]), len(y["dev"])
@@ -342,12 +351,12 @@ def mrpc_features(a, b):
 
 
 def evaluate_transfer(encode, data, tasks, mode="test", device=None):
-    """{task: {"devacc", "acc"}} for SentEval's transfer tasks, and the seconds spent encoding and
-    classifying. Every distinct sentence of the tasks is encoded once (length-bucketed, as for STS);
-    SentEval's batcher gets the same sentences (its word lists joined with spaces) split into
-    per-task, per-split batches."""
+    """{task: {"devacc", "acc"}} for SentEval's transfer tasks (or its probing tasks), and the
+    seconds spent encoding and classifying. Every distinct sentence of the tasks is encoded once
+    (length-bucketed, as for STS); SentEval's batcher gets the same sentences (its word lists joined
+    with spaces) split into per-task, per-split batches."""
     device = device or common.pick_device()
-    loaded = {t: load_transfer(data, t) for t in tasks}
+    loaded = {t: load_probing(data, t) if t in PROBING else load_transfer(data, t) for t in tasks}
     t0 = time.perf_counter()
     embed = common.encode_once(encode, {s for splits in loaded.values()
                                         for texts, _ in splits.values()
@@ -361,6 +370,69 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None):
         results[t] = classify(t, X, y, TRANSFER_MODES[mode])
     seconds["classifier"] = time.perf_counter() - t0
     return results, seconds
+
+
+# ---------------------------------------------------------------- probing tasks (SentEval) ------
+# Conneau et al. (ACL 2018), "What you can cram into a single $&!#* vector": a logistic regression
+# on frozen embeddings predicts one property of the sentence. SSCL's Table 4 reports three of
+# SentEval's ten: SentLen (6 bins of word counts), TreeDepth (depth of the parse tree, 5-12),
+# CoordInv (two coordinated clauses swapped or not). SentEval's probing.py: one file per task, its
+# splits tr, va, te; SplitClassifier (classify's SST2 branch) with the classifier of
+# --transfer-mode.
+PROBING = {  # SentEval's name: (the papers' name, the file in DIR/downstream/probing)
+    "Length": ("SentLen", "sentence_length.txt"),
+    "Depth": ("TreeDepth", "tree_depth.txt"),
+    "CoordinationInversion": ("CoordInv", "coordination_inversion.txt"),
+}
+PROBING_SPLITS = {"tr": "train", "va": "dev", "te": "test"}
+PROBING_SOURCE = "data/probing of github.com/facebookresearch/SentEval"
+
+
+def probing_file(data, task):
+    """The path of a probing task's file; a missing one stops here, before any model is loaded."""
+    path = os.path.join(data, "probing", PROBING[task][1])
+    if not os.path.isfile(path):
+        common.die(f"missing {path}: SentEval's probing files are not in SimCSE's senteval.tar; "
+                   f"copy them from {PROBING_SOURCE} into {os.path.dirname(path)}")
+    return path
+
+
+def load_probing(data, task):
+    """{split: ([sentences], labels)} read as SentEval's probing.py reads its file: each line
+    `split<TAB>label<TAB>...<TAB>sentence` with split tr, va or te, the last field the sentence
+    (words joined by single spaces, as SimCSE's batcher joins them); labels numbered in the sorted
+    order of the training labels' strings ('10' < '5'); each split sorted by (word count, label)."""
+    path, rows = probing_file(data, task), {s: [] for s in PROBING_SPLITS.values()}
+    try:
+        with open(path, encoding="utf-8") as f:  # newlines as `for line in open(...)` sees them
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        common.die(f"cannot read {path} as UTF-8 text ({e}); copy it again from "
+                   + PROBING_SOURCE)
+    for i, line in enumerate(_file_lines(text), 1):
+        t = line.rstrip().split("\t")
+        if len(t) < 3 or t[0] not in PROBING_SPLITS:
+            common.die(f"{path}, line {i}: malformed line (expected 'tr, va or te<TAB>label<TAB>"
+                       f"sentence'); copy the file again from {PROBING_SOURCE}")
+        rows[PROBING_SPLITS[t[0]]].append((t[-1].split(), t[1], i))
+    if empty := [k for k, s in PROBING_SPLITS.items() if not rows[s]]:
+        common.die(f"{path} has no '{empty[0]}' lines (SentEval trains on tr, chooses L2 on va, "
+                   f"tests on te); copy the file again from {PROBING_SOURCE}")
+    number = {label: n for n, label in enumerate(sorted({lab for _, lab, _ in rows["train"]}))}
+    if unknown := [(i, lab) for r in rows.values() for _, lab, i in r if lab not in number]:
+        i, lab = min(unknown)
+        common.die(f"{path}, line {i}: label '{lab}' is not among the training labels "
+                   f"({', '.join(number)}), which number SentEval's classes; copy the file "
+                   f"again from {PROBING_SOURCE}")
+    return {s: _sorted([w for w, _, _ in r], [number[lab] for _, lab, _ in r])
+            for s, r in rows.items()}
+
+
+def format_probing(results):
+    """SSCL's Table 4: SentLen TreeDepth CoordInv, test accuracy x 100, two decimals."""
+    names = [t for t in PROBING if t in results]
+    return (" ".join(f"{PROBING[t][0]:>9}" for t in names) + "\n"
+            + " ".join(f"{results[t]['acc']:9.2f}" for t in names))
 
 
 # ---------------------------------------------------------------- alignment and uniformity ------
@@ -381,6 +453,144 @@ def align_uniform(encode, data, split="test"):
     alignment = (x - x_pos).norm(dim=1).pow(2).mean()
     uniformity = torch.pdist(f).pow(2).mul(-2).exp().mean().log()
     return alignment.item(), uniformity.item()
+
+
+# ---------------------------------------------------------------- MTEB --------------------------
+# MTEB (Muennighoff et al. 2023), the zero-shot benchmark of JTCSE's Table I (right) and Tables
+# II-VI: mteb's own tasks and evaluators, fed by the encode function of any model eval_sts.py
+# loads (a run of ours: SSCL, a JTCSE twin or distilled tower, BeLLM; a plain HF model; an
+# ensemble). mteb is optional (requirements-mteb.txt) and imported only for --mteb. Its tasks
+# download their data from the Hugging Face hub; SentEval:TASK is one of our 7 STS tasks read
+# from --data-dir instead, scored by mteb's STS evaluator (offline: the parity check with --tasks).
+SENTEVAL_PREFIX = "SentEval:"
+
+
+class MTEBEncoder:
+    """mteb's EncoderProtocol (mteb 2.x, `mteb.models.EncoderProtocol`) around one of our encode
+    functions, encode(list[str]) -> (N, H) (load_encoder, load_ensemble).
+
+    encode(inputs, task_metadata=..., hf_split=..., hf_subset=..., prompt_type=...): inputs is
+    mteb's DataLoader of batches {"text": [str], ...}; -> (N, H) float32 numpy, the rows of our
+    encode over all N texts in one call (so our token-length batching applies; mteb's batch size
+    does not change a number). Prompts and instructions are ignored: none of the three papers uses
+    them (BeLLM's prompt is part of its encode). Similarity: cosine, as our STS evaluation uses."""
+
+    def __init__(self, encode, name):
+        self.model_name, self._encode = name, encode
+
+    def encode(self, inputs, *, task_metadata=None, hf_split=None, hf_subset=None,
+               prompt_type=None, **kwargs):
+        texts = [t for batch in inputs for t in batch["text"]]
+        return self._encode(texts).float().cpu().numpy()  # (N, H)
+
+    def similarity(self, e1, e2):  # (N, H), (M, H) -> (N, M)
+        a, b = (F.normalize(torch.as_tensor(e).float(), dim=-1) for e in (e1, e2))
+        return a @ b.T
+
+    def similarity_pairwise(self, e1, e2):  # (N, H), (N, H) -> (N,)
+        return F.cosine_similarity(torch.as_tensor(e1).float(), torch.as_tensor(e2).float(), dim=-1)
+
+    @property
+    def mteb_model_meta(self):  # what mteb records in its results: the name, cosine similarity
+        from mteb.models.model_meta import ModelMeta
+        return ModelMeta.create_empty(overwrites={"name": self.model_name,
+                                                  "similarity_fn_name": "cosine"})
+
+
+def senteval_task(task, data, split="test"):
+    """One of our 7 STS tasks as an MTEB STS task ("SentEval:STS-B"): the pairs common.load_sts
+    reads from SentEval's files (STS12-16: all subsets pooled, SentEval's "all" setting; STS-B and
+    SICK-R: `split`), scored by mteb's evaluator (main score: Spearman of cosine similarity)."""
+    from datasets import Dataset
+    from mteb.abstasks.sts import AbsTaskSTS
+    from mteb.abstasks.task_metadata import TaskMetadata
+    split = split if task in ("STS-B", "SICK-R") else "test"
+
+    class SentEvalSTS(AbsTaskSTS):
+        min_score, max_score = (1, 5) if task == "SICK-R" else (0, 5)
+        metadata = TaskMetadata(
+            name=SENTEVAL_PREFIX + task, dataset={"path": data, "revision": "senteval.tar"},
+            description=f"{task} ({split}) from SentEval's files, as eval_sts.py --tasks reads it",
+            reference="https://github.com/facebookresearch/SentEval", type="STS", category="t2t",
+            modalities=["text"], eval_splits=[split], eval_langs=["eng-Latn"],
+            main_score="cosine_spearman", date=None, domains=None, task_subtypes=None,
+            license=None, annotations_creators=None, dialect=None, sample_creation=None,
+            bibtex_citation=None)
+
+        def load_data(self, num_proc=None, **kwargs):  # SentEval's files, not the hub
+            rows = [r for rs in common.load_sts(data, task, split).values() for r in rs]
+            self.dataset = {split: Dataset.from_dict(dict(zip(("sentence1", "sentence2", "score"),
+                                                              map(list, zip(*rows)))))}
+            self.data_loaded = True
+
+    return SentEvalSTS()
+
+
+def mteb_tasks(spec, data, split):
+    """--mteb -> [mteb task]: task names, benchmark names (their tasks, with the benchmark's
+    subsets and splits) and SentEval:TASK. Every task's data is fetched now, before any model, so
+    that a name mteb does not know, or data the hub cannot give, stops here with one line."""
+    import re
+    try:
+        import mteb
+    except ImportError:
+        common.die("--mteb needs mteb, an optional extra: pip install -r requirements-mteb.txt")
+    # commas separate names, except inside a benchmark's parentheses: "MTEB(eng, v1)"
+    names = [t.strip() for t in re.split(r",(?![^(]*\))", spec) if t.strip()]
+    if not names:
+        common.die("--mteb is empty: pass MTEB task names, e.g. --mteb STSBenchmark,SICK-R")
+    tasks = {}  # name -> task, each once
+    for name in names:
+        if name.startswith(SENTEVAL_PREFIX):
+            if (ours := name[len(SENTEVAL_PREFIX):]) not in common.TASKS:
+                common.die(f"unknown task '{name}': {SENTEVAL_PREFIX}TASK takes TASK from "
+                           f"{','.join(common.TASKS)}")
+            tasks.setdefault(name, senteval_task(ours, data, split))
+            continue
+        try:
+            found = [mteb.get_task(name)]
+        except KeyError as e:  # mteb's message names the closest task, when there is one
+            try:
+                found = list(mteb.get_benchmark(name).tasks)
+            except KeyError:
+                common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names "
+                           "from mteb's lists (python -m mteb available-tasks, or "
+                           f"available-benchmarks), or {SENTEVAL_PREFIX}TASK for one of our STS "
+                           "tasks")
+        for t in found:
+            tasks.setdefault(t.metadata.name, t)
+    for t in tasks.values():
+        try:
+            t.load_data()  # into the datasets cache on disk; mteb loads it again for its run
+        except OSError as e:  # offline, hub unreachable, dataset gone
+            common.die(f"--mteb {t.metadata.name}: its data did not load from the Hugging Face "
+                       f"hub ({str(e).splitlines()[0]}): connect once without HF_HUB_OFFLINE=1 "
+                       "(the data is then cached), or check the task name")
+        t.unload_data()  # one task in memory at a time
+    return list(tasks.values())
+
+
+def run_mteb(encode, name, tasks):
+    """mteb's own evaluation of `tasks` with our encode -> {task: {metric, score, scores}}; score
+    = mteb's main score x 100 (its mean over the task's splits and subsets)."""
+    import mteb
+    show = not common.QUIET and sys.stderr.isatty()
+    result = mteb.evaluate(MTEBEncoder(encode, name), tasks, cache=None, co2_tracker=False,
+                           show_progress_bar=show, encode_kwargs={"batch_size": 256})
+    metric = {t.metadata.name: t.metadata.main_score for t in tasks}
+    return {r.task_name: {"metric": metric[r.task_name], "score": 100 * r.get_score(),
+                          "scores": r.scores} for r in result.task_results}
+
+
+def format_mteb(results):
+    """One line per MTEB task: name, main score's name, score x 100; then their average."""
+    w = max(len(t) for t in results)
+    lines = [f"{'MTEB task':<{w}}  {'main score':<18} {'x 100':>7}"]
+    lines += [f"{t:<{w}}  {r['metric']:<18} {r['score']:7.2f}" for t, r in results.items()]
+    if len(results) > 1:
+        avg = sum(r["score"] for r in results.values()) / len(results)
+        lines.append(f"{'Avg.':<{w}}  {'':<18} {avg:7.2f}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- retrieval (BeLLM Table 5) -----
@@ -500,17 +710,21 @@ def format_transfer(results):
 
 
 def parse_tasks(spec):
-    """--tasks -> (STS tasks, transfer tasks), each in the papers' order."""
-    names = {"sts": common.TASKS, "transfer": TRANSFER, "all": common.TASKS + TRANSFER}
+    """--tasks -> (STS tasks, transfer tasks, probing tasks), each in the papers' order. 'all' is
+    STS and transfer: the probing files are not in SimCSE's senteval.tar."""
+    names = {"sts": common.TASKS, "transfer": TRANSFER, "probing": list(PROBING),
+             "all": common.TASKS + TRANSFER}
+    known = common.TASKS + TRANSFER + list(PROBING)
     asked = [t.strip() for t in spec.split(",") if t.strip()]
     if unknown := [t for t in asked
-                   if t not in common.TASKS + TRANSFER and t.lower() not in names]:
-        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, all, or "
-                   f"names from {','.join(common.TASKS + TRANSFER)}")
+                   if t not in known and t.lower() not in names]:
+        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, probing, "
+                   f"all, or names from {','.join(known)}")
     chosen = {n for t in asked for n in names.get(t.lower(), [t])}
     if not chosen:
-        common.die("--tasks is empty: pass sts, transfer, all, or task names")
-    return [t for t in common.TASKS if t in chosen], [t for t in TRANSFER if t in chosen]
+        common.die("--tasks is empty: pass sts, transfer, probing, all, or task names")
+    return ([t for t in common.TASKS if t in chosen], [t for t in TRANSFER if t in chosen],
+            [t for t in PROBING if t in chosen])
 
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -535,8 +749,19 @@ p.add_argument("--data-dir", default=None,
                     "senteval.tar (else $SENTEMB_DATA, else ~/.cache/sentemb/senteval)")
 p.add_argument("--tasks", default=None,
                help="comma-separated: STS12,...,SICK-R (or 'sts'), MR,CR,SUBJ,MPQA,SST2,TREC,MRPC "
-                    "(or 'transfer'), 'all' = both; default: the 7 STS tasks (none with "
-                    "--retrieval or --csts)")
+                    "(or 'transfer'), 'all' = both; Length,Depth,CoordinationInversion (or "
+                    "'probing': SentEval's probing tasks, SSCL Table 4, classifier as set by "
+                    "--transfer-mode; their files, not in senteval.tar: "
+                    "DIR/downstream/probing/*.txt from SentEval's data/probing); "
+                    "default: the 7 STS tasks (none with --mteb, --retrieval or "
+                    "--csts)")
+p.add_argument("--mteb", metavar="TASK[,TASK...]",
+               help="run these MTEB tasks or benchmarks (mteb's names, e.g. STSBenchmark, "
+                    "Banking77Classification, 'MTEB(eng, v1)'; JTCSE Table I right, Tables II-VI) "
+                    "with mteb's own evaluators and print their main scores x 100; SentEval:STS-B "
+                    "(any of our 7 STS tasks) reads --data-dir instead of the hub. Needs pip "
+                    "install -r requirements-mteb.txt; the data downloads from the Hugging Face "
+                    "hub")
 p.add_argument("--split", default="test", choices=["test", "dev"],
                help="split for STS-B and SICK-R, and the STS-B split of --align-uniform")
 p.add_argument("--transfer-mode", default="test", choices=list(TRANSFER_MODES),
@@ -646,8 +871,8 @@ def main():
     a = p.parse_args()
     common.QUIET = a.quiet
     transformers.logging.disable_progress_bar()
-    no_tasks = a.tasks is None and (a.retrieval or a.csts)  # the STS tasks only when asked for
-    sts_tasks, transfer_tasks = ([], []) if no_tasks else parse_tasks(
+    no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for
+    sts_tasks, transfer_tasks, probing_tasks = ([], [], []) if no_tasks else parse_tasks(
         "sts" if a.tasks is None else a.tasks)
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
@@ -667,8 +892,12 @@ def main():
     a.groups = read_groups(a.retrieval) if a.retrieval else None
     a.csts_rows = read_csts(a.csts, list(zip(a.model, poolers)), a.ensemble,
                             a.prompt) if a.csts else None
-    need_data = sts_tasks or transfer_tasks or a.align_uniform
-    data = common.senteval_dir(a.data_dir) if need_data else None
+    senteval = (sts_tasks or transfer_tasks or probing_tasks or a.align_uniform
+                or SENTEVAL_PREFIX in (a.mteb or ""))
+    data = common.senteval_dir(a.data_dir) if senteval else None
+    for t in probing_tasks:  # SentEval's probing files are a separate download: say so now
+        probing_file(data, t)
+    mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
     if a.bf16:
         print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
     # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
@@ -677,7 +906,7 @@ def main():
     for members in models:
         if len(models) > 1:
             print(f"{members[0][0]}:")
-        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks)
+        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks, mteb)
         if a.align_uniform:
             points[out["model"]] = (out["uniform"], out["align"])
             short.append(" + ".join(os.path.basename(os.path.normpath(m)) for m, _ in members))
@@ -691,9 +920,9 @@ def main():
         write_json(a.json, out)
 
 
-def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
+def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=(), mteb=()):
     """One model, [(name, pooler)], or an ensemble, several: its tables printed, -> the --json
-    dict (results, transfer, align, uniform, seconds)."""
+    dict (results, transfer, probing, mteb, align, uniform, seconds)."""
     t0 = time.perf_counter()
     names, poolers = zip(*members)
     encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt)
@@ -711,6 +940,16 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
             out["transfer"], t = evaluate_transfer(encode, data, transfer_tasks, a.transfer_mode)
             seconds.update({f"transfer_{k}": v for k, v in t.items()})
             print(format_transfer(out["transfer"]))
+        if probing_tasks:  # SSCL Table 4, with the classifier of --transfer-mode
+            out["transfer_mode"] = a.transfer_mode
+            out["probing"], t = evaluate_transfer(encode, data, probing_tasks, a.transfer_mode)
+            seconds.update({f"probing_{k}": v for k, v in t.items()})
+            print(format_probing(out["probing"]))
+        if mteb:
+            t0 = time.perf_counter()
+            out["mteb"] = run_mteb(encode, name, mteb)
+            seconds["mteb"] = time.perf_counter() - t0
+            print(format_mteb(out["mteb"]))
         if a.align_uniform:
             t0 = time.perf_counter()
             out["align"], out["uniform"] = align_uniform(encode, data, a.split)
@@ -728,7 +967,8 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks):
             print(f"  C-STS\n{out['csts']:7.2f}")
     out["seconds"] = seconds
     print(f"({name}, split {a.split}"
-          + (f", transfer {a.transfer_mode}" if transfer_tasks else "") + "; seconds: "
+          + (f", transfer {a.transfer_mode}" if transfer_tasks or probing_tasks else "")
+          + "; seconds: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ")")
     return out
 

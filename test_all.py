@@ -262,6 +262,147 @@ def test_senteval_parity_minilm_avg(tmp_path):
     assert json.loads(out.read_text())["results"] == pytest.approx(senteval, abs=0.02)
 
 
+# ---------------------------------------------------------------- eval_sts.py: MTEB -------------
+def need_mteb():
+    """mteb (requirements-mteb.txt), or a skip giving the reason; in CI (CI=true) a failure."""
+    try:
+        import mteb
+    except ImportError:
+        why = "needs mteb: pip install -r requirements-mteb.txt (README: Set up and test)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    return mteb
+
+
+def mteb_inputs(mteb, texts, batch_size=3):
+    """texts as mteb hands them to an encoder (its DataLoader of {"text": [...]} batches), and a
+    task's metadata to pass with them."""
+    from datasets import Dataset
+    from mteb._create_dataloaders import create_dataloader
+    meta = mteb.get_task("STSBenchmark").metadata
+    return create_dataloader(Dataset.from_dict({"text": texts}), task_metadata=meta,
+                             batch_size=batch_size), meta
+
+
+def assert_mteb_adapter_is(mteb, encode, texts):
+    """MTEBEncoder(encode) is an mteb encoder whose embeddings are encode's, bit for bit."""
+    adapter = eval_sts.MTEBEncoder(encode, "m")
+    assert isinstance(adapter, mteb.models.EncoderProtocol)
+    loader, meta = mteb_inputs(mteb, texts)
+    e = adapter.encode(loader, task_metadata=meta, hf_split="test", hf_subset="default")
+    assert isinstance(e, np.ndarray) and e.dtype == np.float32 and e.shape[0] == len(texts)
+    assert np.array_equal(e, encode(texts).float().numpy())
+    return adapter, e
+
+
+def test_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
+    """eval_sts.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
+    out, in mteb's order; cosine similarity."""
+    mteb, cpu, rng = need_mteb(), torch.device("cpu"), random.Random(0)
+    texts = [sentence(rng) for _ in range(10)]
+    texts += texts[:3]  # repeated sentences, as in STS-B
+    for encode in (eval_sts.load_encoder(str(bert_dir), "avg", device=cpu),
+                   eval_sts.load_ensemble([str(bert_dir), str(bert_nodrop_dir)], ["avg", "cls"],
+                                          device=cpu)):
+        adapter, e = assert_mteb_adapter_is(mteb, encode, texts)
+    a, b = torch.as_tensor(e[:6]), torch.as_tensor(e[6:12])
+    torch.testing.assert_close(adapter.similarity_pairwise(e[:6], e[6:12]),
+                               F.cosine_similarity(a, b, dim=-1))
+    torch.testing.assert_close(adapter.similarity(e[:6], e[6:12]).diagonal(),
+                               F.cosine_similarity(a, b, dim=-1))
+
+
+def test_mteb_senteval_tasks_equal_our_sts(sts_dir):
+    """SentEval:TASK (our STS files as an MTEB task, scored by mteb's own STS evaluator) gives
+    common.evaluate's numbers, every task (STS12-16: subsets pooled). hashed_encode: a fixed vector
+    per sentence, so that the cosines are spread and no rank is rounding noise."""
+    mteb = need_mteb()
+    data = common.senteval_dir(str(sts_dir))
+    tasks = [eval_sts.senteval_task(t, data) for t in common.TASKS]
+    res = mteb.evaluate(eval_sts.MTEBEncoder(hashed_encode, "hashed"), tasks, cache=None,
+                        co2_tracker=False, show_progress_bar=False)
+    scores = {r.task_name: 100 * r.scores["test"][0]["cosine_spearman"] for r in res.task_results}
+    ours = common.evaluate(hashed_encode, data)
+    assert scores == pytest.approx({eval_sts.SENTEVAL_PREFIX + t: v for t, v in ours.items()},
+                                   abs=1e-4)
+
+
+def test_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, capsys, monkeypatch):
+    """--mteb alone: the MTEB table (task, main score, x 100, Avg.) and no STS table; --json holds
+    each task's main score, mteb's scores and the seconds."""
+    need_mteb()
+    out = tmp_path / "r.json"
+    code, o, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                           sts_dir, "--mteb", "SentEval:STS-B,SentEval:SICK-R", "--json", out)
+    assert code == 0, err
+    assert re.search(r"MTEB task +main score +x 100\nSentEval:STS-B +cosine_spearman +-?\d+\.\d\d\n"
+                     r"SentEval:SICK-R +cosine_spearman +-?\d+\.\d\d\nAvg\. +-?\d+\.\d\d\n", o), o
+    assert "STS12" not in o
+    r = json.loads(out.read_text())
+    assert "results" not in r and list(r["mteb"]) == ["SentEval:STS-B", "SentEval:SICK-R"]
+    for v in r["mteb"].values():
+        assert v["metric"] == "cosine_spearman"
+        assert v["score"] == 100 * v["scores"]["test"][0]["cosine_spearman"]
+    assert "mteb" in r["seconds"]
+
+
+def test_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
+    """--mteb: mteb missing, an unknown task, an empty list -> one error line naming the fix."""
+    def bad(*args):
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir,
+                                 "--data-dir", sts_dir, *args)
+        return subprocess.CompletedProcess(args, code, out, err)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "mteb", None)  # import mteb fails, as when it is not installed
+        assert_bad_input(bad("--mteb", "STSBenchmark"), "pip install -r requirements-mteb.txt")
+    need_mteb()
+    assert_bad_input(bad("--mteb", "STSBenchmark,NoSuchTask"), "'NoSuchTask'", "available-tasks")
+    assert_bad_input(bad("--mteb", "STSBenchmak"), "Did you mean: 'STSBenchmark'")
+    assert_bad_input(bad("--mteb", "SentEval:STS-X"), "SentEval:STS-X", "STS12")
+    assert_bad_input(bad("--mteb", " , "), "--mteb is empty")
+
+
+@pytest.mark.slow
+def test_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
+    """MTEB data not in the cache, offline: one line saying how to get it, before the model loads.
+    A benchmark name stands for its tasks (MTEB(eng, v1)'s first: AmazonPolarityClassification);
+    SentEval:STS-B, read from --data-dir, loads."""
+    need_mteb()
+    proc = run("eval_sts.py", "--model", bert_dir, "--mteb", "SentEval:STS-B,MTEB(eng, v1)",
+               "--data-dir", sts_dir, env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache,
+    # and ENV has HF_HUB_OFFLINE=1
+    assert_bad_input(proc, "--mteb AmazonPolarityClassification:", "Hugging Face hub",
+                     "HF_HUB_OFFLINE")
+
+
+@pytest.mark.slow
+def test_mteb_adapter_on_every_run_kind(run_templates):
+    """A run of each of our scripts (an SSCL run, a JTCSE twin, a BeLLM LoRA adapter) is an mteb
+    encoder with exactly eval_sts.py's embeddings."""
+    mteb, rng = need_mteb(), random.Random(1)
+    texts = [sentence(rng) for _ in range(7)]
+    for method, folder in run_templates.items():
+        assert_mteb_adapter_is(mteb, eval_sts.load_encoder(str(folder)), texts)
+
+
+@pytest.mark.slow
+def test_mteb_parity_minilm_stsb(tmp_path):
+    """mteb's own STS evaluator on STS-B test (SentEval's files) = eval_sts.py --tasks STS-B on
+    all-MiniLM-L6-v2, avg pooling, within 0.01 (both Spearman of cosine x 100; SentEval: 82.03)."""
+    minilm = MODELS / "minilm"
+    need(minilm / "model.safetensors", REAL_STS / "downstream" / "STS")
+    need_mteb()
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--tasks", "STS-B", "--mteb", "SentEval:STS-B", "--json", out,
+               env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    by_mteb = r["mteb"]["SentEval:STS-B"]
+    assert by_mteb["scores"]["test"][0]["cosine_spearman"] * 100 == by_mteb["score"]
+    assert by_mteb["score"] == pytest.approx(r["results"]["STS-B"], abs=0.01)
+    assert r["results"]["STS-B"] == pytest.approx(82.03, abs=0.02)
+
+
 # ---------------------------------------------------------------- eval_sts.py: transfer tasks ---
 def write_transfer(root, n=40, seed=0):
     """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns
@@ -524,6 +665,198 @@ def test_senteval_transfer_parity_minilm_avg(tmp_path):
     assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
 
 
+def write_probing(root, n=(60, 20, 20), seed=0):
+    """SentEval's three probing files of SSCL Table 4 in DIR/downstream/probing, synthetic: lines
+    'split<TAB>label<TAB>sentence', the splits shuffled together. SentLen's label is the bin of the
+    word count (learnable from length_encode); TreeDepth's labels 5..11 sort as strings ('10' <
+    '5'); one line has an extra middle field, trailing blanks and a double space. -> DIR."""
+    rng = random.Random(seed)
+    d = Path(root) / "downstream" / "probing"
+    d.mkdir(parents=True, exist_ok=True)
+    labels = {"sentence_length.txt": None, "tree_depth.txt": [str(i) for i in range(5, 12)],
+              "coordination_inversion.txt": ["O", "I"]}
+    for name, labs in labels.items():
+        lines = []
+        for split, count in zip(("tr", "va", "te"), n):
+            for i in range(count):
+                s = sentence(rng)
+                lab = str((len(s.split()) - 3) // 2) if labs is None else labs[i % len(labs)]
+                lines.append(f"{split}\t{lab}\t{s}")
+        rng.shuffle(lines)
+        split, lab, s = lines[3].split("\t")
+        lines[3] = f"{split}\t{lab}\tmiddle field\t{s.replace(' ', '  ', 1)} \t "
+        (d / name).write_text("\n".join(lines) + "\n")
+    return Path(root)
+
+
+def length_encode(sentences):
+    """hashed_encode plus the word count, one-hot: features a probe learns SentLen from."""
+    return torch.cat([hashed_encode(sentences), 5 * F.one_hot(
+        torch.tensor([len(s.split()) for s in sentences]), 16).float()], 1)
+
+
+def senteval_probing(path, encode, cfg):
+    """Transcription of SentEval's probing.py (PROBINGEval.loadFile, the sort in run) and
+    validation.py's SplitClassifier.run, with senteval_fit as its MLP. -> (devacc, acc,
+    {split: (sentences as the batcher joins them, labels)})."""
+    tok2split = {"tr": "train", "va": "dev", "te": "test"}
+    task_data = {s: {"X": [], "y": []} for s in ("train", "dev", "test")}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip().split("\t")
+            task_data[tok2split[line[0]]]["X"].append(line[-1].split())
+            task_data[tok2split[line[0]]]["y"].append(line[1])
+    labels = sorted(np.unique(task_data["train"]["y"]))
+    tok2label = dict(zip(labels, range(len(labels))))
+    X, y, texts = {}, {}, {}
+    for key, data in task_data.items():
+        rows = sorted(zip(data["X"], [tok2label[v] for v in data["y"]]),
+                      key=lambda z: (len(z[0]), z[1]))
+        texts[key] = ([" ".join(words) for words, _ in rows], [label for _, label in rows])
+        X[key], y[key] = encode(texts[key][0]), torch.tensor(texts[key][1])
+    scores = [round(100 * senteval_fit(X["train"], y["train"], len(labels), reg, cfg,
+                                       validation_data=(X["dev"], y["dev"]))[0], 2)
+              for reg in REGS]
+    _, model = senteval_fit(X["train"], y["train"], len(labels), REGS[np.argmax(scores)], cfg,
+                            validation_data=(X["dev"], y["dev"]))
+    return np.max(scores), round(100 * senteval_score(model, X["test"], y["test"]), 2), texts
+
+
+def one_error(capsys, fn, *args):
+    """fn(*args) exits with code 2 and prints one `error:` line: -> that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    return err[0]
+
+
+def test_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatch):
+    """SentLen, TreeDepth, CoordInv (SSCL Table 4): each file read, numbered and sorted as
+    SentEval's probing.py does, and the accuracies of its SplitClassifier, in both modes, on
+    synthetic files and a fake encoder; the tasks parsed and printed; bad files stop with one
+    line."""
+    d = write_probing(tmp_path)
+    data = str(d / "downstream")
+    for task, (_, name) in eval_sts.PROBING.items():
+        loaded = eval_sts.load_probing(data, task)
+        want = senteval_probing(d / "downstream" / "probing" / name, length_encode,
+                                eval_sts.TRANSFER_MODES["test"])[2]
+        assert {s: (texts[0], list(y)) for s, (texts, y) in loaded.items()} == want, task
+    # TreeDepth's classes: '10' '11' '5' '6' ... -> 0 1 2 3 ...; the last field is the sentence
+    (texts,), y = eval_sts.load_probing(data, "Depth")["train"]
+    depth = [l.split("\t") for l in (d / "downstream" / "probing" / "tree_depth.txt")
+             .read_text().splitlines() if l.startswith("tr\t")]
+    assert [y[texts.index(" ".join(t[-1].split()))] for t in depth if t[1] in ("10", "5")][:4] == [
+        {"10": 0, "5": 2}[t[1]] for t in depth if t[1] in ("10", "5")][:4]
+    assert not any("middle field" in t for t in texts) and len(texts) == 60
+    for mode, cfg in eval_sts.TRANSFER_MODES.items():
+        got, _ = eval_sts.evaluate_transfer(length_encode, data, list(eval_sts.PROBING), mode,
+                                            torch.device("cpu"))
+        for task, (_, name) in eval_sts.PROBING.items():
+            dev, acc, _ = senteval_probing(d / "downstream" / "probing" / name, length_encode, cfg)
+            assert got[task] == {"devacc": dev, "acc": acc}, (mode, task)
+    # RMSprop (fasttest) learns SentLen from the word count: the labels stay with their sentences
+    assert got["Length"]["acc"] >= 60
+    # --tasks: SentEval's names, the group 'probing', mixed with the others; 'all' is STS+transfer
+    assert eval_sts.parse_tasks("probing") == ([], [], list(eval_sts.PROBING))
+    assert (eval_sts.parse_tasks("CoordinationInversion,STS-B,Length,MR")
+            == (["STS-B"], ["MR"], ["Length", "CoordinationInversion"]))
+    assert eval_sts.parse_tasks("all")[2] == []
+    assert "probing" in one_error(capsys, eval_sts.parse_tasks, "SentLen")
+    head, row = eval_sts.format_probing(got).splitlines()
+    assert head.split() == ["SentLen", "TreeDepth", "CoordInv"]
+    assert row.split() == [f"{got[t]['acc']:.2f}" for t in eval_sts.PROBING]
+
+    # bad files: one line naming the file (and line) and the fix
+    f = d / "downstream" / "probing" / "tree_depth.txt"
+    lines = f.read_text().split("\n")
+    f.write_text("\n".join(lines[:4] + [lines[4].replace("\t", " ")] + lines[5:]))
+    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert "tree_depth.txt, line 5" in err and "malformed" in err
+    f.write_text("\n".join(lines[:6] + ["dev" + lines[6][2:]] + lines[7:]))
+    assert "tree_depth.txt, line 7" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    te = next(i for i, l in enumerate(lines) if l.startswith("te\t"))
+    f.write_text("\n".join(lines[:te] + ["te\t99\ta b c"] + lines[te + 1:]))
+    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert f"line {te + 1}" in err and "'99'" in err
+    f.write_text("\n".join(l for l in lines if not l.startswith("va\t")))
+    assert "no 'va' lines" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    f.write_bytes(b"tr\t5\tcaf\xe9\n")
+    assert "UTF-8" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    # a missing folder stops eval_sts.py before it loads a model (this one does not exist)
+    write_sts(tmp_path)
+    shutil.rmtree(d / "downstream" / "probing")
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "no-model",
+                           "--data-dir", tmp_path, "--tasks", "STS-B,probing")
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert all(w in errors[0] for w in (
+        "sentence_length.txt", f"into {d / 'downstream' / 'probing'}", "facebookresearch/SentEval",
+        "data/probing"))
+
+
+def test_eval_probing_mixed_with_other_tasks(bert_dir, tmp_path, capsys, monkeypatch):
+    """eval_sts.py --tasks STS-B,Depth,MR,Length: the three tables in order, each family in --json,
+    the probing accuracies those of evaluate_transfer with the same encoder."""
+    write_sts(tmp_path)
+    write_transfer(tmp_path)
+    write_probing(tmp_path)
+    out = tmp_path / "r.json"
+    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--pooler",
+                                "avg", "--data-dir", tmp_path, "--tasks", "STS-B,Depth,MR,Length",
+                                "--transfer-mode", "fasttest", "--json", out, "--quiet")
+    assert code == 0, err
+    heads = [l.split() for l in stdout.splitlines()[0:6:2]]
+    assert heads == [["STS-B", "Avg."], ["MR", "Avg."], ["SentLen", "TreeDepth"]]
+    r = json.loads(out.read_text())
+    assert set(r["results"]) == {"STS-B"} and set(r["transfer"]) == {"MR"}
+    assert list(r["probing"]) == ["Length", "Depth"] and r["transfer_mode"] == "fasttest"
+    assert {"probing_encode", "probing_classifier"} <= set(r["seconds"])
+    encode = eval_sts.load_encoder(str(bert_dir), "avg", device=torch.device("cpu"))
+    want, _ = eval_sts.evaluate_transfer(encode, str(tmp_path / "downstream"), ["Length", "Depth"],
+                                         "fasttest", torch.device("cpu"))
+    assert r["probing"] == want
+
+
+# SentEval itself (SimCSE's copy; SimCSE's batcher, with its pooler avg, or cls_before_pooler = our
+# cls), all-MiniLM-L6-v2, on a sample of SentEval's probing files: test accuracy x 100
+SENTEVAL_PROBING = {
+    ("avg", "test"): {"Length": 34.33, "Depth": 21.03, "CoordinationInversion": 45.68},
+    ("avg", "fasttest"): {"Length": 29.00, "Depth": 22.07, "CoordinationInversion": 50.72},
+    ("cls", "test"): {"Length": 28.67, "Depth": 17.93, "CoordinationInversion": 53.24},
+    ("cls", "fasttest"): {"Length": 26.33, "Depth": 18.97, "CoordinationInversion": 47.12},
+}
+# the sample's lines per split (tr, va, te); SentEval's full files have 100k / 10k / 10k
+PROBING_SAMPLE = {"sentence_length.txt": [1192, 300, 300], "tree_depth.txt": [1305, 300, 290],
+                  "coordination_inversion.txt": [1199, 282, 278]}
+
+
+@pytest.mark.slow
+def test_senteval_probing_parity_minilm_avg(tmp_path):
+    """SentEval's test accuracies on its probing tasks SentLen, TreeDepth, CoordInv (SSCL Table 4)
+    for all-MiniLM-L6-v2 with avg pooling in test mode (the papers' setting), each within 0.25, on
+    the sample of SentEval's files (PROBING_SAMPLE; other files there: skipped, saying so). One
+    pooling and one mode, because encoding is most of the time; the other three combinations (cls;
+    fasttest) are docs/evaluation.md's commands, equal to SentEval's too."""
+    minilm, folder = MODELS / "minilm", REAL_STS / "downstream" / "probing"
+    need(minilm / "model.safetensors", *(folder / f for f in PROBING_SAMPLE))
+    found = {f: [sum(l.startswith(f"{s}\t") for l in (folder / f).read_text().splitlines())
+                 for s in ("tr", "va", "te")] for f in PROBING_SAMPLE}
+    if found != PROBING_SAMPLE:
+        why = (f"SentEval's numbers here are for a sample of its probing files, lines per split "
+               f"{PROBING_SAMPLE}; {folder} holds {found}")
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    out = tmp_path / "r.json"
+    proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
+               "--tasks", "probing", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].split() == ["SentLen", "TreeDepth", "CoordInv"]
+    r = json.loads(out.read_text())
+    got = {t: v["acc"] for t, v in r["probing"].items()}
+    assert r["transfer_mode"] == "test"
+    assert got == pytest.approx(SENTEVAL_PROBING["avg", "test"], abs=0.25)
 # ---------------------------------------------------------------- eval_sts.py: retrieval --------
 # BeLLM Table 5's task on a file whose answers are known: a caption "... <angle>" is embedded as
 # (cos, sin) of its angle in degrees, so cosine similarity falls with the angle between captions
@@ -2588,6 +2921,15 @@ def malformed_sts12(c):
     c.sts = bad
 
 
+def malformed_probing(c):  # SentEval's probing files, line 3 of tree_depth.txt without its tabs
+    bad = c.tmp / "probing_sts"
+    shutil.copytree(c.sts, bad)
+    f = write_probing(bad) / "downstream" / "probing" / "tree_depth.txt"
+    lines = f.read_text().split("\n")
+    f.write_text("\n".join(lines[:2] + [lines[2].replace("\t", " ")] + lines[3:]))
+    c.sts = bad
+
+
 SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
                       "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
                       "--max-steps", 2,
@@ -2676,6 +3018,11 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
      lambda c: (c.run / "model.safetensors").unlink()),
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
+    ("eval_sts", lambda c: EV(c, "--tasks", "STS-B,probing"),
+     ["probing/sentence_length.txt", "data/probing of github.com/facebookresearch/SentEval"],
+     None),
+    ("eval_sts", lambda c: EV(c, "--tasks", "Depth"), ["tree_depth.txt, line 3", "malformed"],
+     malformed_probing),
     ("eval_sts", lambda c: EV(c, "--exact", "--batch-size", "0"), ["--batch-size", ">= 1"], None),
     ("eval_sts", lambda c: EV(c, "--json", c.tmp), ["--json"], None),
     ("eval_sts", lambda c: EV(c, "--plot", c.tmp / "f.png"), ["--plot", "add --align-uniform"],
