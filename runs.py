@@ -166,10 +166,9 @@ def write_curve(out_dir, entries):
         _save_failed(path, e)
 
 
-def read_curve(run_dir, upto=None, fix=None):
-    """The entries of RUN_DIR/dev.jsonl with step <= upto (all: None); [] when there is none. A
-    damaged file (a line that is not {"step": int, "metric": str, "score": number}) is one line
-    naming it and fix."""
+def read_curve(run_dir, fix=None):
+    """The entries of RUN_DIR/dev.jsonl; [] when there is none. A damaged file (a line that is not
+    {"step": int, "metric": str, "score": number}) is one line naming it and fix."""
     path = os.path.join(run_dir, CURVE)
     if not os.path.isfile(path):
         return []
@@ -184,8 +183,7 @@ def read_curve(run_dir, upto=None, fix=None):
                 and isinstance(e.get("score"), (int, float)) and not isinstance(e["score"], bool)):
             common.die(f"{path} is damaged (line {i} is not "
                        '{"step": N, "metric": NAME, "score": X}): ' + fix)
-        if upto is None or e["step"] <= upto:
-            entries.append(e)
+        entries.append(e)
     return entries
 
 

@@ -57,7 +57,7 @@ p.add_argument("--analyze", action="store_true", help="no training: eqs. 1-2 per
                "--model on STS-B test (sscl_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw Figs. 1, 4 (and 5)")
 p.add_argument("--sentence", help="--analyze: this sentence's last-layer token cosines (Fig. 5)")
-p.add_argument("--convergence", action="store_true", help="--analyze: the runs' dev.jsonl (Fig. 6)")
+p.add_argument("--convergence", action="store_true", help="--analyze: Fig. 6, the runs' dev curves")
 common.show_ranges(p)
 
 

@@ -874,13 +874,25 @@ def test_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothin
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
                                  steps=6, eval_steps=1)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
-    out, fired = tmp_path / "killed", 0
-    for _ in range(3):
-        resume = ["--resume"] if (out / runs.CKPT).exists() else []
-        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.3"})
-        fired += kill_when(proc, out, (runs.CURVE + ".tmp",))
-        runs.read_curve(out)  # whole: every line parses
-    assert fired == 3
+    out = tmp_path / "killed"
+    ckpt, tmp = out / runs.CKPT, out / (runs.CURVE + ".tmp")
+    for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
+                 lambda: ckpt.exists() and tmp.exists(),
+                 # inside the save after it: the curve is one step ahead of the checkpoint
+                 lambda: ckpt.exists() and any((out / n).exists() for n in (
+                     runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))):
+        resume = ["--resume"] if ckpt.exists() else []
+        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
+        t0 = time.time()
+        while proc.poll() is None and not when() and time.time() - t0 < 300:
+            time.sleep(0.005)
+        assert proc.poll() is None, "the run ended before the kill"
+        proc.kill()
+        proc.wait()
+        runs.settle(out)  # as any command of ours that opens the folder
+        steps = [e["step"] for e in runs.read_curve(out)]  # whole: every line parses
+        assert steps == list(range(len(steps))) and len(steps) - 1 in (
+            weights(out, "step"), weights(out, "step") + 1), steps
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     assert curve_of(out) == curve_of(tmp_path / "whole")
 
