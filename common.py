@@ -329,11 +329,30 @@ def show_ranges(parser):
     return parser
 
 
-def load_pretrained(cls, name, **kw):
+def load_pretrained(cls, name, num_layers=None, **kw):
     """cls.from_pretrained(name), or one line naming the broken file and what to do
-    (runs.load_pretrained: the one place where models and run folders are read)."""
+    (runs.load_pretrained: the one place where models and run folders are read). num_layers: the
+    model cut to its first N layers (SSCL Table 1; check_num_layers first): transformers builds
+    num_hidden_layers = N layers and loads their weights; those of the layers above are dropped,
+    unreported. Saved, it is an N-layer model for every loader."""
     import runs
-    return runs.load_pretrained(cls, name, **kw)
+    if not num_layers:
+        return runs.load_pretrained(cls, name, **kw)
+    import transformers
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report would list each dropped weight
+    try:
+        return runs.load_pretrained(cls, name, num_hidden_layers=num_layers, **kw)
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def check_num_layers(num_layers, config, name, flag="--num-layers"):
+    """A cut keeps 1 to all of the model's layers (None: no cut)."""
+    n = config.num_hidden_layers
+    if num_layers is not None and not 1 <= num_layers <= n:
+        die(f"{flag} {num_layers}: '{name}' has {n} layers (num_hidden_layers in its "
+            f"config.json): pass 1 to {n}")
 
 
 def positions(config):
@@ -359,9 +378,10 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
     return max_len
 
 
-def check_encoder(name, max_len, flag="--model"):
+def check_encoder(name, max_len, flag="--model", num_layers=None):
     """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
-    position embeddings hold max_len tokens. -> its config."""
+    position embeddings hold max_len tokens, and that has num_layers layers to keep. -> its config
+    (num_hidden_layers: the kept layers)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
     config = load_pretrained(AutoConfig, name)
@@ -369,6 +389,8 @@ def check_encoder(name, max_len, flag="--model"):
         die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
             f"BERT-like model (bert, roberta, ...) as {flag}")
     check_max_len(max_len, config, name)
+    check_num_layers(num_layers, config, name)
+    config.num_hidden_layers = num_layers or config.num_hidden_layers
     return config
 
 
@@ -607,6 +629,19 @@ def sts_sentences(data, task, split):
 def stsb_dev(encode, data):
     """STS-B dev, Spearman x 100: the score that selects the checkpoint during training."""
     return evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
+
+
+def dev_score(select_on, data):
+    """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
+    stsb: STS-B dev (stsb_dev, the papers'); transfer: the mean dev accuracy x 100 of SentEval's 7
+    transfer tasks in fasttest mode (eval_sts.transfer_dev; SimCSE's and SSCL's trainers,
+    `eval_avg_transfer`), whose files are read now, so that a missing one stops the run at once."""
+    if select_on == "stsb":
+        return "stsb_dev", stsb_dev
+    import eval_sts  # here, not at the top: eval_sts imports this module
+    for task in eval_sts.TRANSFER:
+        eval_sts.load_transfer(data, task)
+    return "transfer_dev", eval_sts.transfer_dev
 
 
 def format_table(results):

@@ -435,6 +435,15 @@ def format_probing(results):
             + " ".join(f"{results[t]['acc']:9.2f}" for t in names))
 
 
+def transfer_dev(encode, data):
+    """The mean dev accuracy (x 100) of SentEval's 7 transfer tasks in fasttest mode: the score
+    on which SSCL's example script selects its checkpoint (`--metric_for_best_model
+    eval_avg_transfer`: SimCSE's trainer runs SentEval with kfold 5, RMSprop, batch 128, tenacity 3,
+    epoch size 2 and averages the tasks' `devacc`). sscl.py --select-on transfer."""
+    results, _ = evaluate_transfer(encode, data, TRANSFER, "fasttest")
+    return sum(results[t]["devacc"] for t in TRANSFER) / len(TRANSFER)
+
+
 # ---------------------------------------------------------------- alignment and uniformity ------
 def align_uniform(encode, data, split="test"):
     """(alignment, uniformity) of the normalised embeddings on STS-B (Wang & Isola 2020, eqs. in
@@ -742,6 +751,9 @@ p.add_argument("--pooler", default=["cls"], nargs="+",
                     "pooler = BERT's pooler output, last = a decoder's last token after --prompt "
                     "(BeLLM, zero-shot); ignored for our runs, whose sentemb.json decides; "
                     "one for all models, or one per model")
+p.add_argument("--num-layers", type=common.POS_INT, default=None,
+               help="a plain HF model cut to its first N layers, as sscl.py --num-layers trains "
+                    "it (SSCL Table 1); the last kept layer is pooled")
 p.add_argument("--prompt", default='The representative word for {sentence} is:"',
                help="with --pooler last: the prompt around each sentence (BeLLM §3.3)")
 p.add_argument("--data-dir", default=None,
@@ -797,12 +809,14 @@ p.add_argument("--quiet", action="store_true",
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
 common.show_ranges(p)
 
-def hf_encoder(name, pooler, max_len, device):
+def hf_encoder(name, pooler, max_len, device, num_layers=None):
     """encode(list[str]) -> (N, H) for a plain Hugging Face encoder with the usual poolings
-    (SimCSE's names)."""
+    (SimCSE's names); num_layers: cut to its first N layers (common.load_pretrained)."""
     from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
-    model = common.load_pretrained(AutoModel, name, strict=pooler == "pooler").to(device).eval()
+    model = common.load_pretrained(AutoModel, name, num_layers=num_layers,
+                                   strict=pooler == "pooler")
+    model = model.to(device).eval()
     max_len = min(max_len, common.positions(model.config) or max_len)
 
     def embed(batch):  # batch: input_ids, attention_mask (b, L)
@@ -823,9 +837,11 @@ def hf_encoder(name, pooler, max_len, device):
     return common.encoder(embed, tok, max_len, device)  # no gradients, autocast on CUDA
 
 
-def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=None):
+def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=None,
+                 num_layers=None):
     """Our run folder (sentemb.json) -> its method's encoder; anything else -> a plain HF
-    encoder. cut: a token limit for every kind (a run folder's own is its sentemb.json's)."""
+    encoder. cut: a token limit for every kind (a run folder's own is its sentemb.json's);
+    num_layers: a plain encoder's first N layers (check_num_layers)."""
     device = device or common.pick_device()
     # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
     if pooler == "last":
@@ -834,7 +850,7 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=
         return importlib.import_module("bellm").load_encoder(None, meta, device)
     if os.path.isdir(name) and (meta := runs.read_meta(name)) is not None:  # checks every file
         return runs.load_run(name, {**meta, "max_len": cut} if cut else meta, device)
-    return hf_encoder(name, pooler, cut or max_len, device)
+    return hf_encoder(name, pooler, cut or max_len, device, num_layers)
 
 
 def one_each(poolers, names):
@@ -846,13 +862,13 @@ def one_each(poolers, names):
 
 
 def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None, cut=None,
-                  size=None):
+                  size=None, num_layers=None):
     """encode(list[str]) -> (N, H): the SUM of the members' embeddings, as JTCSE's twin sums its
     towers' CLS (its +UC rows, Table I, add an existing encoder). Each member loads as
     load_encoder loads it: a run folder of ours with its own pooling, a plain model with its entry
     of `poolers` (one entry: the same for all). One member: that member's encode. size: (H, whose)
     when the embedding must have H dimensions."""
-    members = [load_encoder(n, q, max_len, device, prompt, cut)
+    members = [load_encoder(n, q, max_len, device, prompt, cut, num_layers)
                for n, q in zip(names, one_each(poolers, names))]
     sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
     if len(set(sizes + [size[0]] if size else sizes)) > 1:
@@ -865,6 +881,18 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
     def encode(sentences):
         return sum(m(sentences).float() for m in members)  # (N, H)
     return encode
+
+
+def check_num_layers(num_layers, names, poolers):
+    """--num-layers, before any work: plain encoders only (a run folder holds the layers it was
+    trained with: sscl.py --num-layers saves the cut model), each with that many layers."""
+    from transformers import AutoConfig
+    for name, pooler in zip(names if num_layers else [], poolers):
+        if pooler == "last" or os.path.isdir(name) and runs.read_meta(name) is not None:
+            common.die(f"--num-layers cuts a plain Hugging Face encoder, and '{name}' is "
+                       f"{'a decoder (--pooler last)' if pooler == 'last' else 'a run folder'}: "
+                       "drop --num-layers (a run of sscl.py --num-layers is saved cut)")
+        common.check_num_layers(num_layers, common.load_pretrained(AutoConfig, name), name)
 
 
 def main():
@@ -880,6 +908,7 @@ def main():
         common.die(f"--json holds one model's results and --model got {len(a.model)}: pass one "
                    "--model, add --ensemble, or run once per model")
     poolers = one_each(a.pooler, a.model)
+    check_num_layers(a.num_layers, a.model, poolers)
     figures.check(a.plot)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
     if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent)
@@ -925,7 +954,7 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=()
     dict (results, transfer, probing, mteb, align, uniform, seconds)."""
     t0 = time.perf_counter()
     names, poolers = zip(*members)
-    encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt)
+    encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt, num_layers=a.num_layers)
     name = " + ".join(names)
     out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):

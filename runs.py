@@ -140,6 +140,53 @@ def finish_save(out_dir):
     shutil.rmtree(pending)
 
 
+# ---------------------------------------------------------------- the dev curve -----------------
+# OUT_DIR/dev.jsonl: one line per dev evaluation of the run, {"step", "metric", "score"}, in step
+# order (SSCL Fig. 6 draws it: sscl.py --analyze --convergence). Rewritten whole at every
+# evaluation, before the save of that step (a temporary file, fsync, one rename), so that a kill
+# leaves the old curve or the new one; --resume drops the entries past the step it resumes from
+# (a kill after the curve's write and before the checkpoint's), and evaluates them again.
+CURVE = "dev.jsonl"
+
+
+def write_curve(out_dir, entries):
+    """OUT_DIR/dev.jsonl = entries, atomically."""
+    path = os.path.join(out_dir, CURVE)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in entries))
+            f.flush()
+            _pause()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync(out_dir)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        _save_failed(path, e)
+
+
+def read_curve(run_dir, fix=None):
+    """The entries of RUN_DIR/dev.jsonl; [] when there is none. A damaged file (a line that is not
+    {"step": int, "metric": str, "score": number}) is one line naming it and fix."""
+    path = os.path.join(run_dir, CURVE)
+    if not os.path.isfile(path):
+        return []
+    fix = fix or "delete it (the curve restarts) or copy the run folder again"
+    entries = []
+    for i, line in enumerate(common.read_text(path).splitlines(), 1):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if not (isinstance(e, dict) and _int(0)(e.get("step")) and isinstance(e.get("metric"), str)
+                and isinstance(e.get("score"), (int, float)) and not isinstance(e["score"], bool)):
+            common.die(f"{path} is damaged (line {i} is not "
+                       '{"step": N, "metric": NAME, "score": X}): ' + fix)
+        entries.append(e)
+    return entries
+
+
 _held = {}  # real path -> open lock file, for the run folders this process holds
 
 
@@ -638,6 +685,7 @@ class Run:
         # torchrun: one process per GPU
         self.rank, self.world, self.device = common.init_distributed()
         self.state, self.step, self.best, self._lr, self._stop = None, 0, -float("inf"), None, None
+        self.curve = []  # the dev curve so far (dev.jsonl)
 
     def open(self, inputs, total):
         """Lock --output-dir (refusing to overwrite an input model or another run) and, with
@@ -649,9 +697,20 @@ class Run:
             self.state = load_state(path, self.method, self.args, self.device)
             complete(self.state, total, self.args.output_dir)
             self.step, self.best = self.state["step"], self.state["best"]
+            self.curve = self.resume_curve() if self.rank == 0 else []
         resumed = self.state and not given("--lr")
         self._lr = self.state["args"]["lr"] if resumed else self.args.lr
         return self._lr
+
+    def resume_curve(self):
+        """--resume: dev.jsonl's entries up to the resumed step; the file is rewritten at once
+        when it holds later ones (evaluated after the checkpoint, which a kill then prevented)."""
+        fix = "delete it to resume with the curve restarting here, or copy the run folder again"
+        curve = read_curve(self.args.output_dir, fix=fix)
+        kept = [e for e in curve if e["step"] <= self.step]
+        if len(kept) < len(curve):
+            write_curve(self.args.output_dir, kept)
+        return kept
 
     def log(self, msg):
         if self.rank == 0:
@@ -751,8 +810,11 @@ class Run:
         """Rank 0 writes the training state (state + method, args, step, best, RNGs) to
         checkpoint.pt and, when dev is a new best, the model too (write(folder), and sentemb.json =
         meta), atomically, as one; weights that are no longer finite are never saved. All ranks
-        wait. With dev: a log line."""
+        wait. With dev: first the dev curve (dev.jsonl: step, metric, score), then a log line."""
         if self.rank == 0:
+            if dev is not None:
+                self.curve.append({"step": self.step, "metric": metric, "score": dev})
+                write_curve(self.args.output_dir, self.curve)
             new_best = dev is not None and dev > self.best
             self.best = dev if new_best else self.best
             full = {**state, "method": self.method, "args": {**run_args(self.args), "lr": self._lr},

@@ -12,6 +12,7 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   h^M = hidden_states[M], pooled as h        SentenceEncoder
   one step: two dropout views, the loss      train_step
   eqs. 1-2, Figs. 1, 4, 5 (--analyze)        sscl_analysis.py
+  Table 1: the first N layers (--num-layers); Table 3: --select-on transfer; Fig. 6: --convergence
 
   python sscl.py --layer 11     # the paper: BERT-base, wiki1m, 1 epoch (GPU); 10,11: Progressive
   python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
@@ -45,12 +46,18 @@ p.add_argument("--no-aug", action="store_true", help="SSCL-BERT (Table 2): no dr
 p.add_argument("--proj-dim", type=common.NONNEG_INT, default=0,
                help="a linear projection to this size, kept at evaluation (Table 5); 0 = none")
 p.add_argument("--temp", type=common.POS_FLOAT, default=0.05, help="tau (paper: 0.05)")
+p.add_argument("--num-layers", type=common.POS_INT, help="the encoder cut to its first N "
+               "layers, trained and saved so (Table 1: 10 of BERT-base's 12); default: all")
+p.add_argument("--select-on", default="stsb", choices=["stsb", "transfer"], help="the dev score "
+               "that picks the checkpoint: STS-B (paper); transfer: the 7 transfer tasks' mean dev "
+               "accuracy, SentEval fasttest (the authors' script, Table 3; docs/sscl.md, detail 8)")
 p.add_argument("--objective", default="paper", choices=["paper", "authors"],
                help="paper: eq. 4; authors: the authors' code (docs/sscl.md, details 2, 3, 5)")
 p.add_argument("--analyze", action="store_true", help="no training: eqs. 1-2 per layer of each "
                "--model on STS-B test (sscl_analysis.py)")
 p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw Figs. 1, 4 (and 5)")
 p.add_argument("--sentence", help="--analyze: this sentence's last-layer token cosines (Fig. 5)")
+p.add_argument("--convergence", action="store_true", help="--analyze: Fig. 6, the runs' dev curves")
 common.show_ranges(p)
 
 
@@ -166,6 +173,7 @@ def main():
 
     # data: every step's sentences drawn from the seed; the STS files read once, now
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
+    metric, dev_score = common.dev_score(a.select_on, data)  # the score that picks the checkpoint
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
@@ -173,7 +181,8 @@ def main():
 
     common.seed_everything(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
-    encoder = SentenceEncoder(common.load_pretrained(AutoModel, a.model), a.pooler, a.proj_dim)
+    bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)  # Table 1: cut
+    encoder = SentenceEncoder(bert, a.pooler, a.proj_dim)
     model = run.wrap(encoder.to(run.device))  # DDP under torchrun
     eval_len = common.positions(encoder.bert.config)  # evaluation does not truncate (SimCSE)
     encode = make_encode(encoder, tokenizer, eval_len, run.device)
@@ -202,13 +211,14 @@ def main():
                 run.log_step(f"loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}", per_step)
         halt = run.stopping()  # SIGINT/SIGTERM on any rank: save this step, then stop
         evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if evaluate or halt:  # the training state; with a new best STS-B dev, the model too
-            dev = run.evaluate(encoder, common.stsb_dev, encode, data) if evaluate else None
+        if evaluate or halt:  # the training state; with a new best dev score, the model too
+            dev = run.evaluate(encoder, dev_score, encode, data) if evaluate else None
             state = {"encoder": encoder.state_dict(), "opt": opt.state_dict(),
                      "sched": sched.state_dict()}
             write = functools.partial(save_model, encoder, tokenizer, eval_len)
-            run.save(state, params, dev, write, pooler=a.pooler, proj_dim=a.proj_dim, step=step,
-                     max_len=eval_len, layers=layers, objective=a.objective, stsb_dev=dev)
+            run.save(state, params, dev, write, metric, pooler=a.pooler, proj_dim=a.proj_dim,
+                     max_len=eval_len, layers=layers, objective=a.objective, select_on=a.select_on,
+                     num_layers=bert.config.num_hidden_layers, step=step, **{metric: dev})
         if halt:
             break
     run.end()  # the peak memory; after a signal: exit, saying how to resume
@@ -218,8 +228,8 @@ def main():
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2). -> the layers M."""
-    if a.plot or a.sentence:
-        common.die("--plot and --sentence draw the analysis: add --analyze (no training)")
+    if a.plot or a.sentence or a.convergence:
+        common.die("--plot, --sentence and --convergence draw the analysis: add --analyze")
     if len(a.model) > 1:
         common.die(f"--model got {len(a.model)} models: training takes one (several: --analyze)")
     a.model = a.model[0]
@@ -228,7 +238,7 @@ def check_args(a, world):
     if a.objective == "authors" and a.no_aug:
         common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
                    "dropout views): use it with --objective paper")
-    config = common.check_encoder(a.model, a.max_len)  # BERT-like: bert, roberta, ...
+    config = common.check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
     return parse_layers(a.layer, config.num_hidden_layers)
 
 

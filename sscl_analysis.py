@@ -1,10 +1,12 @@
 """SSCL's analyses, no training (run them as `sscl.py --analyze`): for each --model, eq. 1
 token-wise similarity and eq. 2 inter-layer similarity per layer on the STS-B test sentences
 (Fig. 1, Fig. 4), and with --sentence the last layer's token-by-token cosines of one sentence
-(Fig. 5); --plot draws them.
+(Fig. 5); --plot draws them. With --convergence instead: the dev curves that training recorded
+in run folders (dev.jsonl), against steps (Fig. 6).
 
   python sscl.py --analyze --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse runs/sscl \\
       --sentence "A man is playing a guitar." --plot fig.png
+  python sscl.py --analyze --convergence --model runs/simcse runs/sscl --plot fig6.png
 """
 import os
 
@@ -14,6 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 
 import common
 import figures
+import runs
 
 
 @torch.no_grad()
@@ -56,7 +59,10 @@ def over_smoothing(name, a, sents, device):
 
 def analyze(a, device):
     """Prints eqs. 1-2 per layer for each --model; --plot draws Fig. 1 (eq. 2) and Fig. 4 (eq. 1)
-    with one line per model, and with --sentence a Fig. 5 heat map per model."""
+    with one line per model, and with --sentence a Fig. 5 heat map per model. --convergence:
+    Fig. 6 instead."""
+    if a.convergence:
+        return convergence(a)
     figures.check(a.plot)
     rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
     sents = sorted({s for r in rows for s in r[:2]})
@@ -84,3 +90,36 @@ def analyze(a, device):
                     labels=r[2][1], vmin=-1, vmax=1, cbar="cosine", xlabel="token", ylabel="token")
                for m, r in res.items() if r[2]]
     figures.draw(a.plot, panels, f"Over-smoothing on STS-B test ({len(sents)} sentences)")
+
+
+def convergence(a):
+    """Fig. 6: the dev curve of each --model run folder (its dev.jsonl: the score of every dev
+    evaluation of training, any of our scripts), printed as one table, step by step; --plot draws
+    the curves against steps, one panel per dev metric (stsb_dev, transfer_dev, ...)."""
+    figures.check(a.plot)
+    curves = {}
+    for m in a.model:
+        curves[m] = runs.read_curve(m) if os.path.isdir(m) else []
+        if not curves[m]:
+            common.die(f"'{m}' holds no dev curve ({runs.CURVE}): --convergence takes run folders "
+                       "of sscl.py, jtcse.py or bellm.py, trained with this version")
+    short = [os.path.basename(os.path.normpath(m)) for m in a.model]
+    label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
+    score = {m: {e["step"]: e["score"] for e in c} for m, c in curves.items()}
+    metrics = {m: sorted({e["metric"] for e in c}) for m, c in curves.items()}
+    print("Fig. 6: dev score against training steps (" + "; ".join(
+        f"{label[m]}: {', '.join(metrics[m])}" for m in a.model) + ")")
+    width = max(9, *map(len, label.values()))
+    print(f"{'step':>6} " + " ".join(f"{label[m]:>{width}}" for m in a.model))
+    for step in sorted({s for sc in score.values() for s in sc}):
+        print(f"{step:6d} " + " ".join(f"{score[m][step]:{width}.2f}" if step in score[m]
+                                       else " " * (width - 1) + "-" for m in a.model))
+    if not a.plot:
+        return
+    panels = [dict(kind="lines", title=f"Fig. 6: convergence ({metric})", xlabel="training step",
+                   ylabel=f"{metric} (x 100)",
+                   series={label[m]: tuple(zip(*[(e["step"], e["score"]) for e in c
+                                                 if e["metric"] == metric]))
+                           for m, c in curves.items() if metric in metrics[m]})
+              for metric in sorted({x for ms in metrics.values() for x in ms})]
+    figures.draw(a.plot, panels, "Dev score during training", ncols=len(panels))

@@ -1092,6 +1092,190 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out)), "--resume")
 
 
+# ---- SSCL Table 1 (--num-layers), Table 3 (--select-on transfer), Fig. 6 (dev.jsonl) ----
+def test_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(bert_dir):
+    """The encoder cut to its first k layers (common.load_pretrained num_layers, which sscl.py and
+    eval_sts.py load with): its last hidden state is the stock model's hidden_states[k], bit for
+    bit, before pooling; k = all layers is the stock model (every weight and output); eval_sts.py's
+    plain encoder pools the same hidden state."""
+    from transformers import AutoTokenizer
+    tok, stock = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
+    batch = common.tokenize(tok, SENTS[:4], 64, torch.device("cpu"))
+    with torch.no_grad():
+        want = stock(**batch, output_hidden_states=True)
+        for k in (1, 2, 3, 4):
+            cut = common.load_pretrained(AutoModel, bert_dir, num_layers=k).eval()
+            assert cut.config.num_hidden_layers == k and len(cut.encoder.layer) == k
+            got = cut(**batch)
+            assert torch.equal(got.last_hidden_state, want.hidden_states[k]), k
+            encode = eval_sts.hf_encoder(str(bert_dir), "cls", 64, torch.device("cpu"), k)
+            torch.testing.assert_close(encode(SENTS[:4]), want.hidden_states[k][:, 0])
+    # all 4 layers: the stock model, weights and outputs (its pooler too)
+    assert cut.state_dict().keys() == stock.state_dict().keys()
+    assert all(torch.equal(v, stock.state_dict()[n]) for n, v in cut.state_dict().items())
+    assert torch.equal(got.pooler_output, want.pooler_output)
+    # and sscl.py's layer-M negatives of a cut encoder are the stock model's hidden_states[M]
+    enc = sscl.SentenceEncoder(common.load_pretrained(AutoModel, bert_dir, num_layers=3), "cls")
+    with torch.no_grad():
+        z, (z1,) = enc.eval()(batch, [1])
+    assert torch.equal(z, want.hidden_states[3][:, 0])
+    assert torch.equal(z1, want.hidden_states[1][:, 0])
+
+
+def curve_of(out):
+    return [json.loads(line) for line in (out / runs.CURVE).read_text().splitlines()]
+
+
+def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """dev.jsonl holds one {step, metric, score} per dev evaluation, the scores the log prints. A
+    kill after the curve's write and before the checkpoint's leaves an entry past the checkpoint:
+    --resume drops it at once and evaluates that step again, so no step is listed twice. A write
+    that fails leaves the old file whole (a temporary file, then one rename)."""
+    out = tmp_path / "r"
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=4))
+    assert code == 0, err
+    curve = curve_of(out)
+    assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
+    assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
+    # what a kill between the two writes of step 6 leaves, then --resume to step 6
+    (out / runs.CURVE).write_text((out / runs.CURVE).read_text()
+                                  + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
+    monkeypatch.setattr(runs.Run, "steps", lambda self, total: iter(()))  # open() only
+    main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+                                                  "--no-final-eval", steps=6))
+    assert curve_of(out) == curve  # dropped at once, before any step
+    monkeypatch.undo()
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=6))
+    assert code == 0, err
+    again = curve_of(out)
+    assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
+    assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
+    # a write cut short (here: the rename fails) keeps the old curve, and says so
+    before = (out / runs.CURVE).read_bytes()
+    monkeypatch.setattr(runs.os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(SystemExit):
+        runs.write_curve(out, again + again)
+    monkeypatch.undo()
+    assert "dev.jsonl" in capsys.readouterr().err
+    assert (out / runs.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
+
+
+def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, train_txt, tmp_path,
+                                                                    capsys, monkeypatch):
+    """--select-on transfer: every dev evaluation is the mean fasttest dev accuracy of the 7
+    transfer tasks (eval_sts.transfer_dev), logged, in dev.jsonl, and the checkpoint kept is the
+    best of them: eval_sts.py's transfer_dev of the saved run gives the recorded score again."""
+    write_sts(tmp_path)
+    data = write_transfer(tmp_path)
+    out = tmp_path / "r"
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, tmp_path, out, "--no-final-eval", "--select-on", "transfer",
+        "--lr", "1e-3", steps=4))
+    assert code == 0, err
+    curve = curve_of(out)
+    assert [(e["step"], e["metric"]) for e in curve] == [(s, "transfer_dev") for s in (0, 2, 4)]
+    assert "stsb_dev" not in log and len(re.findall(r"transfer_dev \S+", log)) == 3
+    meta = json.loads((out / common.META).read_text())
+    best = max(curve, key=lambda e: e["score"])  # the first of equal scores: a new best must beat
+    assert best["step"] not in (0, 4)  # the selection picked a middle step, not the first or last
+    assert (meta["select_on"], meta["step"], meta["transfer_dev"]) == (
+        "transfer", best["step"], best["score"]) and "stsb_dev" not in meta
+    encode = eval_sts.load_encoder(str(out), device=torch.device("cpu"))
+    results, _ = eval_sts.evaluate_transfer(encode, str(data), eval_sts.TRANSFER, "fasttest")
+    assert set(results) == set(eval_sts.TRANSFER)
+    assert eval_sts.transfer_dev(encode, str(data)) == pytest.approx(best["score"], abs=1e-9) == \
+        pytest.approx(sum(r["devacc"] for r in results.values()) / 7, abs=1e-9)
+
+
+def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys, monkeypatch):
+    """sscl.py --analyze --convergence: each run folder's dev.jsonl, one column a run, one row a
+    step ('-' where a run has no evaluation); --plot draws one panel per metric."""
+    for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
+                       ("sscl", [(0, 79.73), (25, 82.0), (50, 83.55)])):
+        (tmp_path / name).mkdir()
+        runs.write_curve(tmp_path / name, [{"step": s, "metric": "stsb_dev", "score": v}
+                                            for s, v in rows])
+    pytest.importorskip("matplotlib")
+    code, log, err = main_of(sscl, capsys, monkeypatch, "--analyze", "--convergence", "--model",
+                             tmp_path / "simcse", tmp_path / "sscl", "--plot", tmp_path / "f.png")
+    assert code == 0, err
+    table = [l.split() for l in log.splitlines() if re.match(r"\s*(step|\d+)\s", l)]
+    assert table == [["step", "simcse", "sscl"], ["0", "79.73", "79.73"], ["25", "-", "82.00"],
+                     ["50", "83.64", "83.55"], ["100", "83.77", "-"]]
+    assert png_size(tmp_path / "f.png") == (810, 630)
+
+
+@pytest.mark.slow
+def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir, tmp_path):
+    """sscl.py --num-layers 2 saves the cut model itself (config.json: 2 layers), so eval_sts.py,
+    AutoModel and sentence-transformers load it as trained. With a learning rate too small to move
+    a weight, the run is the stock model cut: its embeddings and dev score equal eval_sts.py
+    --num-layers 2 on the stock model."""
+    out = tmp_path / "run"
+    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--num-layers", 2,
+                                     "--lr", "1e-30", "--no-final-eval", layer=1))
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / common.META).read_text())
+    assert meta["num_layers"] == 2 and json.loads((out / "config.json").read_text())[
+        "num_hidden_layers"] == 2 and AutoModel.from_pretrained(out).config.num_hidden_layers == 2
+    cpu = torch.device("cpu")
+    ours = eval_sts.load_encoder(str(out), device=cpu)(SENTS)
+    torch.testing.assert_close(ours, eval_sts.hf_encoder(str(bert_dir), "cls", 512, cpu, 2)(SENTS))
+    ev = run("eval_sts.py", "--model", bert_dir, "--num-layers", 2, "--data-dir", sts_dir,
+             "--tasks", "STS-B", "--split", "dev")
+    assert ev.returncode == 0, ev.stderr
+    assert f"{float(ev.stdout.split()[2]):.2f}" == re.findall(r"best (\S+)\)", proc.stdout)[-1]
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
+ours = eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothing(
+        run_templates, bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """Each script's run folder holds dev.jsonl, one entry per logged dev evaluation. SIGKILL while
+    the curve is written (SENTEMB_SAVE_PAUSE holds it open) leaves the previous curve whole, and
+    --resume ends with the uninterrupted run's curve, each step once."""
+    for method, folder in run_templates.items():
+        curve = runs.read_curve(folder)
+        steps = [e["step"] for e in curve]
+        assert steps == sorted(set(steps)) and steps[-1] == torch.load(
+            folder / runs.CKPT, weights_only=False)["step"], method
+        assert {e["metric"] for e in curve} == {"stsb_dev"}, method
+    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
+                                 steps=6, eval_steps=1)
+    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
+    out = tmp_path / "killed"
+    ckpt, tmp = out / runs.CKPT, out / (runs.CURVE + ".tmp")
+    for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
+                 lambda: ckpt.exists() and tmp.exists(),
+                 # inside the save after it: the curve is one step ahead of the checkpoint
+                 lambda: ckpt.exists() and any((out / n).exists() for n in (
+                     runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))):
+        resume = ["--resume"] if ckpt.exists() else []
+        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
+        t0 = time.time()
+        while proc.poll() is None and not when() and time.time() - t0 < 300:
+            time.sleep(0.005)
+        assert proc.poll() is None, "the run ended before the kill"
+        proc.kill()
+        proc.wait()
+        runs.settle(out)  # as any command of ours that opens the folder
+        steps = [e["step"] for e in runs.read_curve(out)]  # whole: every line parses
+        assert steps == list(range(len(steps))) and len(steps) - 1 in (
+            weights(out, "step"), weights(out, "step") + 1), steps
+    assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
+    assert curve_of(out) == curve_of(tmp_path / "whole")
+
 # ---------------------------------------------------------------- multi-GPU (torchrun, gloo on CPU)
 def torchrun(script, nproc, *args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run",
@@ -3143,6 +3327,33 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: cut(c.srun / "model.safetensors")),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), [".lock", "delete it"],
      lambda c: ((c.srun / runs.LOCK).unlink(), (c.srun / runs.LOCK).mkdir())),
+    # ---- sscl.py: Table 1 (--num-layers), Table 3 (--select-on), Fig. 6 (dev.jsonl) ----
+    ("sscl", lambda c: SSCL(c, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
+    ("sscl", lambda c: SSCL(c, "--num-layers", "5"), ["--num-layers 5", "has 4 layers",
+                                                      "pass 1 to 4"], None),
+    ("sscl", lambda c: SSCL(c, "--num-layers", "2"), ["--layer 2", "1..1"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--num-layers", "3"),
+     ["--num-layers None", "--num-layers 3"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--select-on", "transfer"),
+     ["--select-on stsb", "--select-on transfer"], lambda c: (
+        shutil.copytree(c.sts, c.tmp / "all"), write_transfer(c.tmp / "all"),
+        setattr(c, "sts", c.tmp / "all"))),
+    ("sscl", lambda c: SSCL(c, "--select-on", "transfer"), ["MR", "--data-dir"], None),
+    ("sscl", lambda c: SSCL(c, "--select-on", "sts"), ["--select-on", "invalid choice"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--max-steps", 3),
+     ["dev.jsonl", "damaged", "line 2", "delete it"],
+     lambda c: (c.run / runs.CURVE).write_text('{"step": 0, "metric": "stsb_dev", "score": 1}\n'
+                                               '{"step": 2, "metric": "stsb_dev"\n')),
+    ("sscl", lambda c: SSCL(c, "--convergence"), ["--convergence", "add --analyze"], None),
+    ("sscl", lambda c: ["--analyze", "--convergence", "--model", c.run, c.bert],
+     ["no dev curve", "run folders"], None),
+    ("eval_sts", lambda c: ES(c, c.plain, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
+    ("eval_sts", lambda c: ES(c, c.plain, "--num-layers", "5"), ["--num-layers 5", "pass 1 to 4"],
+     None),
+    ("eval_sts", lambda c: ES(c, c.srun, "--num-layers", "2"), ["--num-layers", "a run folder"],
+     None),
+    ("eval_sts", lambda c: ES(c, c.plain, "--pooler", "last", "--num-layers", "2"),
+     ["--num-layers", "--pooler last"], None),
     # ---- jtcse.py ----
     ("jtcse", lambda c: JT(c, "--max-len", 200), ["--max-len 200", "128 positions"], None),
     ("jtcse", lambda c: JT(c, "--model-b", c.plain), ["tokenizer.json", "damaged"], lambda c: (
