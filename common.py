@@ -11,6 +11,7 @@ import argparse
 import codecs
 import contextlib
 import csv
+import functools
 import io
 import math
 import os
@@ -635,13 +636,13 @@ def dev_score(select_on, data):
     """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
     stsb: STS-B dev (stsb_dev, the papers'); transfer: the mean dev accuracy x 100 of SentEval's 7
     transfer tasks in fasttest mode (eval_sts.transfer_dev; SimCSE's and SSCL's trainers,
-    `eval_avg_transfer`), whose files are read now, so that a missing one stops the run at once."""
+    `eval_avg_transfer`), whose files are read now, once for the run: a missing one stops it at
+    once, and no dev evaluation reads them again."""
     if select_on == "stsb":
         return "stsb_dev", stsb_dev
     import eval_sts  # here, not at the top: eval_sts imports this module
-    for task in eval_sts.TRANSFER:
-        eval_sts.load_transfer(data, task)
-    return "transfer_dev", eval_sts.transfer_dev
+    loaded = {task: eval_sts.load_transfer(data, task) for task in eval_sts.TRANSFER}
+    return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
 
 
 def format_table(results):

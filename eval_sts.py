@@ -350,13 +350,15 @@ def mrpc_features(a, b):
     return torch.cat([(a - b).abs(), a * b], dim=1)
 
 
-def evaluate_transfer(encode, data, tasks, mode="test", device=None):
+def evaluate_transfer(encode, data, tasks, mode="test", device=None, loaded=None):
     """{task: {"devacc", "acc"}} for SentEval's transfer tasks (or its probing tasks), and the
     seconds spent encoding and classifying. Every distinct sentence of the tasks is encoded once
     (length-bucketed, as for STS); SentEval's batcher gets the same sentences (its word lists joined
-    with spaces) split into per-task, per-split batches."""
+    with spaces) split into per-task, per-split batches. loaded: the tasks' files as already read
+    ({task: load_transfer(data, task)}); else they are read now."""
     device = device or common.pick_device()
-    loaded = {t: load_probing(data, t) if t in PROBING else load_transfer(data, t) for t in tasks}
+    loaded = loaded or {t: load_probing(data, t) if t in PROBING else load_transfer(data, t)
+                        for t in tasks}
     t0 = time.perf_counter()
     embed = common.encode_once(encode, {s for splits in loaded.values()
                                         for texts, _ in splits.values()
@@ -435,12 +437,13 @@ def format_probing(results):
             + " ".join(f"{results[t]['acc']:9.2f}" for t in names))
 
 
-def transfer_dev(encode, data):
+def transfer_dev(encode, data, loaded=None):
     """The mean dev accuracy (x 100) of SentEval's 7 transfer tasks in fasttest mode: the score
     on which SSCL's example script selects its checkpoint (`--metric_for_best_model
     eval_avg_transfer`: SimCSE's trainer runs SentEval with kfold 5, RMSprop, batch 128, tenacity 3,
-    epoch size 2 and averages the tasks' `devacc`). sscl.py --select-on transfer."""
-    results, _ = evaluate_transfer(encode, data, TRANSFER, "fasttest")
+    epoch size 2 and averages the tasks' `devacc`). sscl.py --select-on transfer (loaded: the
+    files, read once for the run: common.dev_score)."""
+    results, _ = evaluate_transfer(encode, data, TRANSFER, "fasttest", loaded=loaded)
     return sum(results[t]["devacc"] for t in TRANSFER) / len(TRANSFER)
 
 
