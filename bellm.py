@@ -240,6 +240,7 @@ def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
         with common.autocast(device, cpu_bf16):
             return common.encode_in_batches(functools.partial(embed, net), tok, texts, max_len,
                                             device, 64)
+    encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
     return encode
 
 
@@ -280,7 +281,7 @@ def main():
     if a.degradation or a.dependency or a.representative_words:  # the analyses, no training
         import bellm_analysis
         return bellm_analysis.main(a, common.pick_device())
-    run = runs.Run(a, "bellm")  # torchrun: this process's rank, the world size, its device
+    run = runs.Run(a, "bellm", p)  # torchrun: this process's rank, the world size, its device
     tasks = check_args(a, run.world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
@@ -311,7 +312,8 @@ def main():
     net = run.wrap(BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy))  # DDP under torchrun
     meta = dict(base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
-                max_len=dec.config.max_position_embeddings)  # evaluation does not cut sentences
+                max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
+                lora_r=a.lora_r, lora_alpha=a.lora_alpha)  # as adapter_config.json says
     encode = make_encoder(dec, tok, meta, run.device, a.bf16)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)

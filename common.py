@@ -41,6 +41,31 @@ def die(msg):
     sys.exit(2)
 
 
+def write_whole(path, write, pause=None):
+    """Replace the file at path whole: write(f) fills a temporary file in the same folder (binary),
+    which is synced and renamed over path, and the folder synced. A kill or a full disk at any
+    instant leaves the old file or the new one, never a mix; on an error the temporary file is
+    removed and the error raised again. pause(): called before the sync (tests aim kills there)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            if pause:
+                pause()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 QUIET = False  # --quiet: no progress bars
 
 
@@ -395,12 +420,15 @@ def check_encoder(name, max_len, flag="--model", num_layers=None):
     return config
 
 
-def check_towers(names, max_len=None, num_cael=None, drop=0):
+def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
     """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
     layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
     tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
-    layer count; a --drop-layernorm within it."""
+    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
+    folder's twin), named in the error line instead of the flag."""
     from transformers import AutoConfig, AutoTokenizer
+    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
+    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
     configs = [load_pretrained(AutoConfig, n) for n in names]
     for name, c in zip(names, configs):
         if c.model_type not in JTCSE_TOWERS:
@@ -415,13 +443,14 @@ def check_towers(names, max_len=None, num_cael=None, drop=0):
         die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values between "
             "equal layers, so pass towers of one architecture")
     if max_len:
-        check_max_len(max_len, configs[0], names[0])
-    if drop > shapes[0][0]:
-        die(f"--drop-layernorm {drop} is more than the {shapes[0][0]} layers of '{names[0]}': "
-            f"pass 0 to {shapes[0][0]}")
-    if num_cael and shapes[0][0] % num_cael:
-        n = shapes[0][0]
-        die(f"--num-cael {num_cael} does not divide the {n} layers: choose one of "
+        check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
+    n = shapes[0][0]
+    if drop > n:
+        die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} layers of "
+            f"'{names[0]}': {fix(f'0 to {n}')}")
+    if num_cael and n % num_cael:
+        die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
+            f"{'choose' if not meta else 'set it to'} one of "
             f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
 
 
@@ -526,6 +555,7 @@ def encoder(embed, tokenizer, max_len, device):
     def encode(sentences):
         with autocast(device):
             return encode_in_batches(embed, tokenizer, sentences, max_len, device)
+    encode.tokenizer, encode.max_len = tokenizer, max_len  # what it reads (eval_sts.py --ensemble)
     return encode
 
 

@@ -819,6 +819,8 @@ def hf_encoder(name, pooler, max_len, device, num_layers=None):
     tok = common.load_pretrained(AutoTokenizer, name)
     model = common.load_pretrained(AutoModel, name, num_layers=num_layers,
                                    strict=pooler == "pooler")
+    if pooler == "pooler":  # before the model runs: a decoder's output has no pooler_output
+        check_pooler(name, model)
     model = model.to(device).eval()
     max_len = min(max_len, common.positions(model.config) or max_len)
 
@@ -833,8 +835,6 @@ def hf_encoder(name, pooler, max_len, device, num_layers=None):
         # SimCSE: hidden_states[1] is the first Transformer layer's output
         if pooler == "avg_first_last":
             return avg((out.hidden_states[1] + out.hidden_states[-1]) / 2)
-        if out.pooler_output is None:
-            common.die(f"'{name}' has no pooler: choose --pooler cls, avg or avg_first_last")
         return out.pooler_output
 
     return common.encoder(embed, tok, max_len, device)  # no gradients, autocast on CUDA
@@ -880,10 +880,33 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
                    f"dimensions{want}: an ensemble sums them, so pass models of one size")
     if len(members) == 1:
         return members[0]
+    # a sum of embeddings of one text, as JTCSE's twin sums its towers': one vocabulary, one limit
+    for n, m in zip(names[1:], members[1:]):
+        if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
+            common.die(f"'{names[0]}' and '{n}' have different tokenizers: an ensemble sums the "
+                       "embeddings of one tokenised sentence (as JTCSE's twin sums its towers'), "
+                       "so pass models that share a vocabulary")
+        if m.max_len != members[0].max_len:
+            common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
+                       f"{m.max_len}: an ensemble sums what its members read of one sentence, so "
+                       "pass models of one maximum length (--max-len sets a plain model's)")
 
     def encode(sentences):
         return sum(m(sentences).float() for m in members)  # (N, H)
     return encode
+
+
+def check_pooler(name, model=None):
+    """--pooler pooler reads BERT's pooler (dense + tanh over CLS): a model without one (a decoder,
+    DistilBERT) is refused. model: the loaded one; else built from the config, without weights."""
+    if model is None:
+        from transformers import AutoConfig, AutoModel
+        config = common.load_pretrained(AutoConfig, name)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+    if getattr(model, "pooler", None) is None:
+        common.die(f"--pooler pooler: '{name}' ({type(model).__name__}) has no pooler: choose "
+                   "--pooler cls, avg or avg_first_last (or last, for a decoder)")
 
 
 def check_num_layers(num_layers, names, poolers):
@@ -912,6 +935,9 @@ def main():
                    "--model, add --ensemble, or run once per model")
     poolers = one_each(a.pooler, a.model)
     check_num_layers(a.num_layers, a.model, poolers)
+    for name, pooler in zip(a.model, poolers):  # a run folder's own sentemb.json decides
+        if pooler == "pooler" and not (os.path.isdir(name) and runs.read_meta(name)):
+            check_pooler(name)
     figures.check(a.plot)
     parent = os.path.dirname(os.path.abspath(a.json or "."))
     if a.json and (os.path.isdir(a.json) or not os.path.isdir(parent)
@@ -1010,12 +1036,8 @@ def write_json(path, out):
     went away) is one line, the results stay on the screen, and an old file at path is kept as it
     was."""
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(path + ".tmp", path)
+        common.write_whole(path, lambda f: f.write(json.dumps(out, indent=2).encode()))
     except OSError as e:
-        if os.path.isfile(path + ".tmp"):
-            os.remove(path + ".tmp")
         kept = "; the old file is kept" if os.path.isfile(path) else ""
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         what = f"{os.path.basename(e.filename or path)}: {e.strerror or e}"

@@ -4,6 +4,7 @@ figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)},
 [(x, y, text)]), "boxes" (groups {label: values}), "heat" (a matrix with its row/column labels;
 colorbar=False: none) or "scatter" (points {label: (x, y)}, each point named in the legend); every
 panel has a title and axis labels."""
+import errno
 import io
 import os
 
@@ -98,10 +99,13 @@ def draw(path, panels, title, ncols=2, size=(5.4, 4.2)):
     buf = io.BytesIO()
     fig.savefig(buf, dpi=150, format="png")
     from PIL import Image  # installed with matplotlib
-    try:  # a 256-colour palette: plots look the same at a third of the size
-        Image.open(buf).convert("RGB").quantize(256).save(path, format="PNG", optimize=True)
+    image = Image.open(buf).convert("RGB").quantize(256)  # a 256-colour palette: a third the size
+    try:  # replaced whole: an older figure at path stays as it was if the write fails
+        common.write_whole(path, lambda f: image.save(f, format="PNG", optimize=True))
     except OSError as e:
-        common.die(f"--plot '{path}': cannot write it ({e.strerror}): "
+        full = "; free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        kept = ", the older file is kept" if os.path.isfile(path) else ""
+        common.die(f"--plot '{path}': cannot write it ({e.strerror or e}{kept}){full}: "
                    "pass a path in a writable folder")
     plt.close(fig)
     print(f"figure written: {path}")

@@ -242,7 +242,7 @@ def main():
     if a.analyze is not None or a.compare:  # eq. 6, Figs. 5, 9, 10, Table VII: no training
         import jtcse_analysis
         return jtcse_analysis.analyze(a, common.pick_device())
-    run = runs.Run(a, "jtcse")  # torchrun: this process's rank, the world size, its device
+    run = runs.Run(a, "jtcse", p)  # torchrun: this process's rank, the world size, its device
     check_args(a, run.world)
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed

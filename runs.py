@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -72,16 +73,8 @@ def save_state(state, out_dir, params):
     _check_finite(params, out_dir)
     path = os.path.join(out_dir, CKPT)
     try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            _pause()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        _fsync(out_dir)
+        common.write_whole(path, lambda f: torch.save(state, f), _pause)
     except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer on a full disk
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
         _save_failed(path, e)
 
 
@@ -152,17 +145,10 @@ CURVE = "dev.jsonl"
 def write_curve(out_dir, entries):
     """OUT_DIR/dev.jsonl = entries, atomically."""
     path = os.path.join(out_dir, CURVE)
+    text = "".join(json.dumps(e) + "\n" for e in entries).encode()
     try:
-        with open(path + ".tmp", "w") as f:
-            f.write("".join(json.dumps(e) + "\n" for e in entries))
-            f.flush()
-            _pause()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        _fsync(out_dir)
+        common.write_whole(path, lambda f: f.write(text), _pause)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
         _save_failed(path, e)
 
 
@@ -258,6 +244,21 @@ def open_run(out_dir, resume, models=(), rank=0):
     return ckpt
 
 
+def unmake_run(out_dir, before, existed):
+    """A new run whose first save failed: the folder as it was before the run (the files it added
+    go: the dev curve, the lock; a folder it made goes too)."""
+    lock = _held.pop(os.path.realpath(out_dir), None)
+    if lock:
+        lock.close()
+    for name in set(os.listdir(out_dir)) - (before or set()):
+        path = os.path.join(out_dir, name)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.rmdir(out_dir)
+
+
 def settle(run_dir):
     """Before reading a run folder: complete a save that a kill cut short after its commit point. If
     a training run holds the folder, it completes its own save within moments: wait for it."""
@@ -294,6 +295,9 @@ def _int(lo):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
+_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+
+
 def _tower(t):  # a tower's folder inside the run folder: "." (a distilled tower) or one plain name
     return isinstance(t, str) and (t == "." or (t not in ("", "..") and os.path.basename(t) == t))
 
@@ -306,9 +310,19 @@ META_KEYS = {  # per method: the keys sentemb.json must hold, and the values eac
               "bi_mode": ("parallel", "sequential").__contains__,
               "prompt": lambda v: isinstance(v, str) and "{sentence}" in v},
 }
-META_OPTIONAL = {"bellm": {"bi_strategy": ("convert", "add").__contains__,
-                           "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1)},
-                 "jtcse": {"drop_layernorm": _int(0)}}
+_score = lambda v: v is None or _number(v)  # noqa: E731
+_strs = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
+META_OPTIONAL = {  # keys that older runs lack (then: the value the flag's default gives)
+    "sscl": {"layers": lambda v: isinstance(v, list) and all(map(_int(1), v)),
+             "objective": ("paper", "authors").__contains__,
+             "select_on": ("stsb", "transfer").__contains__, "num_layers": _int(1),
+             "step": _int(0), "stsb_dev": _score, "transfer_dev": _score},
+    "jtcse": {"drop_layernorm": _int(0), "objective": (None, "paper", "authors").__contains__,
+              "num_cael": lambda v: v is None or _int(0)(v), "step": _int(0), "stsb_dev": _score,
+              "teacher": lambda v: v is None or isinstance(v, str) or _strs(v)},
+    "bellm": {"bi_strategy": ("convert", "add").__contains__,
+              "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1),
+              "lora_r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0}}
 
 
 def _first(e):
@@ -365,7 +379,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def _check_hf_folder(folder, kind, where):
+def _check_hf_folder(folder, kind, where, fix=REFETCH):
     has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
     for f in READS[kind]:
         if os.path.exists(os.path.join(folder, f)):
@@ -385,6 +399,81 @@ def _check_hf_folder(folder, kind, where):
             common.die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
         if weights == "model.safetensors":
             safetensors_keys(os.path.join(folder, weights), where, REFETCH)
+        if weights.startswith("model.safetensors"):
+            check_weights(folder, where, fix)
+
+
+def _shapes(folder):
+    """name -> shape of every tensor in a folder's model.safetensors (or its shards), read from
+    the headers alone."""
+    from safetensors import safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = sorted(set(read_json(index, folder, REFETCH).get("weight_map", {}).values())) \
+        if os.path.isfile(index) else ["model.safetensors"]
+    shapes = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def _own(model, key):
+    """key of a checkpoint as the base model (AutoModel) names it, or None for a head beside it
+    (BERT's cls.*, a causal LM's lm_head.*), which the base model never reads."""
+    children = {n for n, _ in model.named_children()}
+    prefix = model.base_model_prefix + "."
+    if key.startswith(prefix) and key[len(prefix):].split(".")[0] in children:
+        key = key[len(prefix):]
+    return key if key.split(".")[0] in children else None
+
+
+def _layer(key):
+    """The layer index of a per-layer weight (encoder.layer.3.*, layers.3.*), else None."""
+    m = re.search(r"(?:^|\.)layers?\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def check_weights(folder, where, fix=REFETCH):
+    """A local model folder's weights are the model its config.json describes: the model is built
+    from config.json on the meta device (no memory, no weights) and model.safetensors' header must
+    hold no tensor of the model's own modules that it lacks (a config cut to fewer layers than the
+    file holds) and each tensor in the shape it has (hidden size, vocabulary, positions). Heads
+    beside the base model (cls.*, lm_head.*) are never read and not checked; weights the file
+    lacks are refused at load (load_pretrained)."""
+    from transformers import AutoConfig, AutoModel
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+    except Exception:  # an architecture AutoModel cannot build: its loader says why
+        return
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    want.update({k: tuple(v.shape) for k, v in model.named_buffers()})  # non-persistent ones too
+    ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+              or []]
+    odd, wrong = [], []
+    for key, shape in _shapes(folder).items():
+        own = _own(model, key)
+        if own is None or any(r.search(key) for r in ignore):
+            continue
+        if own not in want:
+            odd.append(key)
+        elif want[own] != shape:
+            wrong.append((key, shape, want[own]))
+    said = (f"config.json describes {config.model_type} with {config.num_hidden_layers} layers, "
+            f"hidden size {config.hidden_size}") if hasattr(config, "hidden_size") else \
+        f"config.json describes {config.model_type}"
+    if odd:
+        above = sorted({i for i in map(_layer, odd) if i is not None})
+        which = f"layers {above[0]}..{above[-1]}, " if above else ""
+        common.die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
+                   f"not describe ({which}{odd[0]}{', ...' * (len(odd) > 1)}; {said}): the two "
+                   f"files are of different models; {fix}")
+    if wrong:
+        key, shape, implied = wrong[0]
+        common.die(f"{where}: model.safetensors holds {key} of shape {list(shape)} where "
+                   f"config.json implies {list(implied)} ({len(wrong)} such weights; {said}): "
+                   f"the two files are of different models; {fix}")
 
 
 def check_model(name):
@@ -426,6 +515,13 @@ def load_pretrained(cls, name, strict=False, fresh=None, **kw):
     if fresh and (new := sorted(k for k in info["missing_keys"] if k.startswith(fresh))):
         print(f"note: '{name}' has no {fresh}* weights ({', '.join(new)}): they start from "
               "transformers' initialisation (seeded) and are trained", file=sys.stderr)
+    cut = kw.get("num_hidden_layers")  # common.load_pretrained's num_layers: the layers above go
+    odd = sorted(k for k in info["unexpected_keys"] if (own := _own(model, k)) is not None
+                 and not (cut and (_layer(own) or 0) >= cut))
+    if odd:  # local folders were checked before (check_weights): this is a hub model
+        common.die(f"{where}: its weights hold {len(odd)} tensors its config does not describe "
+                   f"({odd[0]}{', ...' * (len(odd) > 1)}): the two are of different models; "
+                   f"{REFETCH}")
     if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
                          and not (fresh and k.startswith(fresh))):
         weights = "model.safetensors" if local else "its weights"
@@ -510,7 +606,77 @@ def read_meta(run_dir):
                    "re-save the run, or delete the file to load the folder as a plain model")
     for rel in needed_files(meta):
         check_file(run_dir, rel, f"cannot load the {method}.py run in '{run_dir}'", RECOPY)
+    check_meta(run_dir, meta)
     return meta
+
+
+# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
+# would run another model than the one trained
+LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
+              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None}
+
+
+def check_meta(run_dir, meta):
+    """Every value of a run's sentemb.json (and of a BeLLM run's adapter_config.json) against the
+    weights and configuration it is applied to, in the words of the check of the flag that set it:
+    a run folder whose files disagree is refused, never evaluated or resumed as another model."""
+    from transformers import AutoConfig
+    path = os.path.join(run_dir, common.META)
+
+    def bad(key, why, fix):
+        common.die(f"{path}: {key} {json.dumps(meta[key])} {why}: {fix}, or {RECOPY}")
+    if meta["method"] == "sscl":
+        config = load_pretrained(AutoConfig, run_dir)
+        n, hidden = config.num_hidden_layers, config.hidden_size
+        common.check_max_len(meta["max_len"], config, run_dir, f"{path}: max_len")
+        if meta.get("num_layers", n) != n:
+            bad("num_layers", f"disagrees with the {n} layers of config.json (num_hidden_layers; "
+                "sscl.py --num-layers saves the cut model)", f"set it to {n}")
+        if any(m > n - 1 for m in meta.get("layers", [])):
+            bad("layers", f"is outside 1..{n - 1}: this model has {n} layers, so M (sscl.py "
+                f"--layer) must be in 1..{n - 1}", "set the layers the run was trained with")
+        proj = os.path.join(run_dir, "proj.pt")
+        if not meta["proj_dim"] and os.path.exists(proj):
+            bad("proj_dim", "leaves out the projection that proj.pt holds (sscl.py --proj-dim)",
+                "set it to proj.pt's output size")
+        if meta["proj_dim"]:
+            try:
+                w = torch.load(proj, map_location="cpu", weights_only=True)["weight"]
+            except Exception as e:  # truncated, not a torch file, not a Linear's state
+                common.die(f"cannot load {proj} ({type(e).__name__}: {_first(e)}): it is damaged "
+                           f"or another model's; {RECOPY}")
+            if tuple(w.shape) != (meta["proj_dim"], hidden):
+                bad("proj_dim", f"disagrees with proj.pt, a projection from {w.shape[-1]} to "
+                    f"{w.shape[0]} dimensions (the model's hidden size is {hidden}): proj.pt is "
+                    "damaged or another model's", f"set it to {w.shape[0]}")
+    elif meta["method"] == "jtcse":
+        towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
+        common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
+                            meta.get("drop_layernorm", 0), meta=path)
+    else:
+        base = meta["base_model"]
+        config = load_pretrained(AutoConfig, base)
+        n = config.num_hidden_layers
+        if meta["bi_layers"] > n:  # the words of bellm.py --bi-layers
+            bad("bi_layers", f"is outside 0..{n} ('{base}' has {n} layers)", f"set it to 0..{n}")
+        if "max_len" in meta:
+            common.check_max_len(meta["max_len"], config, base, f"{path}: max_len")
+        where = os.path.join(run_dir, "adapter_config.json")
+        lora = read_json(where, f"cannot load the bellm.py run in '{run_dir}'", RECOPY)
+        ok = {"r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0,
+              **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
+        for key, good in ok.items():
+            if key in lora and not good(lora[key]):
+                want = "an integer >= 1" if key == "r" else "a number > 0" \
+                    if key == "lora_alpha" else json.dumps(LORA_FIXED[key])
+                common.die(f"{where}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
+                           f"({key} {want}): set it so, or {RECOPY}")
+        for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
+            if key in meta and lora.get(ours) != meta[key]:
+                common.die(f"{where}: {ours} {json.dumps(lora.get(ours))} disagrees with "
+                           f"{path}'s {key} {meta[key]} (bellm.py --{key.replace('_', '-')}): "
+                           f"set it to {meta[key]}, or {RECOPY}")
 
 
 def load_run(run_dir, meta, device):
@@ -543,11 +709,10 @@ STATE_KEYS = {  # what each script's checkpoint.pt holds (its state dict in main
     "jtcse": {"model": _dict, "opt": _dict, "rng": _rng, "r_gen": _tensor},
     "bellm": {"trainable": lambda v: isinstance(v, list), "opt": _dict, "sched": _dict,
               "rng": _rng}}
-_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
 STATE_ALL = {"args": lambda v: _dict(v) and _number(v.get("lr")), "step": _int(0), "best": _number}
 
 
-def load_state(path, method, args, device):
+def load_state(path, method, args, device, defaults=None):
     """The training state of OUT_DIR/checkpoint.pt for --resume, or one line saying why it cannot be
     used: unreadable or of another structure (damaged), written by another script, or by a run with
     other settings. When the run has saved a best model, the folder must hold it whole
@@ -563,11 +728,16 @@ def load_state(path, method, args, device):
     old, new = state.get("args", {}), run_args(args)
     if not isinstance(old, dict):
         old = {}  # refused below: a state without its settings
+    # a flag that the run predates: the run had its default (a flag is added with the default
+    # that keeps the behaviour before it), so --resume compares with that
+    predates = {k: v for k, v in (defaults or {}).items() if k in new and k not in old}
+    old = {**predates, **old}
     # a flag that no longer exists is ignored where the run left it off (e.g. the former --loss-mix)
     changed = [k for k in old if k not in RESUMABLE and old[k] != new.get(k)
                and (k in new or old[k])]
     if changed:
-        flag = lambda k, v: f"--{k.replace('_', '-')} {v}"  # noqa: E731
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+            " (its default: the run predates the flag)" if k in predates and v is old[k] else "")
         common.die("--resume: the run was started with "
                    f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
                    f"{', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own "
@@ -680,11 +850,14 @@ class Run:
     the training state, and stopping at a step boundary on SIGINT/SIGTERM (saved, exit 128 +
     signal)."""
 
-    def __init__(self, args, method):
+    def __init__(self, args, method, parser=None):
         self.args, self.method = args, method
+        # each flag's default, for a checkpoint written before the flag existed (load_state)
+        self.defaults = {a.dest: a.default for a in parser._actions} if parser else {}
         # torchrun: one process per GPU
         self.rank, self.world, self.device = common.init_distributed()
         self.state, self.step, self.best, self._lr, self._stop = None, 0, -float("inf"), None, None
+        self.unsaved = None
         self.curve = []  # the dev curve so far (dev.jsonl)
 
     def open(self, inputs, total):
@@ -692,9 +865,14 @@ class Run:
         --resume, read its training state (same script, same settings; a run already at its last
         step of `total` says so and exits 0). -> the learning rate: the resumed run's unless the
         command line gives --lr."""
-        path = open_run(self.args.output_dir, self.args.resume, inputs, self.rank)
+        out = self.args.output_dir
+        # a new run: what the folder held before (nothing, if it is new), restored if its first
+        # save fails (unsaved)
+        self.unsaved = None if self.args.resume or self.rank else (
+            set(os.listdir(out)) if os.path.isdir(out) else None, os.path.isdir(out))
+        path = open_run(out, self.args.resume, inputs, self.rank)
         if self.args.resume:
-            self.state = load_state(path, self.method, self.args, self.device)
+            self.state = load_state(path, self.method, self.args, self.device, self.defaults)
             complete(self.state, total, self.args.output_dir)
             self.step, self.best = self.state["step"], self.state["best"]
             self.curve = self.resume_curve() if self.rank == 0 else []
@@ -820,10 +998,17 @@ class Run:
             full = {**state, "method": self.method, "args": {**run_args(self.args), "lr": self._lr},
                     "step": self.step, "best": self.best,
                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
-            if new_best:
-                save_best(self.args.output_dir, write, full, params, method=self.method, **meta)
-            else:
-                save_state(full, self.args.output_dir, params)
+            try:
+                if new_best:
+                    save_best(self.args.output_dir, write, full, params, method=self.method,
+                              **meta)
+                else:
+                    save_state(full, self.args.output_dir, params)
+            except SystemExit:  # the save failed and said so: a new run leaves no file behind
+                if self.unsaved:
+                    unmake_run(self.args.output_dir, *self.unsaved)
+                raise
+            self.unsaved = None
             if dev is not None:
                 self.log(f"step {self.step:>5}  {metric} {dev:.2f}  (best {self.best:.2f})")
         if self.world > 1:

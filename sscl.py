@@ -168,7 +168,7 @@ def main():
     if a.analyze:  # the paper's over-smoothing figures, no training
         import sscl_analysis
         return sscl_analysis.analyze(a, common.pick_device())
-    run = runs.Run(a, "sscl")  # torchrun: this process's rank, the world size, its device
+    run = runs.Run(a, "sscl", p)  # torchrun: this process's rank, the world size, its device
     layers = check_args(a, run.world)
 
     # data: every step's sentences drawn from the seed; the STS files read once, now
