@@ -873,13 +873,6 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
     when the embedding must have H dimensions."""
     members = [load_encoder(n, q, max_len, device, prompt, cut, num_layers)
                for n, q in zip(names, one_each(poolers, names))]
-    sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
-    if len(set(sizes + [size[0]] if size else sizes)) > 1:
-        want = f"; {size[1]} is {size[0]}" if size else ""
-        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
-                   f"dimensions{want}: an ensemble sums them, so pass models of one size")
-    if len(members) == 1:
-        return members[0]
     # a sum of embeddings of one text, as JTCSE's twin sums its towers': one vocabulary, one limit
     for n, m in zip(names[1:], members[1:]):
         if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
@@ -890,6 +883,13 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
             common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
                        f"{m.max_len}: an ensemble sums what its members read of one sentence, so "
                        "pass models of one maximum length (--max-len sets a plain model's)")
+    sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
+    if len(set(sizes + [size[0]] if size else sizes)) > 1:
+        want = f"; {size[1]} is {size[0]}" if size else ""
+        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
+                   f"dimensions{want}: an ensemble sums them, so pass models of one size")
+    if len(members) == 1:
+        return members[0]
 
     def encode(sentences):
         return sum(m(sentences).float() for m in members)  # (N, H)

@@ -627,6 +627,7 @@ def check_meta(run_dir, meta):
     def bad(key, why, fix):
         common.die(f"{path}: {key} {json.dumps(meta[key])} {why}: {fix}, or {RECOPY}")
     if meta["method"] == "sscl":
+        check_weights(run_dir, f"cannot load the sscl.py run in '{run_dir}'", RECOPY)
         config = load_pretrained(AutoConfig, run_dir)
         n, hidden = config.num_hidden_layers, config.hidden_size
         common.check_max_len(meta["max_len"], config, run_dir, f"{path}: max_len")
@@ -651,7 +652,13 @@ def check_meta(run_dir, meta):
                     f"{w.shape[0]} dimensions (the model's hidden size is {hidden}): proj.pt is "
                     "damaged or another model's", f"set it to {w.shape[0]}")
     elif meta["method"] == "jtcse":
+        present = [t for t in ("tower_a", "tower_b") if os.path.isdir(os.path.join(run_dir, t))]
+        if meta["towers"] != ["."] and sorted(meta["towers"]) != present:  # a twin, evaluated whole
+            bad("towers", f"disagrees with the tower folders of the run folder ({present})",
+                f"set it to {json.dumps(present)}")
         towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
+        for t in towers:
+            check_weights(t, f"cannot load the jtcse.py run in '{run_dir}' ({t})", RECOPY)
         common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
                             meta.get("drop_layernorm", 0), meta=path)
     else:
@@ -725,6 +732,11 @@ def load_state(path, method, args, device, defaults=None):
     if not isinstance(state, dict) or state.get("method", method) != method:
         common.die(f"--resume: {path} was not written by {method}.py: pass the --output-dir of a "
                    f"{method}.py run")
+    checks = {**STATE_ALL, **STATE_KEYS[method]}
+    if bad := [k for k, ok in checks.items() if k not in state or not ok(state[k])]:
+        common.die(f"--resume: {path} is damaged ({', '.join(bad)} missing or of the wrong "
+                   f"type; not the training state {method}.py writes): start again without "
+                   "--resume in another --output-dir")
     old, new = state.get("args", {}), run_args(args)
     if not isinstance(old, dict):
         old = {}  # refused below: a state without its settings
@@ -742,11 +754,6 @@ def load_state(path, method, args, device, defaults=None):
                    f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
                    f"{', '.join(flag(k, new.get(k)) for k in changed)}: resume with the run's own "
                    "settings")
-    checks = {**STATE_ALL, **STATE_KEYS[method]}
-    if bad := [k for k, ok in checks.items() if k not in state or not ok(state[k])]:
-        common.die(f"--resume: {path} is damaged ({', '.join(bad)} missing or of the wrong "
-                   f"type; not the training state {method}.py writes): start again without "
-                   "--resume in another --output-dir")
     if state["best"] > -float("inf"):  # a best model was saved with this state: it must be whole
         run_dir = os.path.dirname(path)
         meta, where = read_meta(run_dir), os.path.join(run_dir, common.META)

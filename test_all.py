@@ -35,6 +35,7 @@ import bellm_analysis
 import common
 import runs
 import eval_sts
+import figures
 import jtcse
 import jtcse_analysis
 import seeds
@@ -2776,9 +2777,10 @@ def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, c
 
 # ---------------------------------------------------------------- nothing lost: kills, signals,
 # full disks
-def save_versions(out, pause):
+def save_versions(out, pause, done):
     """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a
-    new best model with its training state every other save, the training state alone otherwise)."""
+    new best model with its training state every other save, the training state alone otherwise);
+    one byte to the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
     v = torch.load(out / runs.CKPT)["v"] if (out / runs.CKPT).exists() else 0
     while True:
@@ -2793,25 +2795,38 @@ def save_versions(out, pause):
             runs.save_best(str(out), write, {"v": v, "w": w}, [w], v=v)
         else:
             runs.save_state({"v": v, "w": w}, str(out), [w])
+        os.write(done, b".")
 
 
 @pytest.mark.slow
 def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
-    """40 SIGKILLs at random instants of a process that saves without pause: after each (and the
-    completion that the next command of the project runs first) the folder holds one whole version,
-    never older than before the kill; most kills land inside a save."""
+    """40 SIGKILLs of a process that saves for ever: after each (and the completion that the next
+    command of the project runs first) the folder holds one whole version, never older than before
+    the kill. Each kill is aimed by the child's progress, not by time: half when a file of a save
+    appears (inside a save, its writes paused), half right after the child reports 1-3 more saves
+    done (at whatever instant of the next save the signal finds it: unpaused)."""
     rng, out, last, inside = random.Random(0), tmp_path / "run", 0, 0
     out.mkdir()
-    for _ in range(40):
+    for i in range(40):
+        r, w = os.pipe()
+        aim = rng.choice([runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"]) if i % 2 else None
         pid = os.fork()
         if pid == 0:  # the child never returns into pytest
             try:
-                save_versions(out, rng.choice([0, 0.002, 0.02]))
+                os.close(r)
+                save_versions(out, 0.02 if aim else 0, w)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0.05, 0.5))
+        os.close(w)
+        if aim:
+            while not (out / aim).exists():
+                time.sleep(0.001)
+        else:
+            for _ in range(rng.randint(1, 3)):
+                assert os.read(r, 1) == b"."
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(r)
         inside += any((out / n).exists() for n in (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))
         runs.finish_save(str(out))
         assert sorted(p.name for p in out.iterdir()) in (
@@ -2825,7 +2840,7 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
             assert (state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all()
                     and state["v"] >= last)
             last = state["v"]
-    assert inside >= 10 and last > 20
+    assert inside >= 10 and last >= 20
 
 
 @pytest.mark.slow
@@ -2879,12 +2894,13 @@ def text(log):
 
 
 def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
-    """Send signum once `trigger` holds: seconds elapsed, or one of the named files appears in out
-    (a save is under way); -> whether it fired."""
+    """Send signum once `trigger` holds: one of the named files appears in out (a save is under
+    way), or trigger() is true (a step the log shows); -> whether it fired (False: the run ended
+    first). Never a number of seconds: the outcome must not depend on the machine's speed (the
+    timeout only bounds a hung run)."""
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:
-        if ((time.time() - t0 > trigger) if isinstance(trigger, float)
-                else any((out / n).exists() for n in trigger)):
+        if trigger() if callable(trigger) else any((out / n).exists() for n in trigger):
             proc.send_signal(signum)
             proc.wait()
             return True
@@ -2907,11 +2923,15 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
                                  "--proj-dim", 8, steps=6)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
-    out, rng, fired = tmp_path / "killed", random.Random(0), []
+    out, fired = tmp_path / "killed", []
     saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # any save under way
-    for trigger in [(runs.STAGING,), (runs.PENDING,), saving, rng.uniform(4, 10), saving[1:]]:
+    # the fourth kill lands between saves: once the log shows a training step's loss (the next
+    # save is at least one step and SENTEMB_SAVE_PAUSE's sleeps away)
+    for trigger in [(runs.STAGING,), (runs.PENDING,), saving, "training", saving[1:]]:
         resume = ["--resume"] if (out / runs.CKPT).exists() else []
-        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
+        proc, log = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
+        if trigger == "training":
+            trigger = lambda log=log: re.search(r"step +\d+  loss", text(log))  # noqa: E731
         fired.append(kill_when(proc, out, trigger))
         if (out / common.META).exists() or (out / runs.PENDING).exists():
             code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
@@ -2923,7 +2943,7 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
             AutoModel.from_pretrained(out)
         # eval_sts.py completed a save cut after its commit
         assert not (out / runs.PENDING).exists()
-    assert sum(fired) >= 4, fired
+    assert all(fired), fired
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     for key, a in weights(tmp_path / "whole", "encoder").items():
         assert torch.equal(a, weights(out, "encoder")[key]), key
@@ -2951,7 +2971,7 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
                         "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3,
                         "--log-steps", 1, "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
-    out, env, t0 = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}, time.time()
+    out, env = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}
     # first, a SIGKILL while
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})
     # the twin's files move: both towers must come from one step
@@ -2959,21 +2979,22 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
                             "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
-    proc, log = popen("jtcse.py", *args(out), "--resume", env=env)
-    while "step     1  loss" not in text(log) and time.time() - t0 < 300:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait() == 128 + signal.SIGTERM
+    # every step evaluates and saves, each save's files pausing (SENTEMB_SAVE_PAUSE): from the log
+    # line of step 1 the run has 5 slow saves to go, so the signal lands at a step on any machine
+    slow = {**env, "SENTEMB_SAVE_PAUSE": "0.1"}
+    proc, log = popen("jtcse.py", *args(out), "--resume", "--eval-steps", 1, env=slow)
+    assert kill_when(proc, out, lambda: "step     1  loss" in text(log), signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM
     said = text(log)
     stopped = int(re.search(r"stopped at step (\d+) \(SIGTERM\)", said).group(1))
     assert 1 <= stopped < 6 and "--resume" in said and "Traceback" not in said
     # saved at the step it stopped, not at the last evaluation
     assert weights(out, "step") == stopped
-    proc, log = popen("jtcse.py", *args(out), "--resume", env=env)  # a second signal: out at once
-    while not re.search(r"step +\d+  loss", text(log)) and time.time() - t0 < 300:
-        time.sleep(0.05)
+    # a second signal: out at once (both may reach the run before its handler runs: 130 either way)
+    proc, log = popen("jtcse.py", *args(out), "--resume", "--eval-steps", 1, env=slow)
+    while not re.search(r"step +\d+  loss", text(log)) and proc.poll() is None:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     assert proc.wait() == 128 + signal.SIGINT
     jt_main(capsys, monkeypatch, *args(out), "--resume")
@@ -3074,6 +3095,15 @@ def drop_tensor(path, prefix=""):
     save_file(sd, path, metadata={"format": "pt"})
 
 
+def edit_args(path, **changes):
+    """A checkpoint whose recorded settings differ: each flag given its value, or dropped (None: a
+    run from before the flag existed)."""
+    state = torch.load(path, weights_only=False)
+    state["args"] = {k: v for k, v in {**state["args"], **changes}.items()
+                     if k not in changes or changes[k] is not None}
+    torch.save(state, path)
+
+
 def edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
@@ -3138,6 +3168,54 @@ ES = lambda c, run, *x: ["--model", run, "--data-dir", c.sts, "--tasks", "STS-B"
 EB = lambda c, *x: ["--model", c.brun, "--data-dir", c.bl_sts, "--tasks", "STS-B", *x]  # noqa: E731
 EJ = lambda c, *x: ["--model", c.jrun, "--data-dir", JT_DATA["sts"],  # noqa: E731
                     "--tasks", "STS-B", *x]
+TYPE = "missing or of the wrong type"
+JSON_VALUES = [  # (method, file, key, a value the run cannot have, words of the error line)
+    *[("sscl", common.META, k, v, w) for k, v, w in [
+        ("pooler", "max", [TYPE]), ("proj_dim", "8", [TYPE]), ("max_len", 0, [TYPE]),
+        ("proj_dim", 4, ["proj_dim 4", "from 32 to 8 dimensions", "set it to 8"]),
+        ("proj_dim", 0, ["proj_dim 0", "leaves out the projection that proj.pt holds"]),
+        ("max_len", 1000, ["max_len 1000", "64 positions", "set it to 64 or less"]),
+        ("num_layers", 2, ["num_layers 2", "the 4 layers of config.json", "set it to 4"]),
+        ("layers", [7], ["layers [7]", "4 layers, so M", "1..3"]), ("layers", [0], [TYPE]),
+        ("objective", "theirs", [TYPE]), ("select_on", "sts", [TYPE]), ("step", -1, [TYPE]),
+        ("stsb_dev", "83.1", [TYPE]), ("method", "simcse", ["method 'simcse'"])]],
+    *[("jtcse", common.META, k, v, w) for k, v, w in [
+        ("towers", ["tower_a"], ["towers [\"tower_a\"]", "the tower folders",
+                                 '["tower_a", "tower_b"]']),
+        ("towers", ["..", "tower_b"], [TYPE]), ("max_len", 1000, ["max_len 1000", "128 positions"]),
+        ("drop_layernorm", 99, ["drop_layernorm 99 is more than the 4 layers", "0 to 4"]),
+        ("drop_layernorm", -1, [TYPE]), ("num_cael", 3, ["num_cael 3", "does not divide the 4"]),
+        ("objective", "both", [TYPE]), ("step", "2", [TYPE]), ("teacher", 3, [TYPE])]],
+    *[("bellm", common.META, k, v, w) for k, v, w in [
+        ("base_model", "", [TYPE]), ("bi_layers", 99, ["bi_layers 99", "outside 0..4"]),
+        ("bi_layers", -1, [TYPE]), ("bi_mode", "both", [TYPE]), ("bi_strategy", "copy", [TYPE]),
+        ("prompt", "no slot", [TYPE]), ("dtype", "int8", [TYPE]),
+        ("max_len", 100000, ["max_len 100000", "256 positions"]),
+        ("lora_r", 8, ["r 4 disagrees", "lora_r 8"]), ("lora_alpha", 0, [TYPE])]],
+    *[("bellm", "adapter_config.json", k, v, w) for k, v, w in [
+        ("r", 8, ["r 8 disagrees", "lora_r 4"]), ("r", 0, ["r 0", "not what bellm.py trains"]),
+        ("lora_alpha", 7, ["lora_alpha 7 disagrees", "lora_alpha 32"]),
+        ("use_dora", True, ["use_dora true", "not what bellm.py trains"]),
+        ("use_rslora", True, ["use_rslora true"]), ("bias", "all", ['bias "all"']),
+        ("peft_type", "IA3", ['peft_type "IA3"']), ("rank_pattern", {"q_proj": 8},
+                                                    ["rank_pattern"])]],
+]
+RUN_DIR = {"sscl": lambda c: c.srun, "jtcse": lambda c: c.jrun, "bellm": lambda c: c.brun}
+RUN_EVAL = {"sscl": lambda c: ES(c, c.srun), "jtcse": lambda c: EJ(c), "bellm": lambda c: EB(c)}
+RUN_RESUME = {"sscl": lambda c: SSCL_RUN(c, c.srun, "--resume"),
+              "jtcse": lambda c: JT_RUN(c, "--resume"),
+              "bellm": lambda c: BL_RUN(c, c.brun, "--resume")}
+
+
+def swap_tokens(folder):
+    """A tokenizer of the same size that reads otherwise: two tokens' ids swapped."""
+    t = json.loads((folder / "tokenizer.json").read_text())
+    vocab = t["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(t))
+
+
 PROBES = [  # (script, arguments, words of the error line, preparation)
     *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
         ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan",
@@ -3169,18 +3247,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
-    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--num-cael", "4"),
-     ["--num-cael 2", "--num-cael 4"],
-     lambda c: fake_state(c.run / runs.CKPT, "jtcse", num_cael=2)),
+    ("jtcse", lambda c: JT_RUN(c, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
+     lambda c: edit_args(c.jrun / runs.CKPT, num_cael=2)),
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
     ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"),
      ["--distill", "drop --objective"], None),
     ("jtcse", lambda c: JT(c, "--distill", c.srun), ["dimensions", "the student's"], None),
-    ("jtcse", lambda c: JT(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
-     ["--objective paper", "--objective authors"],
-     lambda c: fake_state(c.run / runs.CKPT, "jtcse", objective="paper")),
+    ("jtcse", lambda c: JT_RUN(c, "--resume", "--objective", "authors"),
+     ["--objective paper", "--objective authors"], None),
     ("bellm", lambda c: BL(c, "--lora-r", "0"), ["--lora-r", ">= 1"], None),
     ("bellm", lambda c: BL(c, "--lora-dropout", "2"), ["--lora-dropout", "probability"], None),
     ("bellm", lambda c: BL(c, "--lr", "0"), ["--lr", "> 0"], None),
@@ -3192,8 +3268,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\n")), ["no rows"], None),
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")),
      ["line 2", "not UTF-8"], None),
-    ("bellm", lambda c: BL(c, "--output-dir", c.run, "--resume"), ["--lora-r 8", "--lora-r 4"],
-     lambda c: fake_state(c.run / runs.CKPT, "bellm", lora_r=8)),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["--lora-r 8", "--lora-r 4"],
+     lambda c: edit_args(c.brun / runs.CKPT, lora_r=8)),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
@@ -3281,8 +3357,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: cut(c.brun / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "damaged"],
      lambda c: cut(c.brun / "adapter_config.json")),
-    ("eval_sts", lambda c: EB(c), ["another base model"],
-     lambda c: edit_json(c.brun / "adapter_config.json", r=8)),
+    ("eval_sts", lambda c: EB(c), ["another base model"], lambda c: (  # with sentemb.json's lora_r
+        edit_json(c.brun / "adapter_config.json", r=8), edit_json(c.brun / common.META, lora_r=8))),
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "lacks 1 adapter weights"],
      lambda c: drop_tensor(c.brun / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["dtype", "wrong type"],
@@ -3410,6 +3486,36 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
                          c.bl_sts], ["no lm_head.weight", "causal LM"],
      lambda c: (AutoModel.from_pretrained(c.llama).save_pretrained(c.tmp / "bare"),
                 [shutil.copy(f, c.tmp / "bare") for f in c.llama.glob("tokenizer*")])),
+    # ---- files that disagree: never evaluated or resumed as another model ----
+    ("eval_sts", lambda c: ES(c, c.srun), ["config.json does not describe", "layers 2..3",
+                                           "2 layers", "different models"],
+     lambda c: edit_json(c.srun / "config.json", num_hidden_layers=2)),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["config.json does not describe"],
+     lambda c: edit_json(c.srun / "config.json", num_hidden_layers=2)),
+    ("eval_sts", lambda c: EJ(c), ["tower_b", "of shape [", "config.json implies ["],
+     lambda c: edit_json(c.jrun / "tower_b" / "config.json", hidden_size=64,
+                         intermediate_size=128)),
+    ("eval_sts", lambda c: ES(c, c.plain), ["config.json does not describe"],
+     lambda c: edit_json(c.plain / "config.json", num_hidden_layers=3)),
+    ("eval_sts", lambda c: ES(c, c.llama, "--pooler", "pooler"),
+     ["--pooler pooler", "LlamaModel", "has no pooler"], None),
+    ("eval_sts", lambda c: EV(c, "--ensemble") + ["--model", c.run, c.tmp / "other"],
+     ["different tokenizers", "share a vocabulary"], lambda c: (
+        shutil.copytree(c.plain, c.tmp / "other"), swap_tokens(c.tmp / "other"))),
+    ("eval_sts", lambda c: EV(c, "--ensemble", "--max-len", 32) + ["--model", c.run, c.plain],
+     ["reads up to 64 tokens", "up to 32", "one maximum length"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
+     ["--objective paper (its default: the run predates the flag)", "--objective authors"],
+     lambda c: edit_args(c.run / runs.CKPT, objective=None)),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
+     ["--bi-strategy convert (its default", "--bi-strategy add"],
+     lambda c: edit_args(c.brun / runs.CKPT, bi_strategy=None)),
+    # ---- every value of every JSON file of a run folder, edited: eval_sts.py and --resume ----
+    *[row for method, name, key, value, words in JSON_VALUES for row in (
+        ("eval_sts", RUN_EVAL[method], words,
+         lambda c, m=method, n=name, k=key, v=value: edit_json(RUN_DIR[m](c) / n, **{k: v})),
+        (method, RUN_RESUME[method], words,
+         lambda c, m=method, n=name, k=key, v=value: edit_json(RUN_DIR[m](c) / n, **{k: v})))],
     # ---- seeds.py: eval_sts.py --json files ----
     ("seeds", lambda c: SJ(c, '{"results": {"STS-B": "80.1"}}'), ["results.STS-B", "not a number"],
      None),
