@@ -614,7 +614,8 @@ def read_meta(run_dir):
 # would run another model than the one trained
 LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
               "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None}
+              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
+              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
 
 
 def check_meta(run_dir, meta):

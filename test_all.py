@@ -2870,6 +2870,28 @@ def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatc
     assert "no longer finite" in capsys.readouterr().err and files() == before
 
 
+@pytest.mark.slow
+def test_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, train_txt, sts_dir,
+                                                                    tmp_path, capsys,
+                                                                    monkeypatch):
+    """A full disk at a new run's first save: one error line, exit 2, and the output folder as it
+    was before the run (a new one gone, an empty one empty: no dev.jsonl, no lock, no staging)."""
+    real = torch.save
+
+    def disk_full(obj, f, *a, **k):
+        if isinstance(f, (str, os.PathLike)) and os.path.basename(f) == runs.CKPT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", disk_full)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        existed = out.exists()
+        code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+            bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=2))
+        assert code == 2 and err.count("error:") == 1 and "No space left on device" in err, err
+        assert out.exists() == existed and (not existed or not os.listdir(out))
+
+
 def main_of(module, capsys, monkeypatch, *args):
     """module.main() in this process, as from the command line: (exit code, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
@@ -3642,10 +3664,14 @@ def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, s
     out = tmp_path / "r.json"
     out.write_text('{"old": 1}')
 
-    def disk_full(obj, f, **kw):
-        f.write('{"partial')
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(json, "dump", disk_full)
+    real = common.write_whole
+
+    def disk_full(path, write, pause=None):  # the temporary file half written, then a full disk
+        def partial(f):
+            f.write(b'{"partial')
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, partial)
+    monkeypatch.setattr(common, "write_whole", disk_full)
     code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
                                 sts_dir, "--tasks", "STS-B", "--json", out)
     assert code == 2 and re.search(r"STS-B +Avg\.\n +-?\d+\.\d+ +-?\d+\.\d+", stdout), stdout
