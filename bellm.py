@@ -23,6 +23,7 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
 import argparse
 import copy
 import functools
+import math
 import os
 import warnings
 
@@ -202,6 +203,19 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     return tok, dec.to(device)
 
 
+def base_checksum(dec):
+    """The base model's fingerprint (float64 sum of |weights| of the token embeddings and the final
+    norm): an adapter is applied only to the base it was trained on, not to another of its shape."""
+    return float(dec.embed_tokens.weight.double().abs().sum() + dec.norm.weight.double().abs().sum())
+
+
+def check_base(checksum, recorded, name, where):
+    if recorded is not None and not math.isclose(checksum, recorded, rel_tol=1e-6):
+        common.die(f"'{name}' is not the base model the adapter was trained on (its weights' "
+                   f"checksum is {checksum:.6g}, {where} records {recorded:.6g}): name the model "
+                   "bellm.py --model trained it on")
+
+
 def cast_frozen_linears(dec, dtype=torch.bfloat16):
     """Under bf16 autocast with float32 base weights: each frozen Linear stored in bf16 once.
     Autocast would cast them at every pass (it caches only trainable weights' casts): the same
@@ -257,6 +271,8 @@ def load_run(run_dir, meta, device):
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained
     tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
     cfg.setdefault("max_len", dec.config.max_position_embeddings)  # evaluation does not cut
+    check_base(base_checksum(dec), cfg.get("base_checksum"), cfg["base_model"],
+               f"{run_dir}/sentemb.json")
     if run_dir:  # wraps the LoRA layers into dec in place; a damaged adapter file stops here
         runs.load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
@@ -298,6 +314,7 @@ def main():
     common.seed_everything(a.seed)  # the same added layers, LoRA and dropout stream on every rank
     dtype = getattr(torch, a.dtype or ("bfloat16" if run.device.type == "cuda" else "float32"))
     tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, run.device, dtype)
+    checksum = base_checksum(dec)  # recorded: the adapter goes with this base only
     prompt_len = len(tok(fill(a.prompt, "", ""))["input_ids"])
     common.check_max_len(a.max_len, dec.config, a.model, extra=prompt_len)
     longest = a.max_len + prompt_len  # a prompted training text, at most
@@ -313,7 +330,8 @@ def main():
     meta = dict(base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
-                lora_r=a.lora_r, lora_alpha=a.lora_alpha)  # as adapter_config.json says
+                lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
+                base_checksum=checksum)
     encode = make_encoder(dec, tok, meta, run.device, a.bf16)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)
@@ -321,6 +339,7 @@ def main():
     opt = torch.optim.AdamW(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
     run.resume(f"'{a.model}' with these LoRA settings", trainable=params, opt=opt, sched=sched)
+    check_base(checksum, (run.state or {}).get("base_checksum"), a.model, "the checkpoint")
     run.start(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
               f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
               f"{len(steps)} steps of {per_step} rows, lr {lr:g}")
@@ -349,7 +368,7 @@ def main():
         if evaluate or halt:  # the state; with a new best dev score, the adapter too (as one)
             dev = run.evaluate(model, dev_score, encode, data, csts_dev) if evaluate else None
             state = {"trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
-                     "sched": sched.state_dict()}
+                     "sched": sched.state_dict(), "base_checksum": checksum}
             run.save(state, params, dev, write=model.save_pretrained,
                      metric="csts_dev" if csts_dev else "stsb_dev", **meta)
         if halt:

@@ -322,7 +322,8 @@ META_OPTIONAL = {  # keys that older runs lack (then: the value the flag's defau
               "teacher": lambda v: v is None or isinstance(v, str) or _strs(v)},
     "bellm": {"bi_strategy": ("convert", "add").__contains__,
               "dtype": ("float32", "bfloat16").__contains__, "max_len": _int(1),
-              "lora_r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0}}
+              "lora_r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0,
+              "base_checksum": _number}}
 
 
 def _first(e):

@@ -2843,6 +2843,80 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
     assert inside >= 10 and last >= 20
 
 
+def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
+                                                              capsys):
+    """runs.check_weights: a config cut to fewer layers than the file holds, or of another hidden
+    size, is refused before any load (one line naming both files); the stock folder, a checkpoint
+    with heads beside the base model (BERT's cls.*, a causal LM's lm_head) and sscl.py's cut
+    (--num-layers: the layers above are dropped on purpose) load."""
+    from transformers import BertForMaskedLM
+    d = tmp_path / "m"
+    shutil.copytree(bert_dir, d)
+    runs.check_weights(str(d), "w")  # as saved: passes
+    for change, words in (({"num_hidden_layers": 2}, ["32 weights that config.json does not",
+                                                      "layers 2..3", "2 layers"]),
+                          ({"hidden_size": 64, "intermediate_size": 128},
+                           ["of shape [", "config.json implies [", "hidden size 64"])):
+        edit_json(d / "config.json", **change)
+        with pytest.raises(SystemExit) as e:
+            common.load_pretrained(AutoModel, d)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("error:") == 1 and "Traceback" not in err
+        assert all(w in err for w in ["model.safetensors", "different models", *words]), err
+        shutil.copy(bert_dir / "config.json", d / "config.json")
+    cut_model = common.load_pretrained(AutoModel, d, num_layers=2)  # the layers above: dropped
+    assert cut_model.config.num_hidden_layers == 2
+    BertForMaskedLM(BertConfig.from_pretrained(bert_dir)).save_pretrained(tmp_path / "mlm")
+    runs.check_weights(str(tmp_path / "mlm"), "w")  # bert.* and cls.*: the head is not read
+    runs.check_weights(str(bl_make_model(tok_dir, tmp_path)), "w")  # model.*, lm_head.weight
+
+
+def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """common.write_whole keeps the old file when the write fails half-way (a full disk), and
+    leaves no temporary file; so do --plot's PNGs (figures.draw), a failed one said in one line."""
+    path = tmp_path / "f.bin"
+    common.write_whole(str(path), lambda f: f.write(b"old"))
+
+    def full(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError):
+        common.write_whole(str(path), full)
+    assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["f.bin"]
+    png = tmp_path / "fig.png"
+    panel = dict(kind="lines", title="t", series={"a": ([0, 1], [1, 2])})
+    figures.draw(str(png), [panel], "first")
+    before = png.read_bytes()
+    from PIL import Image
+    save = Image.Image.save  # matplotlib renders through it into memory: that one goes through
+    monkeypatch.setattr(Image.Image, "save", lambda self, f, *a, **k: save(self, f, *a, **k)
+                        if isinstance(f, io.BytesIO) else full(f))
+    with pytest.raises(SystemExit) as e:
+        figures.draw(str(png), [panel], "second")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1
+    assert "No space left on device" in err and "the older file is kept" in err
+    assert png.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["f.bin", "fig.png"]
+
+
+def test_resume_takes_a_flag_the_run_predates_at_its_default(tmp_path, capsys):
+    """A checkpoint written before a flag existed ran with that flag's default: --resume compares
+    the command with it, refusing another value (its line says the run predates the flag)."""
+    defaults = {a.dest: a.default for a in sscl.p._actions}
+    path = tmp_path / runs.CKPT
+    old = {k: v for k, v in runs.run_args(Namespace(**defaults)).items() if k != "objective"}
+    state = {"method": "sscl", "args": old, "step": 1, "best": -math.inf, "encoder": {}, "opt": {},
+             "sched": {}, "rng": torch.get_rng_state()}
+    torch.save(state, path)
+    with pytest.raises(SystemExit) as e:
+        runs.load_state(str(path), "sscl", Namespace(**{**defaults, "objective": "authors"}), "cpu",
+                        defaults)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--objective paper (its default: the run predates the flag)" in err
+    assert "this command says --objective authors" in err
+    assert runs.load_state(str(path), "sscl", Namespace(**defaults), "cpu", defaults)["step"] == 1
+
+
 @pytest.mark.slow
 def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatch, capsys):
     out, w = tmp_path / "run", torch.ones(3)
@@ -3229,6 +3303,14 @@ RUN_RESUME = {"sscl": lambda c: SSCL_RUN(c, c.srun, "--resume"),
               "bellm": lambda c: BL_RUN(c, c.brun, "--resume")}
 
 
+def scale_tensor(path, name, factor):
+    """Another model of the same shape: one tensor of a safetensors file scaled."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(path)
+    sd[name] = sd[name] * factor
+    save_file(sd, path, metadata={"format": "pt"})
+
+
 def swap_tokens(folder):
     """A tokenizer of the same size that reads otherwise: two tokens' ids swapped."""
     t = json.loads((folder / "tokenizer.json").read_text())
@@ -3532,6 +3614,10 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
      ["--bi-strategy convert (its default", "--bi-strategy add"],
      lambda c: edit_args(c.brun / runs.CKPT, bi_strategy=None)),
+    ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
+     lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
+         c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
+         edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
     # ---- every value of every JSON file of a run folder, edited: eval_sts.py and --resume ----
     *[row for method, name, key, value, words in JSON_VALUES for row in (
         ("eval_sts", RUN_EVAL[method], words,
@@ -3591,6 +3677,28 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     assert code == 2 and len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
     assert snapshot() == before
+
+
+@pytest.mark.slow
+def test_every_run_folder_as_saved_passes_its_checks(run_templates, tok_dir, tmp_path, capsys,
+                                                     monkeypatch):
+    """The checks refuse only what disagrees: each method's saved folder reads whole
+    (runs.read_meta: every file and value), and a BeLLM run evaluates with its base model moved to
+    another folder (same weights: the checksum agrees), with the same dev score as in place."""
+    for method, folder in run_templates.items():
+        assert runs.read_meta(str(folder))["method"] == method
+    run = tmp_path / "bellm"
+    shutil.copytree(run_templates["bellm"], run)
+    moved = bl_make_model(tok_dir, tmp_path / "moved")  # the same seed: the same weights
+    scores = []
+    for base in (None, moved):
+        if base:
+            edit_json(run / common.META, base_model=str(base))
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run, "--data-dir",
+                                 TPL.bl_sts, "--tasks", "STS-B", "--split", "dev")
+        assert code == 0, err
+        scores.append(out.split()[2])
+    assert scores[0] == scores[1]
 
 
 RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM: the base is named)
