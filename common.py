@@ -11,10 +11,11 @@ import argparse
 import codecs
 import contextlib
 import csv
-import functools
 import io
+import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -355,22 +356,218 @@ def show_ranges(parser):
     return parser
 
 
-def load_pretrained(cls, name, num_layers=None, **kw):
-    """cls.from_pretrained(name), or one line naming the broken file and what to do
-    (runs.load_pretrained: the one place where models and run folders are read). num_layers: the
-    model cut to its first N layers (SSCL Table 1; check_num_layers first): transformers builds
-    num_hidden_layers = N layers and loads their weights; those of the layers above are dropped,
-    unreported. Saved, it is an N-layer model for every loader."""
-    import runs
-    if not num_layers:
-        return runs.load_pretrained(cls, name, **kw)
-    import transformers
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its load report would list each dropped weight
+# ---------------------------------------------------------------- loading a model folder --------
+# Every model folder the scripts read is loaded here, and every way a file can be broken (missing,
+# cut short, edited, another model's) is one line naming it: never a traceback, never a silently
+# different model (random weights where a file lacks them, weights the config does not describe).
+REFETCH = "copy or download the model folder again"
+
+
+
+def first_line(e):
+    """An exception's first line, short enough for an error line."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if len(line) <= 120 else line[:117] + "..."
+
+
+def read_json(path, where, fix, name=None):
+    """The JSON object in path, or one line `WHERE: NAME is damaged (...): FIX`."""
+    name = name or os.path.basename(path)
     try:
-        return runs.load_pretrained(cls, name, num_hidden_layers=num_layers, **kw)
-    finally:
-        transformers.logging.set_verbosity(level)
+        obj = json.loads(read_text(path))
+    except ValueError as e:
+        die(f"{where}: {name} is damaged (not JSON: {first_line(e)}): {fix}")
+    if not isinstance(obj, dict):
+        die(f"{where}: {name} is damaged (not a JSON object): {fix}")
+    return obj
+
+
+
+def safetensors_keys(path, where, fix, name=None):
+    """The tensor names of a safetensors file, once its header and sizes are found whole."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        why = first_line(e).removeprefix("Error while deserializing header: ")
+        die(f"{where}: {name or os.path.basename(path)} is damaged (cut short, or not a "
+                   f"safetensors file: {why}): {fix}")
+
+
+def check_file(folder, rel, where, fix):
+    """folder/rel exists and, for JSON and safetensors files, reads whole."""
+    path = os.path.join(folder, rel)
+    if rel.endswith("model.safetensors") and os.path.isfile(path + ".index.json"):  # sharded
+        return
+    if not os.path.isfile(path):
+        die(f"{where}: {rel} is missing: {fix}")
+    if rel.endswith(".json"):
+        read_json(path, where, fix, rel)
+    elif rel.endswith(".safetensors"):
+        safetensors_keys(path, where, fix, rel)
+
+
+# what from_pretrained reads, per kind of class: JSON files checked first (when present)
+READS = {"config": ("config.json",),
+         "tokenizer": ("config.json", "tokenizer.json", "tokenizer_config.json",
+                       "special_tokens_map.json", "added_tokens.json"),
+         "model": ("config.json", "generation_config.json", "model.safetensors.index.json")}
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_hf_folder(folder, kind, where, fix=REFETCH):
+    has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
+    for f in READS[kind]:
+        if os.path.exists(os.path.join(folder, f)):
+            read_json(os.path.join(folder, f), where, REFETCH)
+    if kind != "tokenizer":
+        if not has("config.json"):
+            die(f"{where}: config.json is missing (not a model folder, or an incomplete "
+                       f"copy): pass a model folder, or {REFETCH}")
+        if "model_type" not in read_json(os.path.join(folder, "config.json"), where, REFETCH):
+            die(f"{where}: config.json is damaged (no model_type): {REFETCH}")
+    if kind == "tokenizer" and not any(map(has, TOKENIZER_FILES)):
+        die(f"{where}: tokenizer.json is missing (no tokenizer file at all): pass a model "
+                   f"folder with its tokenizer, or {REFETCH}")
+    if kind == "model":
+        weights = next(filter(has, WEIGHT_FILES), None)
+        if weights is None:
+            die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
+        if weights == "model.safetensors":
+            safetensors_keys(os.path.join(folder, weights), where, REFETCH)
+        if weights.startswith("model.safetensors"):
+            check_weights(folder, where, fix)
+
+
+def _shapes(folder):
+    """name -> shape of every tensor in a folder's model.safetensors (or its shards), read from
+    the headers alone."""
+    from safetensors import safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = sorted(set(read_json(index, folder, REFETCH).get("weight_map", {}).values())) \
+        if os.path.isfile(index) else ["model.safetensors"]
+    shapes = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def _own(model, key):
+    """key of a checkpoint as the base model (AutoModel) names it, or None for a head beside it
+    (BERT's cls.*, a causal LM's lm_head.*), which the base model never reads."""
+    children = {n for n, _ in model.named_children()}
+    prefix = model.base_model_prefix + "."
+    if key.startswith(prefix) and key[len(prefix):].split(".")[0] in children:
+        key = key[len(prefix):]
+    return key if key.split(".")[0] in children else None
+
+
+def _layer(key):
+    """The layer index of a per-layer weight (encoder.layer.3.*, layers.3.*), else None."""
+    m = re.search(r"(?:^|\.)layers?\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def check_weights(folder, where, fix=REFETCH):
+    """A local model folder's weights are the model its config.json describes: the model is built
+    from config.json on the meta device (no memory, no weights) and model.safetensors' header must
+    hold no tensor of the model's own modules that it lacks (a config cut to fewer layers than the
+    file holds) and each tensor in the shape it has (hidden size, vocabulary, positions). Heads
+    beside the base model (cls.*, lm_head.*) are never read and not checked; weights the file
+    lacks are refused at load (load_pretrained)."""
+    from transformers import AutoConfig, AutoModel
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+    except Exception:  # an architecture AutoModel cannot build: its loader says why
+        return
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    want.update({k: tuple(v.shape) for k, v in model.named_buffers()})  # non-persistent ones too
+    ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+              or []]
+    odd, wrong = [], []
+    for key, shape in _shapes(folder).items():
+        own = _own(model, key)
+        if own is None or any(r.search(key) for r in ignore):
+            continue
+        if own not in want:
+            odd.append(key)
+        elif want[own] != shape:
+            wrong.append((key, shape, want[own]))
+    said = (f"config.json describes {config.model_type} with {config.num_hidden_layers} layers, "
+            f"hidden size {config.hidden_size}") if hasattr(config, "hidden_size") else \
+        f"config.json describes {config.model_type}"
+    if odd:
+        above = sorted({i for i in map(_layer, odd) if i is not None})
+        which = f"layers {above[0]}..{above[-1]}, " if above else ""
+        die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
+                   f"not describe ({which}{odd[0]}{', ...' * (len(odd) > 1)}; {said}): the two "
+                   f"files are of different models; {fix}")
+    if wrong:
+        key, shape, implied = wrong[0]
+        die(f"{where}: model.safetensors holds {key} of shape {list(shape)} where "
+                   f"config.json implies {list(implied)} ({len(wrong)} such weights; {said}): "
+                   f"the two files are of different models; {fix}")
+
+
+def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, **kw):
+    """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
+    local folder, or one line naming the broken file and the fix. A local folder is checked first:
+    its JSON files parse, it has a config.json with a model_type (models, configs), a tokenizer file
+    (tokenizers) and whole weights (models). A model whose weights lack any of its parameters is
+    refused, where transformers would only warn and initialise them at random; strict=False
+    tolerates a missing BERT pooler (`pooler.*`, as in roberta-base), for callers that never use
+    it. fresh: a prefix of weights that may be missing and are then trained from transformers'
+    initialisation (said on stderr). num_layers: the model cut to its first N layers (SSCL Table 1;
+    check_num_layers first): transformers builds N layers and loads their weights; those of the
+    layers above are dropped. Saved, it is an N-layer model for every loader."""
+    name = str(name)
+    if num_layers:  # transformers' load report would list each dropped weight of the cut
+        import transformers
+        level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            return load_pretrained(cls, name, strict, fresh, num_hidden_layers=num_layers, **kw)
+        finally:
+            transformers.logging.set_verbosity(level)
+    kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
+        "config" if "Config" in cls.__name__ else "model"
+    where, local = f"cannot load '{name}'", os.path.isdir(name)
+    if local:
+        check_hf_folder(name, kind, where)
+    try:
+        if kind != "model":
+            return cls.from_pretrained(name, **kw)
+        model, info = cls.from_pretrained(name, output_loading_info=True, **kw)
+    except Exception as e:  # from_pretrained raises many types (OSError, ValueError, ...)
+        if not local:
+            die(f"{where} ({type(e).__name__}): pass a local model folder, or a hub name "
+                       "with the hub reachable")
+        die(f"{where} ({type(e).__name__}: {first_line(e)}): a file of the {kind} is damaged or "
+                   f"another model's; {REFETCH}")
+    if fresh and (new := sorted(k for k in info["missing_keys"] if k.startswith(fresh))):
+        print(f"note: '{name}' has no {fresh}* weights ({', '.join(new)}): they start from "
+              "transformers' initialisation (seeded) and are trained", file=sys.stderr)
+    cut = kw.get("num_hidden_layers")  # common.load_pretrained's num_layers: the layers above go
+    odd = sorted(k for k in info["unexpected_keys"] if (own := _own(model, k)) is not None
+                 and not (cut and (_layer(own) or 0) >= cut))
+    if odd:  # local folders were checked before (check_weights): this is a hub model
+        die(f"{where}: its weights hold {len(odd)} tensors its config does not describe "
+                   f"({odd[0]}{', ...' * (len(odd) > 1)}): the two are of different models; "
+                   f"{REFETCH}")
+    if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
+                         and not (fresh and k.startswith(fresh))):
+        weights = "model.safetensors" if local else "its weights"
+        more = ", ..." * (len(missing) > 1)
+        die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
+                   f"{more}): it is damaged or another model's; {REFETCH}")
+    return model
 
 
 def check_num_layers(num_layers, config, name, flag="--num-layers"):
@@ -660,19 +857,6 @@ def sts_sentences(data, task, split):
 def stsb_dev(encode, data):
     """STS-B dev, Spearman x 100: the score that selects the checkpoint during training."""
     return evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
-
-
-def dev_score(select_on, data):
-    """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
-    stsb: STS-B dev (stsb_dev, the papers'); transfer: the mean dev accuracy x 100 of SentEval's 7
-    transfer tasks in fasttest mode (eval_sts.transfer_dev; SimCSE's and SSCL's trainers,
-    `eval_avg_transfer`), whose files are read now, once for the run: a missing one stops it at
-    once, and no dev evaluation reads them again."""
-    if select_on == "stsb":
-        return "stsb_dev", stsb_dev
-    import eval_sts  # here, not at the top: eval_sts imports this module
-    loaded = {task: eval_sts.load_transfer(data, task) for task in eval_sts.TRANSFER}
-    return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
 
 
 def format_table(results):

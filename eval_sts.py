@@ -442,7 +442,7 @@ def transfer_dev(encode, data, loaded=None):
     on which SSCL's example script selects its checkpoint (`--metric_for_best_model
     eval_avg_transfer`: SimCSE's trainer runs SentEval with kfold 5, RMSprop, batch 128, tenacity 3,
     epoch size 2 and averages the tasks' `devacc`). sscl.py --select-on transfer (loaded: the
-    files, read once for the run: common.dev_score)."""
+    files, read once for the run: sscl.select_on)."""
     results, _ = evaluate_transfer(encode, data, TRANSFER, "fasttest", loaded=loaded)
     return sum(results[t]["devacc"] for t in TRANSFER) / len(TRANSFER)
 

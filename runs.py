@@ -2,14 +2,14 @@
 eval_sts.py): atomic saves of the best model and the training state, a lock per folder, the checks
 of --resume, stopping at a step boundary on SIGINT/SIGTERM, and the sentence-transformers files
 beside a saved model. Reading is checked here too: every model and run folder the scripts load goes
-through load_pretrained / read_meta / load_run, which turn any broken file into one line naming it.
+through common.load_pretrained / read_meta / load_run, which turn any broken file into one
+line naming it.
 """
 import contextlib
 import errno
 import json
 import os
 import random
-import re
 import resource
 import shutil
 import signal
@@ -23,6 +23,8 @@ from safetensors import SafetensorError
 import common
 
 CKPT = "checkpoint.pt"  # the training state, for --resume
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+RECOPY = "copy the whole run folder again, or train again"
 STAGING, PENDING, LOCK = ".best.staging", ".best.pending", ".lock"  # see save_best() and lock_run()
 
 
@@ -52,7 +54,7 @@ FULL_DISK = ("unexpected pos", "file write failed", "os error 28", "No space lef
 
 
 def _save_failed(what, e):
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else _first(e)
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else common.first_line(e)
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
     if full or any(s in str(e) for s in FULL_DISK):
         reason = "No space left on device"
@@ -286,11 +288,6 @@ def settle(run_dir):
 # (missing, cut short, edited, another model's) is one line naming it: never a traceback, never a
 # silently different model (random weights where a file lacks them, a base LLM without its adapter).
 METHODS = ("sscl", "jtcse", "bellm")  # the only modules a run folder's sentemb.json may name
-HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-REFETCH = "copy or download the model folder again"
-RECOPY = "copy the whole run folder again, or train again"
-
-
 def _int(lo):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
@@ -326,210 +323,15 @@ META_OPTIONAL = {  # keys that older runs lack (then: the value the flag's defau
               "base_checksum": _number}}
 
 
-def _first(e):
-    """An exception's first line, short enough for an error line."""
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return line if len(line) <= 120 else line[:117] + "..."
-
-
-def read_json(path, where, fix, name=None):
-    """The JSON object in path, or one line `WHERE: NAME is damaged (...): FIX`."""
-    name = name or os.path.basename(path)
-    try:
-        obj = json.loads(common.read_text(path))
-    except ValueError as e:
-        common.die(f"{where}: {name} is damaged (not JSON: {_first(e)}): {fix}")
-    if not isinstance(obj, dict):
-        common.die(f"{where}: {name} is damaged (not a JSON object): {fix}")
-    return obj
-
-
-def safetensors_keys(path, where, fix, name=None):
-    """The tensor names of a safetensors file, once its header and sizes are found whole."""
-    from safetensors import safe_open
-    try:
-        with safe_open(path, "pt") as f:
-            return set(f.keys())
-    except (SafetensorError, OSError) as e:
-        why = _first(e).removeprefix("Error while deserializing header: ")
-        common.die(f"{where}: {name or os.path.basename(path)} is damaged (cut short, or not a "
-                   f"safetensors file: {why}): {fix}")
-
-
-def check_file(folder, rel, where, fix):
-    """folder/rel exists and, for JSON and safetensors files, reads whole."""
-    path = os.path.join(folder, rel)
-    if rel.endswith("model.safetensors") and os.path.isfile(path + ".index.json"):  # sharded
-        return
-    if not os.path.isfile(path):
-        common.die(f"{where}: {rel} is missing: {fix}")
-    if rel.endswith(".json"):
-        read_json(path, where, fix, rel)
-    elif rel.endswith(".safetensors"):
-        safetensors_keys(path, where, fix, rel)
-
-
-# what from_pretrained reads, per kind of class: JSON files checked first (when present)
-READS = {"config": ("config.json",),
-         "tokenizer": ("config.json", "tokenizer.json", "tokenizer_config.json",
-                       "special_tokens_map.json", "added_tokens.json"),
-         "model": ("config.json", "generation_config.json", "model.safetensors.index.json")}
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-
-def _check_hf_folder(folder, kind, where, fix=REFETCH):
-    has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
-    for f in READS[kind]:
-        if os.path.exists(os.path.join(folder, f)):
-            read_json(os.path.join(folder, f), where, REFETCH)
-    if kind != "tokenizer":
-        if not has("config.json"):
-            common.die(f"{where}: config.json is missing (not a model folder, or an incomplete "
-                       f"copy): pass a model folder, or {REFETCH}")
-        if "model_type" not in read_json(os.path.join(folder, "config.json"), where, REFETCH):
-            common.die(f"{where}: config.json is damaged (no model_type): {REFETCH}")
-    if kind == "tokenizer" and not any(map(has, TOKENIZER_FILES)):
-        common.die(f"{where}: tokenizer.json is missing (no tokenizer file at all): pass a model "
-                   f"folder with its tokenizer, or {REFETCH}")
-    if kind == "model":
-        weights = next(filter(has, WEIGHT_FILES), None)
-        if weights is None:
-            common.die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
-        if weights == "model.safetensors":
-            safetensors_keys(os.path.join(folder, weights), where, REFETCH)
-        if weights.startswith("model.safetensors"):
-            check_weights(folder, where, fix)
-
-
-def _shapes(folder):
-    """name -> shape of every tensor in a folder's model.safetensors (or its shards), read from
-    the headers alone."""
-    from safetensors import safe_open
-    index = os.path.join(folder, "model.safetensors.index.json")
-    files = sorted(set(read_json(index, folder, REFETCH).get("weight_map", {}).values())) \
-        if os.path.isfile(index) else ["model.safetensors"]
-    shapes = {}
-    for name in files:
-        with safe_open(os.path.join(folder, name), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    return shapes
-
-
-def _own(model, key):
-    """key of a checkpoint as the base model (AutoModel) names it, or None for a head beside it
-    (BERT's cls.*, a causal LM's lm_head.*), which the base model never reads."""
-    children = {n for n, _ in model.named_children()}
-    prefix = model.base_model_prefix + "."
-    if key.startswith(prefix) and key[len(prefix):].split(".")[0] in children:
-        key = key[len(prefix):]
-    return key if key.split(".")[0] in children else None
-
-
-def _layer(key):
-    """The layer index of a per-layer weight (encoder.layer.3.*, layers.3.*), else None."""
-    m = re.search(r"(?:^|\.)layers?\.(\d+)\.", key)
-    return int(m.group(1)) if m else None
-
-
-def check_weights(folder, where, fix=REFETCH):
-    """A local model folder's weights are the model its config.json describes: the model is built
-    from config.json on the meta device (no memory, no weights) and model.safetensors' header must
-    hold no tensor of the model's own modules that it lacks (a config cut to fewer layers than the
-    file holds) and each tensor in the shape it has (hidden size, vocabulary, positions). Heads
-    beside the base model (cls.*, lm_head.*) are never read and not checked; weights the file
-    lacks are refused at load (load_pretrained)."""
-    from transformers import AutoConfig, AutoModel
-    try:
-        config = AutoConfig.from_pretrained(folder)
-        with torch.device("meta"):
-            model = AutoModel.from_config(config)
-    except Exception:  # an architecture AutoModel cannot build: its loader says why
-        return
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    want.update({k: tuple(v.shape) for k, v in model.named_buffers()})  # non-persistent ones too
-    ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-              or []]
-    odd, wrong = [], []
-    for key, shape in _shapes(folder).items():
-        own = _own(model, key)
-        if own is None or any(r.search(key) for r in ignore):
-            continue
-        if own not in want:
-            odd.append(key)
-        elif want[own] != shape:
-            wrong.append((key, shape, want[own]))
-    said = (f"config.json describes {config.model_type} with {config.num_hidden_layers} layers, "
-            f"hidden size {config.hidden_size}") if hasattr(config, "hidden_size") else \
-        f"config.json describes {config.model_type}"
-    if odd:
-        above = sorted({i for i in map(_layer, odd) if i is not None})
-        which = f"layers {above[0]}..{above[-1]}, " if above else ""
-        common.die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
-                   f"not describe ({which}{odd[0]}{', ...' * (len(odd) > 1)}; {said}): the two "
-                   f"files are of different models; {fix}")
-    if wrong:
-        key, shape, implied = wrong[0]
-        common.die(f"{where}: model.safetensors holds {key} of shape {list(shape)} where "
-                   f"config.json implies {list(implied)} ({len(wrong)} such weights; {said}): "
-                   f"the two files are of different models; {fix}")
-
-
 def check_model(name):
     """What eval_sts.py loads, checked before any work: a run folder of ours (read_meta), a local
     model folder (config, tokenizer, whole weights), or a hub name (its config)."""
     if not os.path.isdir(name):
         from transformers import AutoConfig
-        load_pretrained(AutoConfig, name)
+        common.load_pretrained(AutoConfig, name)
     elif read_meta(name) is None:
-        _check_hf_folder(name, "model", f"cannot load '{name}'")
-        _check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
-
-
-def load_pretrained(cls, name, strict=False, fresh=None, **kw):
-    """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
-    local folder, or one line naming the broken file and the fix. A local folder is checked first:
-    its JSON files parse, it has a config.json with a model_type (models, configs), a tokenizer file
-    (tokenizers) and whole weights (models). A model whose weights lack any of its parameters is
-    refused, where transformers would only warn and initialise them at random; strict=False
-    tolerates a missing BERT pooler (`pooler.*`, as in roberta-base), for callers that never use
-    it. fresh: a prefix of weights that may be missing and are then trained from transformers'
-    initialisation (said on stderr)."""
-    name = str(name)
-    kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
-        "config" if "Config" in cls.__name__ else "model"
-    where, local = f"cannot load '{name}'", os.path.isdir(name)
-    if local:
-        _check_hf_folder(name, kind, where)
-    try:
-        if kind != "model":
-            return cls.from_pretrained(name, **kw)
-        model, info = cls.from_pretrained(name, output_loading_info=True, **kw)
-    except Exception as e:  # from_pretrained raises many types (OSError, ValueError, ...)
-        if not local:
-            common.die(f"{where} ({type(e).__name__}): pass a local model folder, or a hub name "
-                       "with the hub reachable")
-        common.die(f"{where} ({type(e).__name__}: {_first(e)}): a file of the {kind} is damaged or "
-                   f"another model's; {REFETCH}")
-    if fresh and (new := sorted(k for k in info["missing_keys"] if k.startswith(fresh))):
-        print(f"note: '{name}' has no {fresh}* weights ({', '.join(new)}): they start from "
-              "transformers' initialisation (seeded) and are trained", file=sys.stderr)
-    cut = kw.get("num_hidden_layers")  # common.load_pretrained's num_layers: the layers above go
-    odd = sorted(k for k in info["unexpected_keys"] if (own := _own(model, k)) is not None
-                 and not (cut and (_layer(own) or 0) >= cut))
-    if odd:  # local folders were checked before (check_weights): this is a hub model
-        common.die(f"{where}: its weights hold {len(odd)} tensors its config does not describe "
-                   f"({odd[0]}{', ...' * (len(odd) > 1)}): the two are of different models; "
-                   f"{REFETCH}")
-    if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
-                         and not (fresh and k.startswith(fresh))):
-        weights = "model.safetensors" if local else "its weights"
-        more = ", ..." * (len(missing) > 1)
-        common.die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
-                   f"{more}): it is damaged or another model's; {REFETCH}")
-    return model
+        common.check_hf_folder(name, "model", f"cannot load '{name}'")
+        common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
 def load_weights(module, path):
@@ -538,7 +340,8 @@ def load_weights(module, path):
     try:
         module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as e:  # truncated, not a torch file, other keys or shapes
-        common.die(f"cannot load {path} ({type(e).__name__}: {_first(e)}): it is damaged or "
+        common.die(f"cannot load {path} ({type(e).__name__}: {common.first_line(e)}): it is "
+                   "damaged or "
                    f"another model's; {RECOPY}")
 
 
@@ -557,11 +360,12 @@ def load_adapter(dec, run_dir):
             warnings.simplefilter("ignore")  # missing keys are checked below, with the file named
             model = PeftModel.from_pretrained(dec, run_dir)
     except Exception as e:  # a damaged config or weights, or another base model's adapter (shapes)
-        common.die(f"{where} ({type(e).__name__}: {_first(e)}): adapter_config.json or "
+        common.die(f"{where} ({type(e).__name__}: {common.first_line(e)}): adapter_config.json or "
                    "adapter_model.safetensors is damaged, or made for another base model; "
                    f"{RECOPY}")
     want = set(get_peft_model_state_dict(model))
-    have = safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where, RECOPY)
+    have = common.safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where,
+                                   RECOPY)
     if want != have:
         odd = sorted(want - have) or sorted(have - want)
         said = "lacks" if want - have else "holds"
@@ -606,7 +410,7 @@ def read_meta(run_dir):
         common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py ({said}): "
                    "re-save the run, or delete the file to load the folder as a plain model")
     for rel in needed_files(meta):
-        check_file(run_dir, rel, f"cannot load the {method}.py run in '{run_dir}'", RECOPY)
+        common.check_file(run_dir, rel, f"cannot load the {method}.py run in '{run_dir}'", RECOPY)
     check_meta(run_dir, meta)
     return meta
 
@@ -628,31 +432,9 @@ def check_meta(run_dir, meta):
 
     def bad(key, why, fix):
         common.die(f"{path}: {key} {json.dumps(meta[key])} {why}: {fix}, or {RECOPY}")
-    if meta["method"] == "sscl":
-        check_weights(run_dir, f"cannot load the sscl.py run in '{run_dir}'", RECOPY)
-        config = load_pretrained(AutoConfig, run_dir)
-        n, hidden = config.num_hidden_layers, config.hidden_size
-        common.check_max_len(meta["max_len"], config, run_dir, f"{path}: max_len")
-        if meta.get("num_layers", n) != n:
-            bad("num_layers", f"disagrees with the {n} layers of config.json (num_hidden_layers; "
-                "sscl.py --num-layers saves the cut model)", f"set it to {n}")
-        if any(m > n - 1 for m in meta.get("layers", [])):
-            bad("layers", f"is outside 1..{n - 1}: this model has {n} layers, so M (sscl.py "
-                f"--layer) must be in 1..{n - 1}", "set the layers the run was trained with")
-        proj = os.path.join(run_dir, "proj.pt")
-        if not meta["proj_dim"] and os.path.exists(proj):
-            bad("proj_dim", "leaves out the projection that proj.pt holds (sscl.py --proj-dim)",
-                "set it to proj.pt's output size")
-        if meta["proj_dim"]:
-            try:
-                w = torch.load(proj, map_location="cpu", weights_only=True)["weight"]
-            except Exception as e:  # truncated, not a torch file, not a Linear's state
-                common.die(f"cannot load {proj} ({type(e).__name__}: {_first(e)}): it is damaged "
-                           f"or another model's; {RECOPY}")
-            if tuple(w.shape) != (meta["proj_dim"], hidden):
-                bad("proj_dim", f"disagrees with proj.pt, a projection from {w.shape[-1]} to "
-                    f"{w.shape[0]} dimensions (the model's hidden size is {hidden}): proj.pt is "
-                    "damaged or another model's", f"set it to {w.shape[0]}")
+    if meta["method"] == "sscl":  # sscl.py checks its own folders
+        import sscl
+        sscl.check_run(run_dir, meta)
     elif meta["method"] == "jtcse":
         present = [t for t in ("tower_a", "tower_b") if os.path.isdir(os.path.join(run_dir, t))]
         if meta["towers"] != ["."] and sorted(meta["towers"]) != present:  # a twin, evaluated whole
@@ -660,19 +442,19 @@ def check_meta(run_dir, meta):
                 f"set it to {json.dumps(present)}")
         towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
         for t in towers:
-            check_weights(t, f"cannot load the jtcse.py run in '{run_dir}' ({t})", RECOPY)
+            common.check_weights(t, f"cannot load the jtcse.py run in '{run_dir}' ({t})", RECOPY)
         common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
                             meta.get("drop_layernorm", 0), meta=path)
     else:
         base = meta["base_model"]
-        config = load_pretrained(AutoConfig, base)
+        config = common.load_pretrained(AutoConfig, base)
         n = config.num_hidden_layers
         if meta["bi_layers"] > n:  # the words of bellm.py --bi-layers
             bad("bi_layers", f"is outside 0..{n} ('{base}' has {n} layers)", f"set it to 0..{n}")
         if "max_len" in meta:
             common.check_max_len(meta["max_len"], config, base, f"{path}: max_len")
         where = os.path.join(run_dir, "adapter_config.json")
-        lora = read_json(where, f"cannot load the bellm.py run in '{run_dir}'", RECOPY)
+        lora = common.read_json(where, f"cannot load the bellm.py run in '{run_dir}'", RECOPY)
         ok = {"r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0,
               **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
         for key, good in ok.items():

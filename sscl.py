@@ -11,30 +11,60 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
   the authors' objective (--objective)       sscl_loss_authors
   h^M = hidden_states[M], pooled as h        SentenceEncoder
   one step: two dropout views, the loss      train_step
-  eqs. 1-2, Figs. 1, 4, 5 (--analyze)        sscl_analysis.py
-  Table 1: the first N layers (--num-layers); Table 3: --select-on transfer; Fig. 6: --convergence
+  Table 1: the first N layers (--num-layers); Table 3: --select-on transfer
+  eqs. 1-2, Figs. 1, 4, 5, 6: python sscl_analysis.py (no training)
 
   python sscl.py --layer 11     # the paper: BERT-base, wiki1m, 1 epoch (GPU); 10,11: Progressive
   python sscl.py --model sentence-transformers/all-MiniLM-L6-v2 --train wiki1m_head.txt \\
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm   # CPU: minutes
 """
+import argparse
+import contextlib
 import functools
+import json
 import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 import common
-import runs
 
-p = common.parser(__doc__)
-# --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
-p.add_argument("--model", nargs="+", default=["bert-base-uncased"],
-               help="hub name or local folder (paper: bert-base-uncased); --analyze takes several")
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- general: the paper's values as defaults ---
+p.add_argument("--model", default="bert-base-uncased",
+               help="hub name or local folder (paper: bert-base-uncased)")
 p.add_argument("--train", help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
-common.training_flags(p, output_dir="runs/sscl", lr=3e-5, lr_note=" (1e-5 for large models)",
-                      max_len=32, batch_size=64, eval_steps=125)
+p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--output-dir", default="runs/sscl", help="the run folder: best model, state")
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="N steps (-1: the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences a step and GPU "
+               "(paper: 64); torchrun: in-batch negatives from all GPUs")
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches a step, each "
+               "with only its own in-batch negatives")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="a step's texts in length groups: the same loss, the real tokens' cost")
+p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 3e-5 (1e-5 for large models); "
+               "--resume: the run's own unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=32, help="training tokens a sentence "
+               "(paper: 32)")
+p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every N steps")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
+p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+               help="the 7 STS tasks of the best checkpoint at the end")
 # --- SSCL ---
 p.add_argument("--layer", default="11", help="layer(s) M whose representation is a negative: "
                "hidden_states[M]; 0 = SimCSE; '10,11' = Progressive SSCL (paper: 11)")
@@ -53,11 +83,6 @@ p.add_argument("--select-on", default="stsb", choices=["stsb", "transfer"], help
                "accuracy, SentEval fasttest (the authors' script, Table 3; docs/sscl.md, detail 8)")
 p.add_argument("--objective", default="paper", choices=["paper", "authors"],
                help="paper: eq. 4; authors: the authors' code (docs/sscl.md, details 2, 3, 5)")
-p.add_argument("--analyze", action="store_true", help="no training: eqs. 1-2 per layer of each "
-               "--model on STS-B test (sscl_analysis.py)")
-p.add_argument("--plot", metavar="FILE.png", help="--analyze: draw Figs. 1, 4 (and 5)")
-p.add_argument("--sentence", help="--analyze: this sentence's last-layer token cosines (Fig. 5)")
-p.add_argument("--convergence", action="store_true", help="--analyze: Fig. 6, the runs' dev curves")
 common.show_ranges(p)
 
 
@@ -141,98 +166,482 @@ def make_encode(encoder, tokenizer, max_len, device):
 
 
 def save_model(encoder, tokenizer, max_len, folder):
-    """A plain HF model folder (+ proj.pt) and a sentence-transformers folder (CLS without MLP)."""
+    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (its classic layout:
+    Transformer -> Pooling -> [Dense]), so that SentenceTransformer(folder) encodes as we evaluate
+    (CLS without the training MLP, or the masked mean; no normalisation: cosine needs none)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if encoder.proj is not None:
-        torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
-    pooling = "cls" if encoder.pooler == "cls" else "mean"  # sentence-transformers' names
-    runs.save_sentence_transformers(folder, encoder.bert.config.hidden_size, pooling, max_len,
-                                    encoder.proj)
+    hidden, proj = encoder.bert.config.hidden_size, encoder.proj
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + [("2_Dense", "Dense")] * bool(proj)
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
+                               "type": f"sentence_transformers.models.{kind}"}
+                              for i, (path, kind) in enumerate(modules)],
+             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
+             "1_Pooling/config.json": {"word_embedding_dimension": hidden,
+                                       "pooling_mode_cls_token": encoder.pooler == "cls",
+                                       "pooling_mode_mean_tokens": encoder.pooler == "avg",
+                                       "pooling_mode_max_tokens": False,
+                                       "pooling_mode_mean_sqrt_len_tokens": False}}
+    if proj is not None:
+        torch.save(proj.state_dict(), os.path.join(folder, "proj.pt"))
+        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": proj.out_features,
+                                        "bias": True, "activation_function":
+                                        "torch.nn.modules.linear.Identity"}
+        from safetensors.torch import save_file
+        os.makedirs(os.path.join(folder, "2_Dense"))
+        save_file({f"linear.{k}": v.detach().contiguous().cpu()
+                   for k, v in proj.state_dict().items()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+
+
+META_TYPES = {  # sentemb.json: the keys (those of older runs may lack are optional) and their types
+    "pooler": ("cls", "avg").__contains__, "proj_dim": lambda v: type(v) is int and v >= 0,
+    "max_len": lambda v: type(v) is int and v >= 1}
+META_OPTIONAL = {
+    "layers": lambda v: isinstance(v, list) and all(type(m) is int and m >= 1 for m in v),
+    "objective": ("paper", "authors").__contains__, "select_on": ("stsb", "transfer").__contains__,
+    "num_layers": lambda v: type(v) is int and v >= 1, "step": lambda v: type(v) is int and v >= 0,
+    **{k: lambda v: v is None or type(v) in (int, float) for k in ("stsb_dev", "transfer_dev")}}
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+RECOPY = "copy the whole run folder again, or train again"
+
+
+def check_run(run_dir, meta):
+    """A run folder of this script is the model its files describe, or one line naming the file and
+    the value: sentemb.json's keys of their types; the model files whole, the weights those of
+    config.json; every value against the weights (eval_sts.py and --resume call it)."""
+    path, where = os.path.join(run_dir, common.META), f"cannot load the sscl.py run in '{run_dir}'"
+    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
+    for rel in RUN_FILES + ("proj.pt",) * bool(meta["proj_dim"]):
+        common.check_file(run_dir, rel, where, RECOPY)
+    common.check_weights(run_dir, where, RECOPY)
+    from transformers import AutoConfig
+    config = common.load_pretrained(AutoConfig, run_dir)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+
+    def bad(key, why, fix):
+        common.die(f"{path}: {key} {json.dumps(meta[key])} {why}: {fix}, or {RECOPY}")
+    common.check_max_len(meta["max_len"], config, run_dir, f"{path}: max_len")
+    if meta.get("num_layers", n) != n:
+        bad("num_layers", f"disagrees with the {n} layers of config.json (num_hidden_layers; "
+            "sscl.py --num-layers saves the cut model)", f"set it to {n}")
+    if any(m > n - 1 for m in meta.get("layers", [])):
+        bad("layers", f"is outside 1..{n - 1}: this model has {n} layers, so M (sscl.py --layer) "
+            f"must be in 1..{n - 1}", "set the layers the run was trained with")
+    proj = os.path.join(run_dir, "proj.pt")
+    if not meta["proj_dim"] and os.path.exists(proj):
+        bad("proj_dim", "leaves out the projection that proj.pt holds (sscl.py --proj-dim)",
+            "set it to proj.pt's output size")
+    if meta["proj_dim"]:
+        try:
+            w = torch.load(proj, map_location="cpu", weights_only=True)["weight"]
+        except Exception as e:  # truncated, not a torch file, not a Linear's state
+            common.die(f"cannot load {proj} ({type(e).__name__}: {common.first_line(e)}): it is "
+                       f"damaged or another model's; {RECOPY}")
+        if tuple(w.shape) != (meta["proj_dim"], hidden):
+            bad("proj_dim", f"disagrees with proj.pt, a projection from {w.shape[-1]} to "
+                f"{w.shape[0]} dimensions (the model's hidden size is {hidden}): proj.pt is "
+                "damaged or another model's", f"set it to {w.shape[0]}")
 
 
 def load_encoder(run_dir, meta, device):
-    """eval_sts.py's entry point for a run folder of this script (runs.read_meta checked it)."""
+    """eval_sts.py's entry point for a run folder of this script (check_run has checked it)."""
     bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
     encoder = SentenceEncoder(bert, meta["pooler"], meta["proj_dim"])
     if meta["proj_dim"]:
-        runs.load_weights(encoder.proj, os.path.join(run_dir, "proj.pt"))
-    max_len = common.check_max_len(meta["max_len"], bert.config, run_dir, "sentemb.json's max_len")
+        encoder.proj.load_state_dict(torch.load(os.path.join(run_dir, "proj.pt"),
+                                                map_location="cpu", weights_only=True))
     tokenizer = common.load_pretrained(AutoTokenizer, run_dir)
-    return make_encode(encoder.to(device).eval(), tokenizer, max_len, device)
+    return make_encode(encoder.to(device).eval(), tokenizer, meta["max_len"], device)
+
+
+def select_on(name, data):
+    """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
+    stsb: STS-B dev (the paper's); transfer: the mean dev accuracy x 100 of SentEval's 7 transfer
+    tasks in fasttest mode (the authors' script, `eval_avg_transfer`), whose files are read now,
+    once for the run."""
+    if name == "stsb":
+        return "stsb_dev", common.stsb_dev
+    try:  # SentEval's classifiers: eval_sts.py, beside this script in the repository
+        import eval_sts
+    except ImportError:
+        common.die("--select-on transfer needs eval_sts.py (SentEval's transfer tasks) beside "
+                   "sscl.py: copy it from the repository, or pass --select-on stsb")
+    loaded = {task: eval_sts.load_transfer(data, task) for task in eval_sts.TRANSFER}
+    return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
+
+
+# ---------------------------------------------------------------- the harness -------------------
+# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
+# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
+# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
+# instant leaves the old version or the new one. One process at a time writes a folder (flock on
+# .lock).
+CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
+                                       ".best.pending", ".lock")
+# settings --resume may change; any other difference is refused
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}
+STOP = {"signum": 0, "now": False}  # SIGINT/SIGTERM: stop at the next step boundary, saved
+
+
+def on_signal(signum, frame):
+    if STOP["signum"] or STOP["now"]:  # a second signal, or none is needed: out at once
+        os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+        os._exit(128 + signum)
+    STOP["signum"] = signum
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at "
+             "once)\n".encode())
+
+
+def pause():  # tests: SENTEMB_SAVE_PAUSE=seconds between a save's writes, to aim a kill inside it
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+
+
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            p = os.path.join(out_dir, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
+
+
+def finish_save(out_dir):
+    """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
+    old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
+    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
+    for tmp in (CKPT, CURVE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, tmp + ".tmp"))
+    pending = os.path.join(out_dir, PENDING)
+    if not os.path.isdir(pending):
+        return
+    with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
+        os.remove(os.path.join(out_dir, common.META))
+    files = sorted((os.path.relpath(os.path.join(root, n), pending)
+                    for root, _, names in os.walk(pending) for n in names),
+                   key=lambda rel: (rel == common.META, rel))
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+        pause()
+    for root, _, _ in os.walk(out_dir):
+        fsync(root)
+    shutil.rmtree(pending)
 
 
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    if a.analyze:  # the paper's over-smoothing figures, no training
-        import sscl_analysis
-        return sscl_analysis.analyze(a, common.pick_device())
-    run = runs.Run(a, "sscl", p)  # torchrun: this process's rank, the world size, its device
-    layers = check_args(a, run.world)
+    STOP.update(signum=0, now=False)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = print if rank == 0 else lambda *_, **__: None
+    layers = check_args(a, world)
 
     # data: every step's sentences drawn from the seed; the STS files read once, now
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
-    metric, dev_score = common.dev_score(a.select_on, data)  # the score that picks the checkpoint
+    metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model], len(steps))  # the run folder, locked; --resume: its state
+
+    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
+    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
+    out, state, lock = a.output_dir, None, None
+    ckpt = os.path.join(out, CKPT)
+    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
+                                     not os.path.isdir(out))  # restored if the first save fails
+    if rank == 0:
+        if os.path.isdir(a.model) and os.path.isdir(out) and os.path.samefile(a.model, out):
+            common.die(f"--output-dir '{out}' is the input model '{a.model}': training would "
+                       "overwrite its weights; pass another --output-dir")
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = open(os.path.join(out, LOCK), "a+")
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
+                       f"--output-dir (or delete {os.path.join(out, LOCK)} if it is a folder)")
+        try:
+            import fcntl  # the kernel drops the lock when the process ends, however it ends
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # Windows: no lock
+            pass
+        except OSError:
+            common.die(f"'{out}' is in use by another training run (pid "
+                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
+                       "end, or pass another --output-dir")
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        finish_save(out)
+        holds_run = os.path.exists(os.path.join(out, common.META)) or os.path.exists(ckpt)
+        if not a.resume and holds_run:
+            common.die(f"'{out}' already holds a run: pass --resume to continue it, or another "
+                       "--output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out, f))
+                                 for f in ("config.json", "adapter_config.json")):
+            common.die(f"'{out}' holds a model that is not a run of this project: pass a new or "
+                       "empty --output-dir")
+        if a.resume and not os.path.isfile(ckpt):
+            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    if world > 1:
+        torch.distributed.barrier()
+
+    # --resume: the state of the same script, with the same settings (a flag the run predates had
+    # its default), and, once it has saved a best model, that model whole
+    step, best, curve = 0, -float("inf"), []
+    if a.resume:
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=False)
+        except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+            common.die(f"--resume: {ckpt} cannot be read ({type(e).__name__}); it is damaged: "
+                       "start again without --resume in another --output-dir")
+        if not isinstance(state, dict) or state.get("method", "sscl") != "sscl":
+            common.die(f"--resume: {ckpt} was not written by sscl.py: pass the --output-dir of an "
+                       "sscl.py run")
+        if bad := [k for k in ("encoder", "opt", "sched", "rng", "args", "step", "best")
+                   if k not in state or k == "args" and not isinstance(state[k], dict)]:
+            common.die(f"--resume: {ckpt} is damaged ({', '.join(bad)} missing or of the wrong "
+                       "type; not the training state sscl.py writes): start again without "
+                       "--resume in another --output-dir")
+        defaults = {x.dest: x.default for x in p._actions}
+        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+               for k, v in vars(a).items()}
+        old = {**{k: v for k, v in defaults.items() if k in now}, **state["args"]}
+        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+                " (its default: the run predates the flag)" * (k not in state["args"]))
+            common.die("--resume: the run was started with "
+                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
+                       "run's own settings")
+        if state["best"] > -float("inf"):
+            if (meta := read_meta(out)) is None:
+                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
+                           f"has saved a best model: {RECOPY}")
+            check_run(out, meta)
+        step, best = state["step"], state["best"]
+        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
+            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
+                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
+                "--max-steps or --epochs with --resume to train on", flush=True)
+            sys.exit(0)
+        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
+            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
+            curve = [e for e in entries if e["step"] <= step]
+            if len(curve) < len(entries):
+                text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+    lr = a.lr or (state["args"]["lr"] if state else 3e-5)  # the paper's, or the resumed run's
 
     common.seed_everything(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
     tokenizer = common.load_pretrained(AutoTokenizer, a.model)
     bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)  # Table 1: cut
     encoder = SentenceEncoder(bert, a.pooler, a.proj_dim)
-    model = run.wrap(encoder.to(run.device))  # DDP under torchrun
+    model = encoder.to(device)
+    if world > 1:  # DDP: gradients averaged over the ranks
+        model = torch.nn.parallel.DistributedDataParallel(encoder)
     eval_len = common.positions(encoder.bert.config)  # evaluation does not truncate (SimCSE)
-    encode = make_encode(encoder, tokenizer, eval_len, run.device)
+    encode = make_encode(encoder, tokenizer, eval_len, device)
 
     # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up
     params = [q for q in encoder.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
-    run.resume(f"'{a.model}'", encoder=encoder, opt=opt, sched=sched)  # --resume; signals caught
-    run.start(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, "
-              f"objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps of "
-              f"{per_step} sentences, lr {lr:g}")
+    if state:  # the weights, optimiser, schedule and RNGs of the saved step
+        try:
+            encoder.load_state_dict(state["encoder"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+            common.die(f"--resume: the checkpoint does not fit '{a.model}' ({type(e).__name__}): "
+                       "pass the --output-dir of a run of this model and settings")
+        torch.set_rng_state(state["rng"][0])
+        random.setstate(state["rng"][1])
+        np.random.set_state(state["rng"][2])
+        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+            for g in opt.param_groups:
+                g["initial_lr"], g["lr"] = lr, lr * sched.lr_lambdas[0](sched.last_epoch)
+            sched.base_lrs = [lr] * len(opt.param_groups)
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
+    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
+        f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
+        f"lr {lr:g}, {world} process(es), device {device}{bf16}", flush=True)
 
     encoder.train()
-    for step in run.steps(len(steps)):  # 0 (the model as loaded), 1, ..., len(steps)
+    clock = (time.perf_counter(), step)
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
             opt.zero_grad(set_to_none=True)
             for k in range(a.grad_accum):
-                sents = [sentences[i] for i in run.rows(steps[step - 1], k, a.batch_size)]
-                with run.sync(model, k, a.grad_accum):
-                    loss = train_step(model, tokenizer, sents, layers, a, run.world, run.device)
-                run.check_finite(loss)  # NaN guard, before the weights change
+                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
+                sents = [sentences[i] for i in steps[step - 1][start:start + a.batch_size]]
+                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    loss = train_step(model, tokenizer, sents, layers, a, world, device)
+                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
+                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
+                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
+                               f"in {out} is kept")
             opt.step()
             sched.step()
             if step % a.log_steps == 0 or step == len(steps):
-                run.log_step(f"loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}", per_step)
-        halt = run.stopping()  # SIGINT/SIGTERM on any rank: save this step, then stop
+                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                    f"sent/s {rate:.2f}", flush=True)
+                clock = (time.perf_counter(), step)
+        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
+            t = torch.tensor(STOP["signum"], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            STOP["signum"] = int(t)
+        halt = bool(STOP["signum"])
         evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if evaluate or halt:  # the training state; with a new best dev score, the model too
-            dev = run.evaluate(encoder, dev_score, encode, data) if evaluate else None
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
+            dev = None
+            if evaluate:  # on rank 0, in eval mode
+                encoder.eval()
+                dev = dev_score(encode, data)
+                encoder.train()
+                curve.append({"step": step, "metric": metric, "score": dev})
+                try:  # dev.jsonl, rewritten whole before the save of that step
+                    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                    common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+                except OSError as e:
+                    save_failed(os.path.join(out, CURVE), e, out, new_run)
+            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
+            if not all(bool(torch.isfinite(q).all()) for q in params):
+                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
+                           "good step: resume from it with a lower --lr (--resume --lr ...)")
             state = {"encoder": encoder.state_dict(), "opt": opt.state_dict(),
-                     "sched": sched.state_dict()}
-            write = functools.partial(save_model, encoder, tokenizer, eval_len)
-            run.save(state, params, dev, write, metric, pooler=a.pooler, proj_dim=a.proj_dim,
-                     max_len=eval_len, layers=layers, objective=a.objective, select_on=a.select_on,
-                     num_layers=bert.config.num_hidden_layers, step=step, **{metric: dev})
+                     "sched": sched.state_dict(), "method": "sscl",
+                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
+                                 else v for k, v in vars(a).items()}, "lr": lr},
+                     "step": step, "best": best,
+                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+            staging = os.path.join(out, STAGING)
+            try:
+                if new_best:  # the model, sentemb.json and the state, written whole in a staging
+                    shutil.rmtree(staging, ignore_errors=True)  # folder, synced, and renamed:
+                    os.makedirs(staging)  # the commit; then moved into place (finish_save)
+                    save_model(encoder, tokenizer, eval_len, staging)
+                    torch.save(state, os.path.join(staging, CKPT))
+                    meta = dict(method="sscl", pooler=a.pooler, proj_dim=a.proj_dim,
+                                max_len=eval_len, layers=layers, objective=a.objective,
+                                select_on=a.select_on, num_layers=bert.config.num_hidden_layers,
+                                step=step, **{metric: dev})
+                    with open(os.path.join(staging, common.META), "w") as f:
+                        json.dump(meta, f, indent=2)
+                    for root, _, files in os.walk(staging):
+                        for name in files:
+                            fsync(os.path.join(root, name))
+                            pause()
+                        fsync(root)
+                    os.replace(staging, os.path.join(out, PENDING))  # the commit point
+                    fsync(out)
+                    finish_save(out)
+                else:  # the training state alone
+                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
+            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+                shutil.rmtree(staging, ignore_errors=True)
+                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
+            new_run = None
+            if dev is not None:
+                log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})", flush=True)
+        if (evaluate or halt) and world > 1:
+            torch.distributed.barrier()
+        if evaluate or halt:
+            clock = (time.perf_counter(), step)
         if halt:
             break
-    run.end()  # the peak memory; after a signal: exit, saying how to resume
-    run.final_eval(data)  # the best checkpoint, loaded as eval_sts.py loads it, on the test sets
+
+    cuda = device.type == "cuda"
+    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
+        f"{', rank 0' if world > 1 else ''})", flush=True)
+    if STOP["signum"]:
+        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
+            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
+        sys.exit(128 + STOP["signum"])
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        check_run(out, meta := read_meta(out))
+        encode = load_encoder(out, meta, device)
+        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+        with common.autocast(device, a.bf16):
+            print(common.format_table(common.evaluate(encode, data, common.TASKS)))
+    for s, h in old_handlers.items():
+        signal.signal(s, h)
+
+
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != "sscl":
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of sscl.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
+
+
+def read_curve(run_dir):
+    """The entries of RUN_DIR/dev.jsonl ([] without one); a damaged line is one error line."""
+    path = os.path.join(run_dir, CURVE)
+    entries = []
+    lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
+    for i, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if not (isinstance(e, dict) and type(e.get("step")) is int and e["step"] >= 0
+                and isinstance(e.get("metric"), str) and type(e.get("score")) in (int, float)):
+            common.die(f"{path} is damaged (line {i} is not "
+                       '{"step": N, "metric": NAME, "score": X}): delete it to resume with the '
+                       "curve restarting here, or copy the run folder again")
+        entries.append(e)
+    return entries
 
 
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2). -> the layers M."""
-    if a.plot or a.sentence or a.convergence:
-        common.die("--plot, --sentence and --convergence draw the analysis: add --analyze")
-    if len(a.model) > 1:
-        common.die(f"--model got {len(a.model)} models: training takes one (several: --analyze)")
-    a.model = a.model[0]
     if a.batch_size * world < 2:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
     if a.objective == "authors" and a.no_aug:

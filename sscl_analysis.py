@@ -1,13 +1,13 @@
-"""SSCL's analyses, no training (run them as `sscl.py --analyze`): for each --model, eq. 1
-token-wise similarity and eq. 2 inter-layer similarity per layer on the STS-B test sentences
-(Fig. 1, Fig. 4), and with --sentence the last layer's token-by-token cosines of one sentence
-(Fig. 5); --plot draws them. With --convergence instead: the dev curves that training recorded
-in run folders (dev.jsonl), against steps (Fig. 6).
+"""SSCL's analyses, no training: for each --model, eq. 1 token-wise similarity and eq. 2 inter-layer
+similarity per layer on the STS-B test sentences (Fig. 1, Fig. 4), and with --sentence the last
+layer's token-by-token cosines of one sentence (Fig. 5); --plot draws them. With --convergence
+instead: the dev curves that training recorded in run folders (dev.jsonl), against steps (Fig. 6).
 
-  python sscl.py --analyze --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse runs/sscl \\
+  python sscl_analysis.py --model sentence-transformers/all-MiniLM-L6-v2 runs/simcse runs/sscl \\
       --sentence "A man is playing a guitar." --plot fig.png
-  python sscl.py --analyze --convergence --model runs/simcse runs/sscl --plot fig6.png
+  python sscl_analysis.py --convergence --model runs/simcse runs/sscl --plot fig6.png
 """
+import argparse
 import os
 
 import torch
@@ -17,6 +17,22 @@ from transformers import AutoModel, AutoTokenizer
 import common
 import figures
 import runs
+
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model", nargs="+", required=True, help="hub names or local folders (BERT-like "
+               "encoders, or our run folders); with --convergence: run folders")
+p.add_argument("--data-dir", help="SentEval's data folder (else $SENTEMB_DATA, else "
+               "~/.cache/sentemb/senteval)")
+p.add_argument("--max-len", type=common.POS_INT, default=32, help="tokens read of each sentence "
+               "(sscl.py's training length)")
+p.add_argument("--pooler", default="cls", choices=["cls", "avg"],
+               help="the sentence vector of eq. 2")
+p.add_argument("--sentence", help="also this sentence's last-layer token cosines (Fig. 5)")
+p.add_argument("--convergence", action="store_true", help="Fig. 6: the runs' dev curves instead")
+p.add_argument("--plot", metavar="FILE.png", help="draw Figs. 1, 4 (and 5), or Fig. 6")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+common.show_ranges(p)
 
 
 @torch.no_grad()
@@ -123,3 +139,14 @@ def convergence(a):
                            for m, c in curves.items() if metric in metrics[m]})
               for metric in sorted({x for ms in metrics.values() for x in ms})]
     figures.draw(a.plot, panels, "Dev score during training", ncols=len(panels))
+
+
+def main():
+    a = common.parse(p)
+    if a.convergence and a.sentence:
+        common.die("--sentence draws Fig. 5 of the over-smoothing analysis: drop --convergence")
+    analyze(a, common.pick_device())
+
+
+if __name__ == "__main__":
+    main()

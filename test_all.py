@@ -40,6 +40,7 @@ import jtcse
 import jtcse_analysis
 import seeds
 import sscl
+import sscl_analysis
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -1038,12 +1039,66 @@ def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
     assert losses(c.stdout) != losses(a.stdout)
 
 
+PROJECT = {p.stem for p in ROOT.glob("*.py")} - {"test_all", "conftest"}
+
+
+def project_imports(path):
+    """The project modules a file imports: at module level, inside functions, and through
+    importlib.import_module("name")."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(str(node.args[0].value).split(".")[0])
+    return found & PROJECT
+
+
+def test_common_and_sscl_import_nothing_of_the_project_but_common():
+    """common.py imports no module of the project; sscl.py only common.py, but for eval_sts.py
+    under --select-on transfer (SentEval's classifiers), imported there and only there."""
+    assert project_imports(ROOT / "common.py") == set()
+    assert project_imports(ROOT / "sscl.py") == {"common", "eval_sts"}
+    src = (ROOT / "sscl.py").read_text()
+    assert src.count("import eval_sts") == 1 and "def select_on(" in src.split("import eval_sts")[0]
+
+
+@pytest.mark.slow
+def test_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
+        bert_dir, train_txt, sts_dir, tmp_path):
+    """sscl.py and common.py copied into an empty folder: --help; 2 steps, killed inside its second
+    save; --resume finishes and prints the final table, with no other file of the project."""
+    d = tmp_path / "copy"
+    d.mkdir()
+    for f in ("sscl.py", "common.py"):
+        shutil.copy(ROOT / f, d)
+    env = {**ENV, "PYTHONPATH": ""}
+    cmd = [sys.executable, str(d / "sscl.py"), *map(str, sscl_args(
+        bert_dir, train_txt, sts_dir, d / "run", steps=2, eval_steps=1, layer=2))]
+    assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
+                          cwd=d).returncode == 0
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
+                            env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
+    saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # step 1's save, under way
+    assert kill_when(proc, d / "run", lambda: len(runs.read_curve(d / "run")) == 2 and any(
+        (d / "run" / n).exists() for n in saving))
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"STS12 .* Avg\.\n( +-?\d+\.\d+){8}", done.stdout), done.stdout
+    assert sorted(p.name for p in d.iterdir()) == ["common.py", "run", "sscl.py"] + (
+        ["__pycache__"] if (d / "__pycache__").exists() else [])
+
+
 @pytest.mark.slow
 def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r", "--no-aug",
                                      "--pooler", "avg", "--no-final-eval"))
     assert proc.returncode == 0, proc.stderr
-    an = run("sscl.py", "--analyze", "--model", tmp_path / "r", "--data-dir", sts_dir)
+    an = run("sscl_analysis.py", "--model", tmp_path / "r", "--data-dir", sts_dir)
     assert an.returncode == 0, an.stderr
     rows = [l.split() for l in an.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3, 4]  # embeddings + 4 layers
@@ -1143,7 +1198,9 @@ def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpo
     # what a kill between the two writes of step 6 leaves, then --resume to step 6
     (out / runs.CURVE).write_text((out / runs.CURVE).read_text()
                                   + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
-    monkeypatch.setattr(runs.Run, "steps", lambda self, total: iter(()))  # open() only
+    def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
+        raise SystemExit(0)
+    monkeypatch.setattr(common, "seed_everything", stop)
     main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
                                                   "--no-final-eval", steps=6))
     assert curve_of(out) == curve  # dropped at once, before any step
@@ -1192,7 +1249,7 @@ def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, tra
 
 
 def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys, monkeypatch):
-    """sscl.py --analyze --convergence: each run folder's dev.jsonl, one column a run, one row a
+    """sscl_analysis.py --convergence: each run folder's dev.jsonl, one column a run, one row a
     step ('-' where a run has no evaluation); --plot draws one panel per metric."""
     for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
                        ("sscl", [(0, 79.73), (25, 82.0), (50, 83.55)])):
@@ -1200,7 +1257,7 @@ def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys
         runs.write_curve(tmp_path / name, [{"step": s, "metric": "stsb_dev", "score": v}
                                             for s, v in rows])
     pytest.importorskip("matplotlib")
-    code, log, err = main_of(sscl, capsys, monkeypatch, "--analyze", "--convergence", "--model",
+    code, log, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model",
                              tmp_path / "simcse", tmp_path / "sscl", "--plot", tmp_path / "f.png")
     assert code == 0, err
     table = [l.split() for l in log.splitlines() if re.match(r"\s*(step|\d+)\s", l)]
@@ -2845,14 +2902,14 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
 
 def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
                                                               capsys):
-    """runs.check_weights: a config cut to fewer layers than the file holds, or of another hidden
+    """common.check_weights: a config cut to fewer layers than the file holds, or of another hidden
     size, is refused before any load (one line naming both files); the stock folder, a checkpoint
     with heads beside the base model (BERT's cls.*, a causal LM's lm_head) and sscl.py's cut
     (--num-layers: the layers above are dropped on purpose) load."""
     from transformers import BertForMaskedLM
     d = tmp_path / "m"
     shutil.copytree(bert_dir, d)
-    runs.check_weights(str(d), "w")  # as saved: passes
+    common.check_weights(str(d), "w")  # as saved: passes
     for change, words in (({"num_hidden_layers": 2}, ["32 weights that config.json does not",
                                                       "layers 2..3", "2 layers"]),
                           ({"hidden_size": 64, "intermediate_size": 128},
@@ -2867,8 +2924,8 @@ def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_di
     cut_model = common.load_pretrained(AutoModel, d, num_layers=2)  # the layers above: dropped
     assert cut_model.config.num_hidden_layers == 2
     BertForMaskedLM(BertConfig.from_pretrained(bert_dir)).save_pretrained(tmp_path / "mlm")
-    runs.check_weights(str(tmp_path / "mlm"), "w")  # bert.* and cls.*: the head is not read
-    runs.check_weights(str(bl_make_model(tok_dir, tmp_path)), "w")  # model.*, lm_head.weight
+    common.check_weights(str(tmp_path / "mlm"), "w")  # bert.* and cls.*: the head is not read
+    common.check_weights(str(bl_make_model(tok_dir, tmp_path)), "w")  # model.*, lm_head.weight
 
 
 def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
@@ -2901,20 +2958,22 @@ def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
 
 def test_resume_takes_a_flag_the_run_predates_at_its_default(tmp_path, capsys):
     """A checkpoint written before a flag existed ran with that flag's default: --resume compares
-    the command with it, refusing another value (its line says the run predates the flag)."""
-    defaults = {a.dest: a.default for a in sscl.p._actions}
+    the command with it, refusing another value (its line says the run predates the flag).
+    (runs.load_state, jtcse.py's and bellm.py's; sscl.py's own copy: PROBES.)"""
+    defaults = {a.dest: a.default for a in jtcse.p._actions}
     path = tmp_path / runs.CKPT
     old = {k: v for k, v in runs.run_args(Namespace(**defaults)).items() if k != "objective"}
-    state = {"method": "sscl", "args": old, "step": 1, "best": -math.inf, "encoder": {}, "opt": {},
-             "sched": {}, "rng": torch.get_rng_state()}
+    state = {"method": "jtcse", "args": {**old, "lr": 1e-5}, "step": 1, "best": -math.inf,
+             "model": {}, "opt": {}, "r_gen": torch.Generator().get_state(),
+             "rng": torch.get_rng_state()}
     torch.save(state, path)
     with pytest.raises(SystemExit) as e:
-        runs.load_state(str(path), "sscl", Namespace(**{**defaults, "objective": "authors"}), "cpu",
-                        defaults)
+        runs.load_state(str(path), "jtcse", Namespace(**{**defaults, "objective": "authors"}),
+                        "cpu", defaults)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--objective paper (its default: the run predates the flag)" in err
     assert "this command says --objective authors" in err
-    assert runs.load_state(str(path), "sscl", Namespace(**defaults), "cpu", defaults)["step"] == 1
+    assert runs.load_state(str(path), "jtcse", Namespace(**defaults), "cpu", defaults)["step"] == 1
 
 
 @pytest.mark.slow
@@ -3488,7 +3547,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--train", c.tmp), ["is a folder", "--train FILE"], None),
     ("sscl", lambda c: SSCL(c, "--max-len", 100), ["--max-len 100", "64 positions", "--max-len 64"],
      None),
-    ("sscl", lambda c: ["--analyze", "--model", c.bert, "--data-dir", c.sts, "--max-len", 100],
+    ("sscl_analysis", lambda c: ["--model", c.bert, "--data-dir", c.sts, "--max-len", 100],
      ["--max-len 100"], None),
     ("sscl", lambda c: SSCL(c, "--model", c.plain), ["config.json", "damaged"],
      lambda c: cut(c.plain / "config.json")),
@@ -3524,8 +3583,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["dev.jsonl", "damaged", "line 2", "delete it"],
      lambda c: (c.run / runs.CURVE).write_text('{"step": 0, "metric": "stsb_dev", "score": 1}\n'
                                                '{"step": 2, "metric": "stsb_dev"\n')),
-    ("sscl", lambda c: SSCL(c, "--convergence"), ["--convergence", "add --analyze"], None),
-    ("sscl", lambda c: ["--analyze", "--convergence", "--model", c.run, c.bert],
+    ("sscl", lambda c: SSCL(c, "--convergence"), ["unrecognized arguments: --convergence"],
+     None),  # the analyses are sscl_analysis.py's
+    ("sscl_analysis", lambda c: ["--convergence", "--model", c.run, c.bert],
      ["no dev curve", "run folders"], None),
     ("eval_sts", lambda c: ES(c, c.plain, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
     ("eval_sts", lambda c: ES(c, c.plain, "--num-layers", "5"), ["--num-layers 5", "pass 1 to 4"],
@@ -3671,7 +3731,8 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     before = snapshot()
     if script == "jtcse":
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds}
+    modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds,
+               "sscl_analysis": sscl_analysis}
     code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
@@ -4278,7 +4339,7 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     dec = bl_make_model(tok_dir, tmp_path)
     d, _ = jt_env
     cases = {
-        "sscl": ("sscl.py", "--analyze", "--model", bert_dir, d / "a", "--sentence",
+        "sscl": ("sscl_analysis.py", "--model", bert_dir, d / "a", "--sentence",
                  "a man is playing a guitar", "--max-len", 16),
         "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
                   "--num-cael", 2, "--max-len", 16),
@@ -4300,13 +4361,13 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     assert sizes["sscl"] == (1620, 1260)
     assert (sizes["jtcse"] == (1620, 1260)
             and sizes["degradation"] == sizes["dependency"] == (810, 630))
-    for script, args in (("sscl.py", ["--analyze", "--model", bert_dir]),
+    for script, args in (("sscl_analysis.py", ["--model", bert_dir]),
                          ("bellm.py", ["--dependency", "--model", dec])):
         proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
         assert_bad_input(proc, "--plot", "create it")
         assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
-    assert_bad_input(run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png"), "--plot",
-                     "--analyze")
+    proc = run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png")  # sscl_analysis.py's
+    assert proc.returncode == 2 and "unrecognized arguments: --plot" in proc.stderr
 
 
 @pytest.mark.slow
