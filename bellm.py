@@ -206,7 +206,8 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
 def base_checksum(dec):
     """The base model's fingerprint (float64 sum of |weights| of the token embeddings and the final
     norm): an adapter is applied only to the base it was trained on, not to another of its shape."""
-    return float(dec.embed_tokens.weight.double().abs().sum() + dec.norm.weight.double().abs().sum())
+    w = [dec.embed_tokens.weight.detach(), dec.norm.weight.detach()]
+    return float(sum(x.double().abs().sum() for x in w))
 
 
 def check_base(checksum, recorded, name, where):

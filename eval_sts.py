@@ -856,6 +856,12 @@ def load_encoder(name, pooler="cls", max_len=512, device=None, prompt=None, cut=
     return hf_encoder(name, pooler, cut or max_len, device, num_layers)
 
 
+def check_model(name):
+    """What load_encoder loads, checked before any work (a run folder of ours: every file and
+    value; a local model folder; a hub name's config): jtcse.py --distill's teachers."""
+    runs.check_model(name)
+
+
 def one_each(poolers, names):
     """--pooler's values, one for every --model (one value: the same for all)."""
     if len(poolers) not in (1, len(names)):

@@ -13,7 +13,7 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
   eqs. 13-14, tensor-modulus constraint      tmc, modulus_ratio (tmc_authors)
   eq. 15, the total; one step                jtcse_loss, train_step
   Fig. 8, LayerNorm removed                  drop_layernorm (--drop-layernorm N)
-  eq. 6, Figs. 5, 8-10, Table VII            jtcse_analysis.py (--analyze, --compare)
+  eq. 6, Figs. 5, 8-10, Table VII            python jtcse_analysis.py (no training)
 
   python jtcse.py --model-a runs/simcse_1 --model-b runs/simcse_2       # the paper (GPU)
   python jtcse.py --model-a sentence-transformers/all-MiniLM-L6-v2 --model-b runs/sscl_minilm \\
@@ -21,25 +21,54 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
       --eval-steps 10 --output-dir runs/jtcse_minilm              # CPU (docs/jtcse.md)
   python jtcse.py --distill runs/jtcse_minilm --model-a runs/simcse_1 --output-dir runs/jtcse_d
 """
+import argparse
+import contextlib
 import functools
+import json
 import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import common
-import eval_sts
-import runs
 
-p = common.parser(__doc__)
-# --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- general: the paper's values as defaults ---
 p.add_argument("--model-a", default="bert-base-uncased", help="tower I, BERT or RoBERTa (paper: "
                "bert-base-uncased trained with unsupervised SimCSE on round-trip-translated data)")
 p.add_argument("--model-b", default="bert-base-uncased", help="tower II: the same shape and "
                "vocabulary (paper: a second such SimCSE model)")
 p.add_argument("--train", help="one sentence a line (default: SimCSE's wiki1m_for_simcse.txt)")
-common.training_flags(p, output_dir="runs/jtcse", lr=1.3e-6, max_len=64, batch_size=64,
-                      eval_steps=100, lr_note=" (the towers are trained already); --distill: 1e-5")
+p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--output-dir", default="runs/jtcse", help="the run folder: best model, state")
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="N steps (-1: the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="sentences a step and GPU "
+               "(paper: 64); torchrun: in-batch negatives from all GPUs")
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches a step, each "
+               "with only its own in-batch negatives")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="a step's texts in length groups: the same loss, the real tokens' cost")
+p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 1.3e-6 (the towers are trained "
+               "already); --distill: 1e-5; --resume: the run's own unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
+               "(paper: 64)")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
+p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+               help="the 7 STS tasks of the best checkpoint at the end")
 # --- JTCSE ---
 p.add_argument("--num-cael", type=common.NONNEG_INT, help="cross-attention layers (eq. 7, Table "
                "IX), evenly spaced: default layers/2 (1 if odd); 0 = no cross stream")
@@ -55,15 +84,6 @@ p.add_argument("--objective", default="paper", choices=["paper", "authors"], hel
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
                "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
-p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
-               "(eq. 6) per layer and Fig. 5, --model-a and the twin (jtcse_analysis.py)")
-p.add_argument("--compare", nargs="+", metavar="MODEL", help="no training: last-layer E_CLS "
-               "against the 7-STS average (Fig. 10); a twin run = its two towers")
-p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS", help="with "
-               "--compare: parameters, GMACs of a TOKENS-token sentence, Avg./GMACs (Table VII)")
-p.add_argument("--attention", metavar="SENTENCE", help="with --compare: attention maps (Fig. 9)")
-p.add_argument("--modulus", action="store_true", help="with --compare: STS and |h| by N (Fig. 8)")
-p.add_argument("--plot", metavar="FILE.png", help="--analyze, --compare: draw into this PNG")
 common.show_ranges(p)
 
 
@@ -219,40 +239,266 @@ def make_encode(towers, tokenizer, max_len, device):
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder."""
+    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder (its
+    classic layout: Transformer -> Pooling, CLS), so that SentenceTransformer(folder) encodes as we
+    evaluate."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
-    if names == ["."]:
-        runs.save_sentence_transformers(folder, towers[0].config.hidden_size, "cls", max_len)
+    if names != ["."]:
+        return
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
+                               "type": f"sentence_transformers.models.{kind}"}
+                              for i, (path, kind) in enumerate([("", "Transformer"),
+                                                                ("1_Pooling", "Pooling")])],
+             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
+             "1_Pooling/config.json": {"word_embedding_dimension": towers[0].config.hidden_size,
+                                       "pooling_mode_cls_token": True,
+                                       "pooling_mode_mean_tokens": False,
+                                       "pooling_mode_max_tokens": False,
+                                       "pooling_mode_mean_sqrt_len_tokens": False}}
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+
+
+def _tower(t):  # a tower's folder inside the run folder: "." (a distilled tower) or one plain name
+    return isinstance(t, str) and (t == "." or (t not in ("", "..") and os.path.basename(t) == t))
+
+
+META_TYPES = {  # sentemb.json: the keys, and their types
+    "towers": lambda v: isinstance(v, list) and 1 <= len(v) <= 2 and all(map(_tower, v)),
+    "max_len": lambda v: type(v) is int and v >= 1}
+META_OPTIONAL = {  # keys that older runs may lack
+    "drop_layernorm": lambda v: type(v) is int and v >= 0,
+    "objective": (None, "paper", "authors").__contains__,
+    "num_cael": lambda v: v is None or type(v) is int and v >= 0,
+    "step": lambda v: type(v) is int and v >= 0,
+    "stsb_dev": lambda v: v is None or type(v) in (int, float),
+    "teacher": lambda v: v is None or isinstance(v, str) or isinstance(v, list) and all(
+        isinstance(x, str) for x in v)}
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+RECOPY = "copy the whole run folder again, or train again"
+
+
+def check_run(run_dir, meta):
+    """A run folder of this script is the model its files describe, or one line naming the file and
+    the value: sentemb.json's keys of their types; each tower's files whole, its weights those of
+    its config.json; the towers listed = the tower folders, of one shape and vocabulary; every
+    value within the towers' limits (eval_sts.py and --resume call it)."""
+    path, where = os.path.join(run_dir, common.META), f"cannot load the jtcse.py run in '{run_dir}'"
+    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
+    for t in meta["towers"]:
+        for rel in RUN_FILES:
+            common.check_file(run_dir, os.path.normpath(os.path.join(t, rel)), where, RECOPY)
+    present = [t for t in ("tower_a", "tower_b") if os.path.isdir(os.path.join(run_dir, t))]
+    if meta["towers"] != ["."] and sorted(meta["towers"]) != present:  # a twin, evaluated whole
+        common.die(f"{path}: towers {json.dumps(meta['towers'])} disagrees with the tower folders "
+                   f"of the run folder ({present}): set it to {json.dumps(present)}, or {RECOPY}")
+    towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
+    for t in towers:
+        common.check_weights(t, f"{where} ({t})", RECOPY)
+    common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
+                        meta.get("drop_layernorm", 0), meta=path)
 
 
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
     towers, tokenizer = common.load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
     towers = [drop_layernorm(t, meta.get("drop_layernorm", 0)) for t in towers]  # Fig. 8
-    max_len = common.check_max_len(meta["max_len"], towers[0].config, run_dir,
-                                   "sentemb.json's max_len")
-    return make_encode([t.to(device).eval() for t in towers], tokenizer, max_len, device)
+    return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
+
+
+# ---------------------------------------------------------------- the harness -------------------
+# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
+# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
+# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
+# instant leaves the old version or the new one. One process at a time writes a folder (flock on
+# .lock).
+CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
+                                       ".best.pending", ".lock")
+# settings --resume may change; any other difference is refused
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}
+STOP = {"signum": 0, "now": False}  # SIGINT/SIGTERM: stop at the next step boundary, saved
+
+
+def on_signal(signum, frame):
+    if STOP["signum"] or STOP["now"]:  # a second signal, or none is needed: out at once
+        os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+        os._exit(128 + signum)
+    STOP["signum"] = signum
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at "
+             "once)\n".encode())
+
+
+def pause():  # tests: SENTEMB_SAVE_PAUSE=seconds between a save's writes, to aim a kill inside it
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+
+
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            p = os.path.join(out_dir, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
+
+
+def finish_save(out_dir):
+    """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
+    old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
+    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
+    for tmp in (CKPT, CURVE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, tmp + ".tmp"))
+    pending = os.path.join(out_dir, PENDING)
+    if not os.path.isdir(pending):
+        return
+    with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
+        os.remove(os.path.join(out_dir, common.META))
+    files = sorted((os.path.relpath(os.path.join(root, n), pending)
+                    for root, _, names in os.walk(pending) for n in names),
+                   key=lambda rel: (rel == common.META, rel))
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+        pause()
+    for root, _, _ in os.walk(out_dir):
+        fsync(root)
+    shutil.rmtree(pending)
 
 
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    if a.analyze is not None or a.compare:  # eq. 6, Figs. 5, 9, 10, Table VII: no training
-        import jtcse_analysis
-        return jtcse_analysis.analyze(a, common.pick_device())
-    run = runs.Run(a, "jtcse", p)  # torchrun: this process's rank, the world size, its device
-    check_args(a, run.world)
+    STOP.update(signum=0, now=False)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = print if rank == 0 else lambda *_, **__: None
+    check_args(a, world)
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
         sentences += sorted(common.sts_sentences(data, "SICK-R", "train") - set(sentences))
-    per_step = a.batch_size * run.world * a.grad_accum  # sentences a step, all ranks together
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model_a, a.model_b, *(a.distill or [])], len(steps))  # the run folder, locked
+
+    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
+    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
+    out, state, lock = a.output_dir, None, None
+    ckpt = os.path.join(out, CKPT)
+    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
+                                     not os.path.isdir(out))  # restored if the first save fails
+    if rank == 0:
+        for m in [a.model_a, a.model_b, *(a.distill or [])]:
+            if os.path.isdir(m) and os.path.isdir(out) and os.path.samefile(m, out):
+                common.die(f"--output-dir '{out}' is the input model '{m}': training would "
+                           "overwrite its weights; pass another --output-dir")
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = open(os.path.join(out, LOCK), "a+")
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
+                       f"--output-dir (or delete {os.path.join(out, LOCK)} if it is a folder)")
+        try:
+            import fcntl  # the kernel drops the lock when the process ends, however it ends
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # Windows: no lock
+            pass
+        except OSError:
+            common.die(f"'{out}' is in use by another training run (pid "
+                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
+                       "end, or pass another --output-dir")
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        finish_save(out)
+        holds_run = os.path.exists(os.path.join(out, common.META)) or os.path.exists(ckpt)
+        if not a.resume and holds_run:
+            common.die(f"'{out}' already holds a run: pass --resume to continue it, or another "
+                       "--output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out, f))
+                                 for f in ("config.json", "adapter_config.json")):
+            common.die(f"'{out}' holds a model that is not a run of this project: pass a new or "
+                       "empty --output-dir")
+        if a.resume and not os.path.isfile(ckpt):
+            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    if world > 1:
+        torch.distributed.barrier()
+
+    # --resume: the state of the same script, with the same settings (a flag the run predates had
+    # its default), and, once it has saved a best model, that model whole
+    step, best, curve = 0, -float("inf"), []
+    if a.resume:
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=False)
+        except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+            common.die(f"--resume: {ckpt} cannot be read ({type(e).__name__}); it is damaged: "
+                       "start again without --resume in another --output-dir")
+        if not isinstance(state, dict) or state.get("method", "jtcse") != "jtcse":
+            common.die(f"--resume: {ckpt} was not written by jtcse.py: pass the --output-dir of a "
+                       "jtcse.py run")
+        if bad := [k for k in ("model", "opt", "r_gen", "rng", "args", "step", "best")
+                   if k not in state or k == "args" and not isinstance(state[k], dict)]:
+            common.die(f"--resume: {ckpt} is damaged ({', '.join(bad)} missing or of the wrong "
+                       "type; not the training state jtcse.py writes): start again without "
+                       "--resume in another --output-dir")
+        defaults = {x.dest: x.default for x in p._actions}
+        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+               for k, v in vars(a).items()}
+        old = {**{k: v for k, v in defaults.items() if k in now}, **state["args"]}
+        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+                " (its default: the run predates the flag)" * (k not in state["args"]))
+            common.die("--resume: the run was started with "
+                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
+                       "run's own settings")
+        if state["best"] > -float("inf"):
+            if (meta := read_meta(out)) is None:
+                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
+                           f"has saved a best model: {RECOPY}")
+            check_run(out, meta)
+        step, best = state["step"], state["best"]
+        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
+            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
+                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
+                "--max-steps or --epochs with --resume to train on", flush=True)
+            sys.exit(0)
+        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
+            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
+            curve = [e for e in entries if e["step"] <= step]
+            if len(curve) < len(entries):
+                text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+    # the paper's rate (the authors' supplementary for JTCSE D), or the resumed run's
+    lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)
 
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
@@ -261,62 +507,191 @@ def main():
     towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
     towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
-    if a.distill:  # the teacher encodes the text the student reads (cut to --max-len)
-        teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=run.device,
+    if a.distill:  # the teacher encodes the text the student reads (cut to --max-len); it is
+        import eval_sts  # any model eval_sts.py loads (another method's run, an ensemble)
+        teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=device,
                                          size=(towers[0].config.hidden_size, "the student's"))
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
         tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
-    model = run.wrap(net.to(run.device))  # DDP under torchrun
+    model = net.to(device)
+    if world > 1:  # DDP: gradients averaged over the ranks
+        model = torch.nn.parallel.DistributedDataParallel(net)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = make_encode(towers, tokenizer, eval_len, run.device)
+    encode = make_encode(towers, tokenizer, eval_len, device)
 
     # the optimiser; NOTE(authors' code): AdamW at a constant learning rate, no warm-up
     params = [q for q in net.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
-    run.resume("these towers", model=net, opt=opt, r_gen=r_gen)  # --resume; signals caught
+    if state:  # the weights, optimiser and RNGs of the saved step
+        try:
+            net.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            r_gen.set_state(state["r_gen"])
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+            common.die(f"--resume: the checkpoint does not fit these towers ({type(e).__name__}): "
+                       "pass the --output-dir of a run of this model and settings")
+        torch.set_rng_state(state["rng"][0])
+        random.setstate(state["rng"][1])
+        np.random.set_state(state["rng"][2])
+        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+            for g in opt.param_groups:
+                g["initial_lr"] = g["lr"] = lr
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {net.k or '-'} of {net.n} layers"
-    run.start(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, "
-              f"{len(steps)} steps of {per_step} sentences, lr {lr:g}")
+    log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
+        f"of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}{bf16}",
+        flush=True)
 
     net.train()
-    for step in run.steps(len(steps)):  # 0 (the towers as loaded), 1, ..., len(steps)
+    clock = (time.perf_counter(), step)
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
             opt.zero_grad(set_to_none=True)
             for k in range(a.grad_accum):
-                sents = [sentences[i] for i in run.rows(steps[step - 1], k, a.batch_size)]
-                with run.sync(model, k, a.grad_accum):
-                    loss, terms = train_step(model, tokenizer, sents, R, a, run.world, run.device,
+                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
+                sents = [sentences[i] for i in steps[step - 1][start:start + a.batch_size]]
+                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    loss, terms = train_step(model, tokenizer, sents, R, a, world, device,
                                              teacher)
-                run.check_finite(loss)  # NaN guard, before the weights change
+                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
+                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
+                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
+                               f"in {out} is kept")
             opt.step()
             if step % a.log_steps == 0 or step == len(steps):
+                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
                 parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                run.log_step(f"loss {loss.item():.4f}{parts}" + ("" if a.distill else f"  R {R}"),
-                             per_step)
-        halt = run.stopping()  # SIGINT/SIGTERM on any rank: save this step, then stop
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}"
+                    + ("" if a.distill else f"  R {R}") + f"  sent/s {rate:.2f}", flush=True)
+                clock = (time.perf_counter(), step)
+        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
+            t = torch.tensor(STOP["signum"], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            STOP["signum"] = int(t)
+        halt = bool(STOP["signum"])
         evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if evaluate or halt:  # the training state; with a new best STS-B dev, the towers too
-            dev = run.evaluate(net, common.stsb_dev, encode, data) if evaluate else None
-            state = {"model": net.state_dict(), "opt": opt.state_dict(), "r_gen": r_gen.get_state()}
-            write = functools.partial(save_model, towers, names, tokenizer, eval_len)
-            run.save(state, params, dev, write, towers=names, max_len=eval_len, stsb_dev=dev,
-                     step=step, teacher=a.distill, objective=None if a.distill else a.objective,
-                     num_cael=None if a.distill else net.n // net.k if net.k else 0,
-                     drop_layernorm=a.drop_layernorm)
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
+            dev = None
+            if evaluate:  # on rank 0, in eval mode
+                net.eval()
+                dev = common.stsb_dev(encode, data)
+                net.train()
+                curve.append({"step": step, "metric": "stsb_dev", "score": dev})
+                try:  # dev.jsonl, rewritten whole before the save of that step
+                    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                    common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+                except OSError as e:
+                    save_failed(os.path.join(out, CURVE), e, out, new_run)
+            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
+            if not all(bool(torch.isfinite(q).all()) for q in params):
+                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
+                           "good step: resume from it with a lower --lr (--resume --lr ...)")
+            state = {"model": net.state_dict(), "opt": opt.state_dict(),
+                     "r_gen": r_gen.get_state(), "method": "jtcse",
+                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
+                                 else v for k, v in vars(a).items()}, "lr": lr},
+                     "step": step, "best": best,
+                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+            staging = os.path.join(out, STAGING)
+            try:
+                if new_best:  # the model, sentemb.json and the state, written whole in a staging
+                    shutil.rmtree(staging, ignore_errors=True)  # folder, synced, and renamed:
+                    os.makedirs(staging)  # the commit; then moved into place (finish_save)
+                    save_model(towers, names, tokenizer, eval_len, staging)
+                    torch.save(state, os.path.join(staging, CKPT))
+                    meta = dict(method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev,
+                                step=step, teacher=a.distill,
+                                objective=None if a.distill else a.objective,
+                                num_cael=None if a.distill else net.n // net.k if net.k else 0,
+                                drop_layernorm=a.drop_layernorm)
+                    with open(os.path.join(staging, common.META), "w") as f:
+                        json.dump(meta, f, indent=2)
+                    for root, _, files in os.walk(staging):
+                        for name in files:
+                            fsync(os.path.join(root, name))
+                            pause()
+                        fsync(root)
+                    os.replace(staging, os.path.join(out, PENDING))  # the commit point
+                    fsync(out)
+                    finish_save(out)
+                else:  # the training state alone
+                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
+            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+                shutil.rmtree(staging, ignore_errors=True)
+                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
+            new_run = None
+            if dev is not None:
+                log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
+        if (evaluate or halt) and world > 1:
+            torch.distributed.barrier()
+        if evaluate or halt:
+            clock = (time.perf_counter(), step)
         if halt:
             break
-    run.end()  # the peak memory; after a signal: exit, saying how to resume
-    run.final_eval(data)  # the best checkpoint, loaded as eval_sts.py loads it, on the test sets
+
+    cuda = device.type == "cuda"
+    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
+        f"{', rank 0' if world > 1 else ''})", flush=True)
+    if STOP["signum"]:
+        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
+            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
+        sys.exit(128 + STOP["signum"])
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        check_run(out, meta := read_meta(out))
+        encode = load_encoder(out, meta, device)
+        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+        with common.autocast(device, a.bf16):
+            print(common.format_table(common.evaluate(encode, data, common.TASKS)))
+    for s, h in old_handlers.items():
+        signal.signal(s, h)
+
+
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != "jtcse":
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of jtcse.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
+
+
+def read_curve(run_dir):
+    """The entries of RUN_DIR/dev.jsonl ([] without one); a damaged line is one error line."""
+    path = os.path.join(run_dir, CURVE)
+    entries = []
+    lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
+    for i, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if not (isinstance(e, dict) and type(e.get("step")) is int and e["step"] >= 0
+                and isinstance(e.get("metric"), str) and type(e.get("score")) in (int, float)):
+            common.die(f"{path} is damaged (line {i} is not "
+                       '{"step": N, "metric": NAME, "score": X}): delete it to resume with the '
+                       "curve restarting here, or copy the run folder again")
+        entries.append(e)
+    return entries
 
 
 # ---------------------------------------------------------------- argument checks ---------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2)."""
-    if a.plot or a.cost is not None or a.attention is not None or a.modulus:  # the analyses'
-        common.die("--plot, --cost, --attention and --modulus belong to the analyses (no "
-                   "training): add --compare MODEL ... (or --analyze, for --plot)")
     if a.batch_size * world < 2 and not a.distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
     if a.distill and (a.objective != "paper" or a.drop_layernorm):
@@ -325,9 +700,8 @@ def check_args(a, world):
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
     for t in a.distill or []:  # each as eval_sts.py loads it: a missing or damaged one stops here
-        runs.check_model(t)
-    if a.distill and not runs.given("--lr"):
-        a.lr = 1e-5  # the authors' supplementary, for JTCSE D
+        import eval_sts  # --distill: the teacher is any model eval_sts.py loads
+        eval_sts.check_model(t)
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
     common.check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
 

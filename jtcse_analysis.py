@@ -1,18 +1,19 @@
-"""JTCSE's analyses, no training (run them through jtcse.py --analyze). One twin (--analyze
-[TWIN_DIR]): E_CLS per layer (eq. 6) for tower I alone and the twin with and without
-cross-attention, and the cosines of STS-B test pairs grouped by gold score (Fig. 5). Several models
-(--compare MODEL ...: BERTs, sscl.py runs, jtcse.py twins or distilled towers): the last layer's
-E_CLS against the 7-STS average (Fig. 10); with --cost, parameters and GMACs per sentence against
-the 7-STS average (Table VII); with --attention, each layer's attention map of one sentence
-(Fig. 9). With `--plot FILE.png` the figure is drawn.
+"""JTCSE's analyses, no training. One twin (--analyze [TWIN_DIR]): E_CLS per layer (eq. 6) for
+tower I alone and the twin with and without cross-attention, and the cosines of STS-B test pairs
+grouped by gold score (Fig. 5). Several models (--compare MODEL ...: BERTs, sscl.py runs, jtcse.py twins or
+distilled towers): the last layer's E_CLS against the 7-STS average (Fig. 10); with --cost,
+parameters and GMACs per sentence against the 7-STS average (Table VII); with --attention, each
+layer's attention map of one sentence (Fig. 9); with --modulus, STS and |h| of runs by the number of
+LayerNorms removed (Fig. 8). With `--plot FILE.png` the figure is drawn.
 
-  python jtcse.py --analyze runs/jtcse_minilm --model-a sentence-transformers/all-MiniLM-L6-v2 \\
-      --plot fig.png
-  python jtcse.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/sscl_minilm \\
+  python jtcse_analysis.py --analyze runs/jtcse_minilm \\
+      --model-a sentence-transformers/all-MiniLM-L6-v2 --plot fig.png
+  python jtcse_analysis.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/sscl_minilm \\
       runs/jtcse_minilm --cost 64
-  python jtcse.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/jtcse_minilm \\
+  python jtcse_analysis.py --compare sentence-transformers/all-MiniLM-L6-v2 runs/jtcse_minilm \\
       --attention "This is an example sentence for visualizing attention scores." --plot fig9.png
 """
+import argparse
 import os
 
 import numpy as np
@@ -26,9 +27,30 @@ import figures
 import runs
 from jtcse import Twin, drop_layernorm, layer_forward, make_encode
 
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model-a", default="bert-base-uncased", help="--analyze: tower I (and the "
+               "untrained twin's towers with --model-b)")
+p.add_argument("--model-b", default="bert-base-uncased", help="--analyze: tower II")
+p.add_argument("--num-cael", type=common.NONNEG_INT, help="--analyze: the twin's cross-attention "
+               "layers (as jtcse.py --num-cael)")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="tokens read of a sentence")
+p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
+               "(eq. 6) per layer and Fig. 5, --model-a and the twin (jtcse_analysis.py)")
+p.add_argument("--compare", nargs="+", metavar="MODEL", help="no training: last-layer E_CLS "
+               "against the 7-STS average (Fig. 10); a twin run = its two towers")
+p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS", help="with "
+               "--compare: parameters, GMACs of a TOKENS-token sentence, Avg./GMACs (Table VII)")
+p.add_argument("--attention", metavar="SENTENCE", help="with --compare: attention maps (Fig. 9)")
+p.add_argument("--modulus", action="store_true", help="with --compare: STS and |h| by N (Fig. 8)")
+p.add_argument("--plot", metavar="FILE.png", help="--analyze, --compare: draw into this PNG")
+common.show_ranges(p)
+
 
 def analyze(a, device):
-    """jtcse.py --analyze: one twin (E_CLS per layer and Fig. 5) or the models of --compare
+    """--analyze: one twin (E_CLS per layer and Fig. 5) or the models of --compare
     (Fig. 10; --cost: Table VII; --attention: Fig. 9; --modulus: Fig. 8)."""
     figures.check(a.plot)  # a bad --plot path stops before any model is loaded
     if a.attention is not None and not a.attention.strip():
@@ -411,3 +433,16 @@ def modulus_figure(a, towers, device):
                  series={"every token": (ns, [rows[m][1] for m in order]),
                          "CLS": (ns, [rows[m][2] for m in order])})],
             "Fig. 8: removing the LayerNorm of the last N layers (TMC on the CLS hidden state)")
+
+
+def main():
+    a = common.parse(p)
+    if a.analyze is None and not a.compare and a.cost is None and a.attention is None \
+            and not a.modulus:
+        common.die("pass --analyze [TWIN_DIR] (E_CLS per layer, Fig. 5) or --compare MODEL ... "
+                   "(Figs. 8-10, Table VII)")
+    analyze(a, common.pick_device())
+
+
+if __name__ == "__main__":
+    main()

@@ -435,16 +435,9 @@ def check_meta(run_dir, meta):
     if meta["method"] == "sscl":  # sscl.py checks its own folders
         import sscl
         sscl.check_run(run_dir, meta)
-    elif meta["method"] == "jtcse":
-        present = [t for t in ("tower_a", "tower_b") if os.path.isdir(os.path.join(run_dir, t))]
-        if meta["towers"] != ["."] and sorted(meta["towers"]) != present:  # a twin, evaluated whole
-            bad("towers", f"disagrees with the tower folders of the run folder ({present})",
-                f"set it to {json.dumps(present)}")
-        towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
-        for t in towers:
-            common.check_weights(t, f"cannot load the jtcse.py run in '{run_dir}' ({t})", RECOPY)
-        common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
-                            meta.get("drop_layernorm", 0), meta=path)
+    elif meta["method"] == "jtcse":  # jtcse.py checks its own folders
+        import jtcse
+        jtcse.check_run(run_dir, meta)
     else:
         base = meta["base_model"]
         config = common.load_pretrained(AutoConfig, base)

@@ -1058,27 +1058,40 @@ def project_imports(path):
     return found & PROJECT
 
 
-def test_common_and_sscl_import_nothing_of_the_project_but_common():
-    """common.py imports no module of the project; sscl.py only common.py, but for eval_sts.py
-    under --select-on transfer (SentEval's classifiers), imported there and only there."""
+def test_common_and_the_method_scripts_import_nothing_of_the_project_but_common():
+    """common.py imports no module of the project; sscl.py and jtcse.py only common.py, but for
+    eval_sts.py under the one flag that needs another file, inside the code that flag runs:
+    sscl.py --select-on transfer (SentEval's classifiers), jtcse.py --distill (a teacher is any
+    model eval_sts.py loads)."""
+    import ast
     assert project_imports(ROOT / "common.py") == set()
-    assert project_imports(ROOT / "sscl.py") == {"common", "eval_sts"}
-    src = (ROOT / "sscl.py").read_text()
-    assert src.count("import eval_sts") == 1 and "def select_on(" in src.split("import eval_sts")[0]
+    for script, flag in (("sscl", "transfer"), ("jtcse", "distill")):
+        assert project_imports(ROOT / f"{script}.py") == {"common", "eval_sts"}, script
+        tree = ast.parse((ROOT / f"{script}.py").read_text())
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                child.parent = node
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and node.names[0].name == "eval_sts":
+                guards, up = [], node
+                while not isinstance(up, ast.FunctionDef):  # the if/for/try around it
+                    up = up.parent
+                    guards.append(ast.unparse(up.test if isinstance(up, ast.If) else up.iter)
+                                  if isinstance(up, (ast.If, ast.For)) else "")
+                name = up.name
+                assert any(flag in g for g in guards) or (script, name) == ("sscl", "select_on")
 
 
-@pytest.mark.slow
-def test_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
-        bert_dir, train_txt, sts_dir, tmp_path):
-    """sscl.py and common.py copied into an empty folder: --help; 2 steps, killed inside its second
-    save; --resume finishes and prints the final table, with no other file of the project."""
+def copy_run(script, cmd, tmp_path):
+    """script.py and common.py copied into an empty folder: --help; a run of 2 steps (a dev
+    evaluation each), killed inside its second save; --resume finishes and prints the final table,
+    with no other file of the project. -> the resumed run's stdout."""
     d = tmp_path / "copy"
     d.mkdir()
-    for f in ("sscl.py", "common.py"):
+    for f in (f"{script}.py", "common.py"):
         shutil.copy(ROOT / f, d)
     env = {**ENV, "PYTHONPATH": ""}
-    cmd = [sys.executable, str(d / "sscl.py"), *map(str, sscl_args(
-        bert_dir, train_txt, sts_dir, d / "run", steps=2, eval_steps=1, layer=2))]
+    cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
     assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
                           cwd=d).returncode == 0
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
@@ -1089,8 +1102,26 @@ def test_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
     assert re.search(r"STS12 .* Avg\.\n( +-?\d+\.\d+){8}", done.stdout), done.stdout
-    assert sorted(p.name for p in d.iterdir()) == ["common.py", "run", "sscl.py"] + (
-        ["__pycache__"] if (d / "__pycache__").exists() else [])
+    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "run",
+                                                                f"{script}.py"}
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
+        bert_dir, train_txt, sts_dir, tmp_path):
+    copy_run("sscl", lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, steps=2,
+                                           eval_steps=1), tmp_path)
+
+
+@pytest.mark.slow
+def test_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(jt_env,
+                                                                                 tmp_path):
+    d, _ = jt_env
+    copy_run("jtcse", lambda out: [
+        "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
+        JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+        "--eval-steps", 1, "--no-add-sick"], tmp_path)
 
 
 @pytest.mark.slow
@@ -1573,6 +1604,14 @@ def jt_run(*args, ok=True):
     if ok:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def jt_analysis(capsys, monkeypatch, *args):
+    """jtcse_analysis.main() in this process, on jt_env's STS data; it must succeed."""
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, out, err = main_of(jtcse_analysis, capsys, monkeypatch, *args)
+    assert code == 0, err[-3000:]
+    return code, out, err
 
 
 def jt_main(capsys, monkeypatch, *args, ok=True):
@@ -2102,7 +2141,7 @@ def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys
     got = eval_sts.load_encoder(str(tmp_path / "ln"), device=torch.device("cpu"))(s)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     models = [str(d / "a"), str(tmp_path / "ln")]
-    _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--modulus", "--max-len", 16,
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", *models, "--modulus", "--max-len", 16,
                         "--plot", tmp_path / "fig8.png")
     data = common.senteval_dir(str(JT_DATA["sts"]))
     sents, _ = jtcse_analysis.stsb_sentences(data)
@@ -2122,7 +2161,7 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     d, _ = jt_env
     need(REAL_STS / "downstream" / "STS")
     monkeypatch.setenv("SENTEMB_DATA", str(REAL_STS))
-    code, out, err = main_of(jtcse, capsys, monkeypatch, "--analyze", "--model-a", d / "a",
+    code, out, err = main_of(jtcse_analysis, capsys, monkeypatch, "--analyze", "--model-a", d / "a",
                              "--model-b", d / "b", "--num-cael", "2", "--max-len", "16")
     assert code == 0, err
     assert re.search(r"layer +single +I +II +I\+CA +II\+CA", out)
@@ -2144,7 +2183,7 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     d, _ = jt_env
     twin = jt_run_dir(jt_env, tmp_path / "twin")
     models = [str(d / "a"), str(d / "b"), str(twin)]
-    _, out, _ = jt_main(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
                         tmp_path / "fig10.png")
     rows = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in out.splitlines()
             if l.split() and l.split()[0] in models + ["Spearman", "Pearson"]}
@@ -2167,7 +2206,7 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
     assert png_size(tmp_path / "fig10.png") == (810, 630)
     uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
-    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost", 16)
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost", 16)
     assert "a sentence of 16 tokens" in out
     assert float(next(l.split()[5] for l in out.splitlines() if l.startswith(uc + " "))) == \
         pytest.approx(np.mean(list(common.evaluate(eval_sts.load_ensemble(
@@ -2181,7 +2220,7 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
         assert float(row[6]) == pytest.approx(float(row[5]) / (macs / 1e9),
                                               abs=0.005 / (macs / 1e9) + 0.005)
     sentence = "a man is playing a guitar ."
-    _, out, _ = jt_main(capsys, monkeypatch, "--compare", models[0], models[2], "--attention",
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], "--attention",
                         sentence, "--plot", tmp_path / "fig9.png")
     assert [l.split(" (")[0] for l in out.splitlines() if "tokens:" in l] == [
         models[0], models[2] + " I", models[2] + " II"]
@@ -3603,31 +3642,31 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
      lambda c: fake_state(c.jrun / runs.CKPT, "jtcse")),
-    # ---- jtcse.py: the analyses of several models (--compare, --cost, --attention) ----
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
+    # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
      None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
      None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
      None),
-    ("jtcse", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
      lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
      ["--plot", "create it first"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
      ["--cost 200", "128 positions", "--cost 128"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
      ["--cost", "drop --plot"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
      ["one at a time"], None),
-    ("jtcse", lambda c: ["--cost"], ["add --compare"], None),
-    ("jtcse", lambda c: ["--modulus"], ["add --compare"], None),
-    ("jtcse", lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
-    ("jtcse", lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
-    ("jtcse", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
+    ("jtcse_analysis", lambda c: ["--cost"], ["add --compare"], None),
+    ("jtcse_analysis", lambda c: ["--modulus"], ["add --compare"], None),
+    ("jtcse_analysis", lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
+    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
+    ("jtcse_analysis", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
      ["pass the twin to --compare"], None),
     # ---- bellm.py ----
     ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
@@ -3729,10 +3768,10 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
                         if p.is_file() and p.name != runs.LOCK}
     before = snapshot()
-    if script == "jtcse":
+    if script in ("jtcse", "jtcse_analysis"):
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds,
-               "sscl_analysis": sscl_analysis}
+               "sscl_analysis": sscl_analysis, "jtcse_analysis": jtcse_analysis}
     code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
@@ -4341,7 +4380,7 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     cases = {
         "sscl": ("sscl_analysis.py", "--model", bert_dir, d / "a", "--sentence",
                  "a man is playing a guitar", "--max-len", 16),
-        "jtcse": ("jtcse.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
+        "jtcse": ("jtcse_analysis.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
                   "--num-cael", 2, "--max-len", 16),
         "degradation": ("bellm.py", "--degradation", "--model", dec, "--tasks", "STS-B,SICK-R"),
         "dependency": ("bellm.py", "--dependency", "--model", dec, bert_dir, "--bi-layers", 0, 1),
