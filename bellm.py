@@ -21,33 +21,61 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
       --no-final-eval --output-dir runs/bellm                      # CPU (docs/bellm.md)
 """
 import argparse
+import contextlib
 import copy
 import functools
+import json
 import math
 import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 import common
-import runs
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3; C-STS, §5.1:
 CSTS_PROMPT = 'Given the context {condition}, summarize the sentence {sentence} in one word:"'
 # peft on transformers 5
 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
-p = common.parser(__doc__)
-# --- general: the paper's values as defaults (the shared flags: common.training_flags) ---
-p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="a decoder LLM "
-               "(LLaMA, Mistral, Qwen2, ...; paper: LLaMA-2-7B); the analyses take several")
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- general: the paper's values as defaults ---
+p.add_argument("--model", default="meta-llama/Llama-2-7b-hf", help="a decoder LLM (LLaMA, "
+               "Mistral, Qwen2, ...; paper: LLaMA-2-7B)")
 p.add_argument("--train", help="csv with sent0,sent1,hard_neg (default: SimCSE's "
-               "nli_for_simcse.csv) or C-STS's sentence1,sentence2,condition,label; "
-               "--representative-words: the word counts")
-common.training_flags(p, output_dir="runs/bellm", lr=2e-4, max_len=64, batch_size=64,
-                      eval_steps=100, lr_note=" (batch: one of 16, 32, 64, 128)")
+               "nli_for_simcse.csv) or C-STS's sentence1,sentence2,condition,label")
+p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--output-dir", default="runs/bellm", help="the run folder: best model, state")
+p.add_argument("--epochs", type=common.POS_INT, default=1, help="paper: 1")
+p.add_argument("--max-steps", type=common.STEPS, default=-1, help="N steps (-1: the epochs)")
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="rows a step and GPU "
+               "(paper: 64); torchrun: in-batch negatives from all GPUs")
+p.add_argument("--grad-accum", type=common.POS_INT, default=1, help="micro-batches a step, each "
+               "with only its own in-batch negatives")
+p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
+               help="a step's texts in length groups: the same loss, the real tokens' cost")
+p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 2e-4 (batch: one of 16, 32, 64, "
+               "128); --resume: the run's own unless given")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
+               "(paper: 64)")
+p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
+p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+               help="the 7 STS tasks of the best checkpoint at the end")
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
                help="evaluate step 0 (zero-shot); --no-eval-first saves one evaluation")
 p.add_argument("--dtype", choices=["float32", "bfloat16"], help="the base LLM's weights (LoRA and "
@@ -56,8 +84,8 @@ p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
                help="gradient checkpointing: default on with CUDA, off on CPU")
 p.add_argument("--tasks", default=",".join(common.TASKS), help="the final table's tasks")
 # --- BeLLM ---
-p.add_argument("--bi-layers", type=common.NONNEG_INT, nargs="+", default=[1], help="K, the last "
-               "layers made bidirectional (paper: 1; 0 = the causal LLM); the analyses: several")
+p.add_argument("--bi-layers", type=common.NONNEG_INT, default=1, help="K, the last layers made "
+               "bidirectional (paper: 1; 0 = the causal LLM)")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
                help="parallel = eq. 5 (the authors' code); sequential = BiLLM")
 p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"], help="convert the "
@@ -69,13 +97,6 @@ p.add_argument("--lora-r", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-alpha", type=common.POS_INT, default=32, help="paper: 32")
 p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1")
 p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: selects the checkpoint")
-p.add_argument("--degradation", action="store_true", help="no training: STS of the causal LLM cut "
-               "after each layer (Fig. 4; bellm_analysis.py)")
-p.add_argument("--dependency", action="store_true", help="no training: Spearman of the pooled "
-               "token to each token of the sentence, per --model (Figs. 2, 5; bellm_analysis.py)")
-p.add_argument("--representative-words", action="store_true", help="no training: the LM head's "
-               "next token after the prompt, per STS-B test sentence (App. A; bellm_analysis.py)")
-p.add_argument("--plot", metavar="FILE.png", help="--degradation / --dependency: draw the figure")
 common.show_ranges(p)
 
 
@@ -259,10 +280,99 @@ def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
     return encode
 
 
+def load_adapter(dec, run_dir):
+    """The LoRA adapter of a bellm.py run folder wrapped into dec (in place), or one line naming the
+    file: it must load, and hold exactly the adapter weights that this base model and
+    adapter_config.json ask for (peft would only warn about missing ones and leave them as
+    initialised)."""
+    import warnings
+
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    where = f"cannot load the bellm.py run in '{run_dir}'"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # missing keys are checked below, with the file named
+            model = PeftModel.from_pretrained(dec, run_dir)
+    except Exception as e:  # a damaged config or weights, or another base model's adapter (shapes)
+        common.die(f"{where} ({type(e).__name__}: {common.first_line(e)}): adapter_config.json or "
+                   "adapter_model.safetensors is damaged, or made for another base model; "
+                   f"{RECOPY}")
+    want = set(get_peft_model_state_dict(model))
+    have = common.safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where,
+                                   RECOPY)
+    if want != have:
+        odd = sorted(want - have) or sorted(have - want)
+        said = "lacks" if want - have else "holds"
+        common.die(f"{where}: adapter_model.safetensors {said} {len(odd)} adapter weights ({odd[0]}"
+                   f"{', ...' * (len(odd) > 1)}) {'that' if want - have else 'beyond what'} "
+                   f"adapter_config.json and the base model ask for: {RECOPY}")
+    return model
+
+
+META_TYPES = {  # sentemb.json: the keys, and their types
+    "base_model": lambda v: isinstance(v, str) and v != "",
+    "bi_layers": lambda v: type(v) is int and v >= 0,
+    "bi_mode": ("parallel", "sequential").__contains__,
+    "prompt": lambda v: isinstance(v, str) and "{sentence}" in v}
+META_OPTIONAL = {  # keys that older runs may lack
+    "bi_strategy": ("convert", "add").__contains__, "dtype": ("float32", "bfloat16").__contains__,
+    "max_len": lambda v: type(v) is int and v >= 1, "lora_r": lambda v: type(v) is int and v >= 1,
+    "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
+    "base_checksum": lambda v: type(v) in (int, float)}
+# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
+# would run another model than the one trained
+LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
+              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
+              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
+RECOPY = "copy the whole run folder again, or train again"
+
+
+def check_run(run_dir, meta):
+    """A run folder of this script is the model its files describe, or one line naming the file and
+    the value: sentemb.json's keys of their types; the adapter's files whole; every value within
+    the base model's limits; adapter_config.json as bellm.py trains (eval_sts.py and --resume
+    call it). That the adapter's weights fit the base is checked when it loads (load_adapter)."""
+    path, where = os.path.join(run_dir, common.META), f"cannot load the bellm.py run in '{run_dir}'"
+    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
+    for rel in ("adapter_config.json", "adapter_model.safetensors"):
+        common.check_file(run_dir, rel, where, RECOPY)
+    from transformers import AutoConfig
+    base = meta["base_model"]
+    n = common.load_pretrained(AutoConfig, base).num_hidden_layers
+    if meta["bi_layers"] > n:  # the words of --bi-layers
+        common.die(f"{path}: bi_layers {meta['bi_layers']} is outside 0..{n} ('{base}' has {n} "
+                   f"layers): set it to 0..{n}, or {RECOPY}")
+    if "max_len" in meta:
+        common.check_max_len(meta["max_len"], common.load_pretrained(AutoConfig, base), base,
+                             f"{path}: max_len")
+    lora_path = os.path.join(run_dir, "adapter_config.json")
+    lora = common.read_json(lora_path, where, RECOPY)
+    ok = {"r": lambda v: type(v) is int and v >= 1,
+          "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
+          **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
+    for key, good in ok.items():
+        if key in lora and not good(lora[key]):
+            want = "an integer >= 1" if key == "r" else "a number > 0" if key == "lora_alpha" \
+                else json.dumps(LORA_FIXED[key])
+            common.die(f"{lora_path}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
+                       f"({key} {want}): set it so, or {RECOPY}")
+    for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
+        if key in meta and lora.get(ours) != meta[key]:
+            common.die(f"{lora_path}: {ours} {json.dumps(lora.get(ours))} disagrees with {path}'s "
+                       f"{key} {meta[key]} (bellm.py --{key.replace('_', '-')}): set it to "
+                       f"{meta[key]}, or {RECOPY}")
+
+
 def load_encoder(run_dir, meta, device):
     """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len];
     run_dir None = zero-shot, no LoRA (a run folder without its adapter is refused by
-    runs.read_meta, never run as the base model)."""
+    check_run, never run as the base model)."""
     return make_encoder(*load_run(run_dir, meta, device), device)
 
 
@@ -275,7 +385,7 @@ def load_run(run_dir, meta, device):
     check_base(base_checksum(dec), cfg.get("base_checksum"), cfg["base_model"],
                f"{run_dir}/sentemb.json")
     if run_dir:  # wraps the LoRA layers into dec in place; a damaged adapter file stops here
-        runs.load_adapter(dec, run_dir)
+        load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
     if "{condition}" in cfg["prompt"]:  # a C-STS run: STS pairs come without a condition
         print("note: the prompt has {condition} (C-STS): left empty for sentences without one")
@@ -292,90 +402,393 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(a, b).numpy(), [r[3] for r in csts_dev]).statistic
 
 
+# ---------------------------------------------------------------- the harness -------------------
+# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
+# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
+# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
+# instant leaves the old version or the new one. One process at a time writes a folder (flock on
+# .lock).
+CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
+                                       ".best.pending", ".lock")
+# settings --resume may change; any other difference is refused
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "quiet", "length_grouping", "tasks", "eval_first",
+             "grad_ckpt"}
+STOP = {"signum": 0, "now": False}  # SIGINT/SIGTERM: stop at the next step boundary, saved
+
+
+def on_signal(signum, frame):
+    if STOP["signum"] or STOP["now"]:  # a second signal, or none is needed: out at once
+        os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+        os._exit(128 + signum)
+    STOP["signum"] = signum
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at "
+             "once)\n".encode())
+
+
+def pause():  # tests: SENTEMB_SAVE_PAUSE=seconds between a save's writes, to aim a kill inside it
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+
+
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            p = os.path.join(out_dir, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
+
+
+def finish_save(out_dir):
+    """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
+    old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
+    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
+    for tmp in (CKPT, CURVE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, tmp + ".tmp"))
+    pending = os.path.join(out_dir, PENDING)
+    if not os.path.isdir(pending):
+        return
+    with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
+        os.remove(os.path.join(out_dir, common.META))
+    files = sorted((os.path.relpath(os.path.join(root, n), pending)
+                    for root, _, names in os.walk(pending) for n in names),
+                   key=lambda rel: (rel == common.META, rel))
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+        pause()
+    for root, _, _ in os.walk(out_dir):
+        fsync(root)
+    shutil.rmtree(pending)
+
+
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    if a.degradation or a.dependency or a.representative_words:  # the analyses, no training
-        import bellm_analysis
-        return bellm_analysis.main(a, common.pick_device())
-    run = runs.Run(a, "bellm", p)  # torchrun: this process's rank, the world size, its device
-    tasks = check_args(a, run.world)
+    STOP.update(signum=0, now=False)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = print if rank == 0 else lambda *_, **__: None
+    tasks = check_args(a, world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
     kind, rows = common.read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
     csts_dev = common.read_csv(a.csts)[1] if a.csts else None
     check_prompt(a.prompt, kind == "csts" or csts_dev is not None)
     data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
-    per_step = a.batch_size * run.world * a.grad_accum  # rows a step, all ranks together
+    metric = "csts_dev" if csts_dev else "stsb_dev"
+    per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
     steps = common.step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
-    lr = run.open([a.model], len(steps))  # the run folder, locked; --resume: its state
+
+    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
+    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
+    out, state, lock = a.output_dir, None, None
+    ckpt = os.path.join(out, CKPT)
+    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
+                                     not os.path.isdir(out))  # restored if the first save fails
+    if rank == 0:
+        if os.path.isdir(a.model) and os.path.isdir(out) and os.path.samefile(a.model, out):
+            common.die(f"--output-dir '{out}' is the input model '{a.model}': training would "
+                       "overwrite its weights; pass another --output-dir")
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = open(os.path.join(out, LOCK), "a+")
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
+                       f"--output-dir (or delete {os.path.join(out, LOCK)} if it is a folder)")
+        try:
+            import fcntl  # the kernel drops the lock when the process ends, however it ends
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # Windows: no lock
+            pass
+        except OSError:
+            common.die(f"'{out}' is in use by another training run (pid "
+                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
+                       "end, or pass another --output-dir")
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        finish_save(out)
+        holds_run = os.path.exists(os.path.join(out, common.META)) or os.path.exists(ckpt)
+        if not a.resume and holds_run:
+            common.die(f"'{out}' already holds a run: pass --resume to continue it, or another "
+                       "--output-dir")
+        if not holds_run and any(os.path.exists(os.path.join(out, f))
+                                 for f in ("config.json", "adapter_config.json")):
+            common.die(f"'{out}' holds a model that is not a run of this project: pass a new or "
+                       "empty --output-dir")
+        if a.resume and not os.path.isfile(ckpt):
+            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
+    if world > 1:
+        torch.distributed.barrier()
+
+    # --resume: the state of the same script, with the same settings (a flag the run predates had
+    # its default), and, once it has saved a best model, that model whole
+    step, best, curve = 0, -float("inf"), []
+    if a.resume:
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=False)
+        except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+            common.die(f"--resume: {ckpt} cannot be read ({type(e).__name__}); it is damaged: "
+                       "start again without --resume in another --output-dir")
+        if not isinstance(state, dict) or state.get("method", "bellm") != "bellm":
+            common.die(f"--resume: {ckpt} was not written by bellm.py: pass the --output-dir of a "
+                       "bellm.py run")
+        if bad := [k for k in ("trainable", "opt", "sched", "rng", "args", "step", "best")
+                   if k not in state or k == "args" and not isinstance(state[k], dict)]:
+            common.die(f"--resume: {ckpt} is damaged ({', '.join(bad)} missing or of the wrong "
+                       "type; not the training state bellm.py writes): start again without "
+                       "--resume in another --output-dir")
+        defaults = {x.dest: x.default for x in p._actions}
+        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+               for k, v in vars(a).items()}
+        old = {**{k: v for k, v in defaults.items() if k in now}, **state["args"]}
+        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+                " (its default: the run predates the flag)" * (k not in state["args"]))
+            common.die("--resume: the run was started with "
+                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
+                       "run's own settings")
+        if state["best"] > -float("inf"):
+            if (meta := read_meta(out)) is None:
+                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
+                           f"has saved a best model: {RECOPY}")
+            check_run(out, meta)
+        step, best = state["step"], state["best"]
+        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
+            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
+                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
+                "--max-steps or --epochs with --resume to train on", flush=True)
+            sys.exit(0)
+        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
+            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
+            curve = [e for e in entries if e["step"] <= step]
+            if len(curve) < len(entries):
+                text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+    lr = a.lr or (state["args"]["lr"] if state else 2e-4)  # the paper's, or the resumed run's
 
     # the model: the decoder patched (forward), LoRA on every Linear (peft)
     from peft import LoraConfig, get_peft_model
     common.seed_everything(a.seed)  # the same added layers, LoRA and dropout stream on every rank
-    dtype = getattr(torch, a.dtype or ("bfloat16" if run.device.type == "cuda" else "float32"))
-    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, run.device, dtype)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
     checksum = base_checksum(dec)  # recorded: the adapter goes with this base only
     prompt_len = len(tok(fill(a.prompt, "", ""))["input_ids"])
     common.check_max_len(a.max_len, dec.config, a.model, extra=prompt_len)
     longest = a.max_len + prompt_len  # a prompted training text, at most
-    grad_ckpt = run.device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
+    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
     if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (docs/operations.md)
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                       target_modules="all-linear")  # every Linear; AutoModel has no LM head
     model = get_peft_model(dec, lora)
-    if a.bf16 or run.device.type == "cuda":  # autocast on: the frozen Linears cast once
+    if a.bf16 or device.type == "cuda":  # autocast on: the frozen Linears cast once
         cast_frozen_linears(dec)
-    net = run.wrap(BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy))  # DDP under torchrun
+    net = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+    if world > 1:  # DDP: gradients averaged over the ranks (the LoRA weights only)
+        net = torch.nn.parallel.DistributedDataParallel(net)
     meta = dict(base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
                 base_checksum=checksum)
-    encode = make_encoder(dec, tok, meta, run.device, a.bf16)
+    encode = make_encoder(dec, tok, meta, device, a.bf16)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
-    run.resume(f"'{a.model}' with these LoRA settings", trainable=params, opt=opt, sched=sched)
-    check_base(checksum, (run.state or {}).get("base_checksum"), a.model, "the checkpoint")
-    run.start(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
-              f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
-              f"{len(steps)} steps of {per_step} rows, lr {lr:g}")
+    if state:  # the LoRA weights, optimiser, schedule and RNGs of the saved step
+        try:
+            if len(params) != len(state["trainable"]):
+                raise ValueError(f"{len(state['trainable'])} saved tensors, {len(params)} here")
+            for q, v in zip(params, state["trainable"]):
+                q.data.copy_(v)
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+            common.die(f"--resume: the checkpoint does not fit '{a.model}' with these LoRA "
+                       f"settings ({type(e).__name__}): pass the --output-dir of a run of this "
+                       "model and settings")
+        check_base(checksum, state.get("base_checksum"), a.model, "the checkpoint")
+        torch.set_rng_state(state["rng"][0])
+        random.setstate(state["rng"][1])
+        np.random.set_state(state["rng"][2])
+        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+            for g in opt.param_groups:
+                g["initial_lr"], g["lr"] = lr, lr * sched.lr_lambdas[0](sched.last_epoch)
+            sched.base_lrs = [lr] * len(opt.param_groups)
+            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
+    log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
+        f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
+        f"{len(steps)} steps of {per_step} rows, lr {lr:g}, {world} process(es), device "
+        f"{device}{bf16}", flush=True)
     texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
-    run.log(common.memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, run.device))
+    log(common.memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device), flush=True)
 
     model.train()
-    tokens = 0  # real tokens since the last log line, for tok/s
-    for step in run.steps(len(steps)):  # 0 (zero-shot), 1, ..., len(steps)
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows per rank
+    clock, tokens = (time.perf_counter(), step), 0  # tokens: real ones since the last log line
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
             opt.zero_grad(set_to_none=True)
             for k in range(a.grad_accum):
-                batch = [rows[i] for i in run.rows(steps[step - 1], k, a.batch_size)]
-                with run.sync(net, k, a.grad_accum):
-                    loss, n_tok = train_step(net, tok, batch, kind, a, run.world, run.device)
-                run.check_finite(loss)  # NaN guard, before the weights change
+                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
+                batch = [rows[i] for i in steps[step - 1][start:start + a.batch_size]]
+                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
+                with contextlib.nullcontext() if sync else net.no_sync():
+                    loss, n_tok = train_step(net, tok, batch, kind, a, world, device)
                 tokens += n_tok
+                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
+                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
+                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
+                               f"in {out} is kept")
             opt.step()
             sched.step()
             if step % a.log_steps == 0 or step == len(steps):
-                run.log_step(f"loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}", per_step,
-                             unit="rows", tokens=tokens)
-                tokens = 0
-        halt = run.stopping()  # SIGINT/SIGTERM on any rank: save this step, then stop
+                dt = time.perf_counter() - clock[0]
+                n = torch.tensor(float(tokens), device=device)
+                if world > 1:
+                    torch.distributed.all_reduce(n)
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                    f"rows/s {per_step * (step - clock[1]) / dt:.2f}  tok/s {n.item() / dt:.0f}",
+                    flush=True)
+                clock, tokens = (time.perf_counter(), step), 0
+        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
+            t = torch.tensor(STOP["signum"], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            STOP["signum"] = int(t)
+        halt = bool(STOP["signum"])
         evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        if evaluate or halt:  # the state; with a new best dev score, the adapter too (as one)
-            dev = run.evaluate(model, dev_score, encode, data, csts_dev) if evaluate else None
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
+            dev = None
+            if evaluate:  # on rank 0, in eval mode
+                model.eval()
+                dev = dev_score(encode, data, csts_dev)
+                model.train()
+                curve.append({"step": step, "metric": metric, "score": dev})
+                try:  # dev.jsonl, rewritten whole before the save of that step
+                    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+                    common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+                except OSError as e:
+                    save_failed(os.path.join(out, CURVE), e, out, new_run)
+            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
+            if not all(bool(torch.isfinite(q).all()) for q in params):
+                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
+                           "good step: resume from it with a lower --lr (--resume --lr ...)")
             state = {"trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "base_checksum": checksum}
-            run.save(state, params, dev, write=model.save_pretrained,
-                     metric="csts_dev" if csts_dev else "stsb_dev", **meta)
+                     "sched": sched.state_dict(), "base_checksum": checksum, "method": "bellm",
+                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
+                                 else v for k, v in vars(a).items()}, "lr": lr},
+                     "step": step, "best": best,
+                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+            staging = os.path.join(out, STAGING)
+            try:
+                if new_best:  # the model, sentemb.json and the state, written whole in a staging
+                    shutil.rmtree(staging, ignore_errors=True)  # folder, synced, and renamed:
+                    os.makedirs(staging)  # the commit; then moved into place (finish_save)
+                    model.save_pretrained(staging)  # the adapter (peft)
+                    torch.save(state, os.path.join(staging, CKPT))
+                    with open(os.path.join(staging, common.META), "w") as f:
+                        json.dump({"method": "bellm", **meta}, f, indent=2)
+                    for root, _, files in os.walk(staging):
+                        for name in files:
+                            fsync(os.path.join(root, name))
+                            pause()
+                        fsync(root)
+                    os.replace(staging, os.path.join(out, PENDING))  # the commit point
+                    fsync(out)
+                    finish_save(out)
+                else:  # the training state alone
+                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
+            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+                shutil.rmtree(staging, ignore_errors=True)
+                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
+            new_run = None
+            if dev is not None:
+                log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})", flush=True)
+        if (evaluate or halt) and world > 1:
+            torch.distributed.barrier()
+        if evaluate or halt:
+            clock = (time.perf_counter(), step)
         if halt:
             break
-    run.end()  # the peak memory; after a signal: exit, saying how to resume
-    run.final_eval(data, tasks, a.bf16)  # the best adapter on the test sets
+
+    cuda = device.type == "cuda"
+    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
+        f"{', rank 0' if world > 1 else ''})", flush=True)
+    if STOP["signum"]:
+        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
+            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
+        sys.exit(128 + STOP["signum"])
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        check_run(out, saved := read_meta(out))
+        encode = load_encoder(out, saved, device)
+        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+        with common.autocast(device, a.bf16):
+            print(common.format_table(common.evaluate(encode, data, tasks)))
+    for s, h in old_handlers.items():
+        signal.signal(s, h)
+
+
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != "bellm":
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of bellm.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
+
+
+def read_curve(run_dir):
+    """The entries of RUN_DIR/dev.jsonl ([] without one); a damaged line is one error line."""
+    path = os.path.join(run_dir, CURVE)
+    entries = []
+    lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
+    for i, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if not (isinstance(e, dict) and type(e.get("step")) is int and e["step"] >= 0
+                and isinstance(e.get("metric"), str) and type(e.get("score")) in (int, float)):
+            common.die(f"{path} is damaged (line {i} is not "
+                       '{"step": N, "metric": NAME, "score": X}): delete it to resume with the '
+                       "curve restarting here, or copy the run folder again")
+        entries.append(e)
+    return entries
 
 
 # ---------------------------------------------------------------- argument checks ---------------
@@ -403,11 +816,6 @@ def check_args(a, world):
     tasks = check_tasks(a.tasks)
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if a.plot:
-        common.die("--plot draws an analysis: add --degradation or --dependency (no training)")
-    if len(a.model) > 1 or len(a.bi_layers) > 1:
-        common.die("--model and --bi-layers take one value for training (several: the analyses)")
-    a.model, a.bi_layers = a.model[0], a.bi_layers[0]
     if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
     return tasks

@@ -1,14 +1,16 @@
-"""BeLLM's analyses, no training (run them through bellm.py): Fig. 4, the STS score of the causal
-LLM cut after each layer (`--degradation`), Fig. 2 / Fig. 5, how much the pooled pivot token
-depends on the sentence's tokens (`--dependency`), and App. A, the word the LM head predicts after
-the prompt (`--representative-words`). With `--plot FILE.png` the figures are drawn.
+"""BeLLM's analyses, no training: Fig. 4, the STS score of the causal LLM cut after each layer
+(`--degradation`), Fig. 2 / Fig. 5, how much the pooled pivot token depends on the sentence's tokens
+(`--dependency`), and App. A, the word the LM head predicts after the prompt
+(`--representative-words`). With `--plot FILE.png` the figures are drawn.
 
-  python bellm.py --model HuggingFaceTB/SmolLM2-135M-Instruct --degradation --tasks STS-B \\
-      --plot fig4.png
-  python bellm.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \\
+  python bellm_analysis.py --degradation --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+      --tasks STS-B --plot fig4.png
+  python bellm_analysis.py --dependency --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm \\
       sentence-transformers/all-MiniLM-L6-v2 --bi-layers 0 1 --plot fig5.png
-  python bellm.py --representative-words --model HuggingFaceTB/SmolLM2-135M-Instruct runs/bellm
+  python bellm_analysis.py --representative-words --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+      runs/bellm
 """
+import argparse
 import json
 import os
 import re
@@ -21,12 +23,43 @@ import torch.nn.functional as F
 import common
 import figures
 import runs
-from bellm import (BeLLM, check_prompt, check_tasks, fill, forward, last_token, load_decoder,
-                   load_run, make_encoder, prompted)
+from bellm import (BeLLM, PROMPT, check_prompt, check_tasks, fill, forward, last_token,
+                   load_decoder, load_run, make_encoder, prompted)
+
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="decoder LLMs, "
+               "bellm.py runs (--dependency: BERT-like encoders too)")
+p.add_argument("--bi-layers", type=common.NONNEG_INT, nargs="+", default=[1], help="K of the "
+               "plain decoders: each (--dependency, --representative-words)")
+p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
+               help="of the plain decoders, as bellm.py --bi-mode")
+p.add_argument("--bi-strategy", default="convert", choices=["convert", "add"],
+               help="of the plain decoders, as bellm.py --bi-strategy")
+p.add_argument("--prompt", default=PROMPT, help="with {sentence}, for plain decoders")
+p.add_argument("--tasks", default=",".join(common.TASKS), help="--degradation's tasks")
+p.add_argument("--train", help="--representative-words: count the words of this csv instead of "
+               "the STS-B test sentences")
+p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
+p.add_argument("--seed", type=common.SEED, default=42)
+p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--degradation", action="store_true", help="STS of the causal LLM cut "
+               "after each layer (Fig. 4)")
+p.add_argument("--dependency", action="store_true", help="Spearman of the pooled "
+               "token to each token of the sentence, per --model (Figs. 2, 5)")
+p.add_argument("--representative-words", action="store_true", help="the LM head's "
+               "next token after the prompt, per STS-B test sentence (App. A)")
+p.add_argument("--plot", metavar="FILE.png", help="--degradation / --dependency: draw the figure")
+common.show_ranges(p)
 
 
-def main(a, device):
-    """bellm.py --degradation / --dependency: the analysis asked for, with its figure (--plot)."""
+def main():
+    """--degradation / --dependency / --representative-words: the analysis asked for, with its
+    figure (--plot)."""
+    a, device = common.parse(p), common.pick_device()
+    if a.degradation + a.dependency + a.representative_words != 1:
+        common.die("pass one of --degradation, --dependency and --representative-words")
     figures.check(a.plot)  # a bad --plot path stops before the data is looked for
     tasks = check_tasks(a.tasks)
     data = common.senteval_dir(a.data_dir)
@@ -299,3 +332,7 @@ def representative_words(a, device, data):
         top = Counter(w or repr(t) for w, t in zip(words, texts)).most_common(20)
         print("  the 20 most common: " + ", ".join(f"{w} {c}" for w, c in top))
     return res, counts
+
+
+if __name__ == "__main__":
+    main()

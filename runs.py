@@ -7,6 +7,7 @@ line naming it.
 """
 import contextlib
 import errno
+import importlib
 import json
 import os
 import random
@@ -345,36 +346,6 @@ def load_weights(module, path):
                    f"another model's; {RECOPY}")
 
 
-def load_adapter(dec, run_dir):
-    """The LoRA adapter of a bellm.py run folder wrapped into dec (in place), or one line naming the
-    file: it must load, and hold exactly the adapter weights that this base model and
-    adapter_config.json ask for (peft would only warn about missing ones and leave them as
-    initialised)."""
-    import warnings
-
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict
-    where = f"cannot load the bellm.py run in '{run_dir}'"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # missing keys are checked below, with the file named
-            model = PeftModel.from_pretrained(dec, run_dir)
-    except Exception as e:  # a damaged config or weights, or another base model's adapter (shapes)
-        common.die(f"{where} ({type(e).__name__}: {common.first_line(e)}): adapter_config.json or "
-                   "adapter_model.safetensors is damaged, or made for another base model; "
-                   f"{RECOPY}")
-    want = set(get_peft_model_state_dict(model))
-    have = common.safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where,
-                                   RECOPY)
-    if want != have:
-        odd = sorted(want - have) or sorted(have - want)
-        said = "lacks" if want - have else "holds"
-        common.die(f"{where}: adapter_model.safetensors {said} {len(odd)} adapter weights ({odd[0]}"
-                   f"{', ...' * (len(odd) > 1)}) {'that' if want - have else 'beyond what'} "
-                   f"adapter_config.json and the base model ask for: {RECOPY}")
-    return model
-
-
 def needed_files(meta):
     """The files (paths relative to the run folder) that a run of meta's method needs besides
     sentemb.json: what its script saves and its load_encoder reads (BeLLM: the base model is named
@@ -415,52 +386,10 @@ def read_meta(run_dir):
     return meta
 
 
-# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
-# would run another model than the one trained
-LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
-              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
-              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
-
-
 def check_meta(run_dir, meta):
-    """Every value of a run's sentemb.json (and of a BeLLM run's adapter_config.json) against the
-    weights and configuration it is applied to, in the words of the check of the flag that set it:
-    a run folder whose files disagree is refused, never evaluated or resumed as another model."""
-    from transformers import AutoConfig
-    path = os.path.join(run_dir, common.META)
-
-    def bad(key, why, fix):
-        common.die(f"{path}: {key} {json.dumps(meta[key])} {why}: {fix}, or {RECOPY}")
-    if meta["method"] == "sscl":  # sscl.py checks its own folders
-        import sscl
-        sscl.check_run(run_dir, meta)
-    elif meta["method"] == "jtcse":  # jtcse.py checks its own folders
-        import jtcse
-        jtcse.check_run(run_dir, meta)
-    else:
-        base = meta["base_model"]
-        config = common.load_pretrained(AutoConfig, base)
-        n = config.num_hidden_layers
-        if meta["bi_layers"] > n:  # the words of bellm.py --bi-layers
-            bad("bi_layers", f"is outside 0..{n} ('{base}' has {n} layers)", f"set it to 0..{n}")
-        if "max_len" in meta:
-            common.check_max_len(meta["max_len"], config, base, f"{path}: max_len")
-        where = os.path.join(run_dir, "adapter_config.json")
-        lora = common.read_json(where, f"cannot load the bellm.py run in '{run_dir}'", RECOPY)
-        ok = {"r": _int(1), "lora_alpha": lambda v: _score(v) and v is not None and v > 0,
-              **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
-        for key, good in ok.items():
-            if key in lora and not good(lora[key]):
-                want = "an integer >= 1" if key == "r" else "a number > 0" \
-                    if key == "lora_alpha" else json.dumps(LORA_FIXED[key])
-                common.die(f"{where}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
-                           f"({key} {want}): set it so, or {RECOPY}")
-        for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
-            if key in meta and lora.get(ours) != meta[key]:
-                common.die(f"{where}: {ours} {json.dumps(lora.get(ours))} disagrees with "
-                           f"{path}'s {key} {meta[key]} (bellm.py --{key.replace('_', '-')}): "
-                           f"set it to {meta[key]}, or {RECOPY}")
+    """Every value of a run's files against the weights and configuration it is applied to: the
+    method's own check_run (its script knows its folder)."""
+    importlib.import_module(METHODS[METHODS.index(meta["method"])]).check_run(run_dir, meta)
 
 
 def load_run(run_dir, meta, device):

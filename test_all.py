@@ -1059,12 +1059,14 @@ def project_imports(path):
 
 
 def test_common_and_the_method_scripts_import_nothing_of_the_project_but_common():
-    """common.py imports no module of the project; sscl.py and jtcse.py only common.py, but for
+    """common.py imports no module of the project; bellm.py only common.py; sscl.py and jtcse.py
+    too, but for
     eval_sts.py under the one flag that needs another file, inside the code that flag runs:
     sscl.py --select-on transfer (SentEval's classifiers), jtcse.py --distill (a teacher is any
     model eval_sts.py loads)."""
     import ast
     assert project_imports(ROOT / "common.py") == set()
+    assert project_imports(ROOT / "bellm.py") == {"common"}
     for script, flag in (("sscl", "transfer"), ("jtcse", "distill")):
         assert project_imports(ROOT / f"{script}.py") == {"common", "eval_sts"}, script
         tree = ast.parse((ROOT / f"{script}.py").read_text())
@@ -1122,6 +1124,16 @@ def test_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates
         "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
         JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
         "--eval-steps", 1, "--no-add-sick"], tmp_path)
+
+
+@pytest.mark.slow
+def test_bellm_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(tok_dir,
+                                                                                 tmp_path):
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=20))
+    copy_run("bellm", lambda out: [
+        "--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
+        "--batch-size", 4, "--lora-r", 4, "--max-steps", 2, "--eval-steps", 1], tmp_path)
 
 
 @pytest.mark.slow
@@ -2855,7 +2867,8 @@ def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, c
     (tmp_path / "run" / common.META).write_text(json.dumps(dict(
         method="bellm", base_model=str(model), bi_mode="parallel", bi_layers=1,
         bi_strategy="convert", prompt=bellm.PROMPT, max_len=64)))
-    code, out, err = bl_main(capsys, monkeypatch, "--representative-words", "--model", model,
+    code, out, err = main_of(bellm_analysis, capsys, monkeypatch, "--representative-words",
+                             "--model", model,
                              tmp_path / "run", "--bi-layers", 0, 2, "--data-dir", data)
     assert code == 0, err
     rows = {line.split(" (")[1].split(")")[0]: line for line in out.splitlines()
@@ -2863,7 +2876,8 @@ def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, c
     assert list(rows) == ["K=0", "K=2", "trained, K=1"], out
     assert "N = 100 most frequent words of the STS-B test sentences" in out
     sents = sorted({s for i in range(16) for s in (SENTS[i % 8], SENTS[(i * 3 + 1) % 8])})
-    a = bellm.p.parse_args(["--model", str(model), "--data-dir", str(data), "--bi-layers", "0"])
+    a = bellm_analysis.p.parse_args(["--model", str(model), "--data-dir", str(data),
+                                     "--bi-layers", "0"])
     res, counts = bellm_analysis.representative_words(a, bl_CPU, common.senteval_dir(str(data)))
     assert counts == bellm_analysis.word_counts(sents)
     words = [bellm_analysis.as_word(t) for t in res["llama-4 (K=0)"]]
@@ -3683,9 +3697,11 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: fake_state(c.brun / runs.CKPT, "bellm")),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
      lambda c: cut(c.brun / "adapter_model.safetensors")),
-    ("bellm", lambda c: ["--representative-words", "--model", c.llama, "--data-dir", c.bl_sts,
+    ("bellm_analysis", lambda c: ["--representative-words", "--model", c.llama, "--data-dir",
+                                  c.bl_sts,
                          "--plot", c.tmp / "f.png"], ["no figure", "drop --plot"], None),
-    ("bellm", lambda c: ["--representative-words", "--model", c.tmp / "bare", "--data-dir",
+    ("bellm_analysis", lambda c: ["--representative-words", "--model", c.tmp / "bare",
+                                  "--data-dir",
                          c.bl_sts], ["no lm_head.weight", "causal LM"],
      lambda c: (AutoModel.from_pretrained(c.llama).save_pretrained(c.tmp / "bare"),
                 [shutil.copy(f, c.tmp / "bare") for f in c.llama.glob("tokenizer*")])),
@@ -3771,7 +3787,8 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     if script in ("jtcse", "jtcse_analysis"):
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds,
-               "sscl_analysis": sscl_analysis, "jtcse_analysis": jtcse_analysis}
+               "sscl_analysis": sscl_analysis, "jtcse_analysis": jtcse_analysis,
+               "bellm_analysis": bellm_analysis}
     code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
@@ -4382,8 +4399,10 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
                  "a man is playing a guitar", "--max-len", 16),
         "jtcse": ("jtcse_analysis.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
                   "--num-cael", 2, "--max-len", 16),
-        "degradation": ("bellm.py", "--degradation", "--model", dec, "--tasks", "STS-B,SICK-R"),
-        "dependency": ("bellm.py", "--dependency", "--model", dec, bert_dir, "--bi-layers", 0, 1),
+        "degradation": ("bellm_analysis.py", "--degradation", "--model", dec, "--tasks",
+                        "STS-B,SICK-R"),
+        "dependency": ("bellm_analysis.py", "--dependency", "--model", dec, bert_dir,
+                       "--bi-layers", 0, 1),
     }
     sizes = {}
     for name, (script, *args) in cases.items():
@@ -4401,7 +4420,7 @@ def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
     assert (sizes["jtcse"] == (1620, 1260)
             and sizes["degradation"] == sizes["dependency"] == (810, 630))
     for script, args in (("sscl_analysis.py", ["--model", bert_dir]),
-                         ("bellm.py", ["--dependency", "--model", dec])):
+                         ("bellm_analysis.py", ["--dependency", "--model", dec])):
         proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
         assert_bad_input(proc, "--plot", "create it")
         assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
