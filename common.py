@@ -1,8 +1,10 @@
 """What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and no equation of a paper: finding the
 data, reading training files (sentences; NLI triplets or C-STS rows), range-checked argument types,
-tokenisation with dynamic padding, the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B
-test, SICK-R test; Spearman x 100), and the memory estimate of a LoRA step. Run folders (saving,
-resuming, locking) are in runs.py.
+loading a model folder (every file checked, one line naming a broken one), tokenisation with
+dynamic padding, the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test;
+Spearman x 100), and the memory estimate of a LoRA step. It imports no module of the project: each
+script needs only this file beside it. Run folders (saving, resuming, locking) are each script's;
+runs.py reads them for the tools.
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
@@ -111,18 +113,6 @@ def seed_everything(seed):
 
 
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
-def init_distributed():
-    """-> (rank, world_size, device). Under `torchrun`, one process per GPU (NCCL), or per CPU
-    process (gloo); without it, (0, 1, pick_device())."""
-    if "RANK" not in os.environ:
-        return 0, 1, pick_device()
-    import torch.distributed as dist
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = pick_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def gather(z):
@@ -305,33 +295,6 @@ POS_FLOAT = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number
 PROB = _typed(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
 
 
-def training_flags(p, output_dir, lr, max_len, batch_size, eval_steps, lr_note=""):
-    """The flags every training script shares, with the same meaning; the script passes its paper's
-    values as the defaults (and adds --model and --train, which differ)."""
-    p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
-    p.add_argument("--output-dir", default=output_dir, help="the run folder: best model, state")
-    p.add_argument("--epochs", type=POS_INT, default=1, help="paper: 1")
-    p.add_argument("--max-steps", type=STEPS, default=-1, help="N steps (-1: the epochs)")
-    p.add_argument("--batch-size", type=POS_INT, default=batch_size, help=f"rows a step and "
-                   f"GPU (paper: {batch_size}); torchrun: in-batch negatives from all GPUs")
-    p.add_argument("--grad-accum", type=POS_INT, default=1, help="micro-batches a step, each "
-                   "with only its own in-batch negatives")
-    p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, default=True,
-                   help="a step's texts in length groups: the same loss, the real tokens' cost")
-    p.add_argument("--lr", type=POS_FLOAT, default=lr, help=f"paper: {lr:g}{lr_note}; "
-                   "--resume: the run's own unless given")
-    p.add_argument("--max-len", type=POS_INT, default=max_len,
-                   help=f"training tokens a sentence (paper: {max_len})")
-    p.add_argument("--eval-steps", type=POS_INT, default=eval_steps, help="dev every N steps")
-    p.add_argument("--seed", type=SEED, default=42)
-    p.add_argument("--log-steps", type=POS_INT, default=10, help="the loss every N steps")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
-    p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
-                   help="the 7 STS tasks of the best checkpoint at the end")
-
-
 def parse(p):
     """The command line; --quiet silences our progress bars, Hugging Face's are always off."""
     a = p.parse_args()
@@ -340,12 +303,6 @@ def parse(p):
     import transformers
     transformers.logging.disable_progress_bar()
     return a
-
-
-def parser(doc):
-    """A script's command line, its docstring as the --help text."""
-    return argparse.ArgumentParser(description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def show_ranges(parser):
@@ -361,7 +318,6 @@ def show_ranges(parser):
 # cut short, edited, another model's) is one line naming it: never a traceback, never a silently
 # different model (random weights where a file lacks them, weights the config does not describe).
 REFETCH = "copy or download the model folder again"
-
 
 
 def first_line(e):
@@ -380,7 +336,6 @@ def read_json(path, where, fix, name=None):
     if not isinstance(obj, dict):
         die(f"{where}: {name} is damaged (not a JSON object): {fix}")
     return obj
-
 
 
 def safetensors_keys(path, where, fix, name=None):

@@ -362,6 +362,31 @@ def save_failed(what, e, out_dir, new_run):
                "what was saved before is kept, and --resume continues from it")
 
 
+def save_best(out_dir, write, state, meta):
+    """A new best model with its sentemb.json (meta) and training state, replaced as one: write()
+    fills a staging folder, every file is synced, the folder is renamed to .best.pending (the
+    commit point: before it a kill leaves the old save), then moved into place (finish_save)."""
+    staging = os.path.join(out_dir, STAGING)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        write(staging)
+        torch.save(state, os.path.join(staging, CKPT))
+        with open(os.path.join(staging, common.META), "w") as f:
+            json.dump(meta, f, indent=2)
+        for root, _, files in os.walk(staging):
+            for name in files:
+                fsync(os.path.join(root, name))
+                pause()
+            fsync(root)
+        os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
+        fsync(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finish_save(out_dir)
+
+
 def finish_save(out_dir):
     """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
     old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
@@ -597,32 +622,18 @@ def main():
                                  else v for k, v in vars(a).items()}, "lr": lr},
                      "step": step, "best": best,
                      "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
-            staging = os.path.join(out, STAGING)
-            try:
-                if new_best:  # the model, sentemb.json and the state, written whole in a staging
-                    shutil.rmtree(staging, ignore_errors=True)  # folder, synced, and renamed:
-                    os.makedirs(staging)  # the commit; then moved into place (finish_save)
-                    save_model(towers, names, tokenizer, eval_len, staging)
-                    torch.save(state, os.path.join(staging, CKPT))
+            try:  # with a new best dev score the model too, as one save (save_best)
+                if new_best:
                     meta = dict(method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev,
                                 step=step, teacher=a.distill,
                                 objective=None if a.distill else a.objective,
                                 num_cael=None if a.distill else net.n // net.k if net.k else 0,
                                 drop_layernorm=a.drop_layernorm)
-                    with open(os.path.join(staging, common.META), "w") as f:
-                        json.dump(meta, f, indent=2)
-                    for root, _, files in os.walk(staging):
-                        for name in files:
-                            fsync(os.path.join(root, name))
-                            pause()
-                        fsync(root)
-                    os.replace(staging, os.path.join(out, PENDING))  # the commit point
-                    fsync(out)
-                    finish_save(out)
-                else:  # the training state alone
+                    save_best(out, functools.partial(save_model, towers, names, tokenizer,
+                                                     eval_len), state, meta)
+                else:  # the training state alone, replaced whole
                     common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
             except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-                shutil.rmtree(staging, ignore_errors=True)
                 save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
             new_run = None
             if dev is not None:

@@ -1254,13 +1254,13 @@ def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpo
     again = curve_of(out)
     assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
     assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
-    # a write cut short (here: the rename fails) keeps the old curve, and says so
+    # a write cut short (here: every rename fails) keeps the old curve, and says so
     before = (out / runs.CURVE).read_bytes()
-    monkeypatch.setattr(runs.os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
-    with pytest.raises(SystemExit):
-        runs.write_curve(out, again + again)
+    monkeypatch.setattr(os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
+    code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=8))
     monkeypatch.undo()
-    assert "dev.jsonl" in capsys.readouterr().err
+    assert code == 2 and "dev.jsonl" in err and "No space left on device" in err, err
     assert (out / runs.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
 
 
@@ -1297,8 +1297,8 @@ def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys
     for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
                        ("sscl", [(0, 79.73), (25, 82.0), (50, 83.55)])):
         (tmp_path / name).mkdir()
-        runs.write_curve(tmp_path / name, [{"step": s, "metric": "stsb_dev", "score": v}
-                                            for s, v in rows])
+        (tmp_path / name / runs.CURVE).write_text("".join(json.dumps(
+            {"step": s, "metric": "stsb_dev", "score": v}) + "\n" for s, v in rows))
     pytest.importorskip("matplotlib")
     code, log, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model",
                              tmp_path / "simcse", tmp_path / "sscl", "--plot", tmp_path / "f.png")
@@ -2887,10 +2887,27 @@ def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, c
 
 # ---------------------------------------------------------------- nothing lost: kills, signals,
 # full disks
-def save_versions(out, pause, done):
-    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as training does (a
-    new best model with its training state every other save, the training state alone otherwise);
-    one byte to the pipe `done` after each save."""
+def save_as(m, out, state, write=None):
+    """What the save of script m's main() does: with write (a new best model), m.save_best (the
+    model, sentemb.json {"v": ...} and the training state as one), else the training state alone,
+    replaced whole; a failure is m.save_failed's one line."""
+    ckpt = os.path.join(out, m.CKPT)
+    try:
+        if write:
+            m.save_best(str(out), write, state, {"v": state["v"]})
+        else:
+            common.write_whole(ckpt, lambda f: torch.save(state, f), m.pause)
+    except Exception as e:
+        m.save_failed(f"the best model in {out}" if write else ckpt, e, str(out), None)
+
+
+SCRIPTS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # three copies of the harness
+
+
+def save_versions(m, out, pause, done):
+    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as script m's
+    training does (a new best model with its training state every other save, the training state
+    alone otherwise); one byte to the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
     v = torch.load(out / runs.CKPT)["v"] if (out / runs.CKPT).exists() else 0
     while True:
@@ -2901,15 +2918,13 @@ def save_versions(out, pause, done):
             torch.save({"w": w}, os.path.join(folder, "model.pt"))
             os.makedirs(os.path.join(folder, "tower"))
             (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
-        if v % 2:
-            runs.save_best(str(out), write, {"v": v, "w": w}, [w], v=v)
-        else:
-            runs.save_state({"v": v, "w": w}, str(out), [w])
+        save_as(m, out, {"v": v, "w": w}, write if v % 2 else None)
         os.write(done, b".")
 
 
 @pytest.mark.slow
-def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
     """40 SIGKILLs of a process that saves for ever: after each (and the completion that the next
     command of the project runs first) the folder holds one whole version, never older than before
     the kill. Each kill is aimed by the child's progress, not by time: half when a file of a save
@@ -2924,7 +2939,7 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
         if pid == 0:  # the child never returns into pytest
             try:
                 os.close(r)
-                save_versions(out, 0.02 if aim else 0, w)
+                save_versions(SCRIPTS[script], out, 0.02 if aim else 0, w)
             finally:
                 os._exit(0)
         os.close(w)
@@ -2938,7 +2953,7 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(tmp_path):
         os.waitpid(pid, 0)
         os.close(r)
         inside += any((out / n).exists() for n in (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))
-        runs.finish_save(str(out))
+        SCRIPTS[script].finish_save(str(out))
         assert sorted(p.name for p in out.iterdir()) in (
             [], [runs.CKPT, "model.pt", common.META, "tower"])
         if (out / common.META).exists():
@@ -3009,34 +3024,15 @@ def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     assert png.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["f.bin", "fig.png"]
 
 
-def test_resume_takes_a_flag_the_run_predates_at_its_default(tmp_path, capsys):
-    """A checkpoint written before a flag existed ran with that flag's default: --resume compares
-    the command with it, refusing another value (its line says the run predates the flag).
-    (runs.load_state, jtcse.py's and bellm.py's; sscl.py's own copy: PROBES.)"""
-    defaults = {a.dest: a.default for a in jtcse.p._actions}
-    path = tmp_path / runs.CKPT
-    old = {k: v for k, v in runs.run_args(Namespace(**defaults)).items() if k != "objective"}
-    state = {"method": "jtcse", "args": {**old, "lr": 1e-5}, "step": 1, "best": -math.inf,
-             "model": {}, "opt": {}, "r_gen": torch.Generator().get_state(),
-             "rng": torch.get_rng_state()}
-    torch.save(state, path)
-    with pytest.raises(SystemExit) as e:
-        runs.load_state(str(path), "jtcse", Namespace(**{**defaults, "objective": "authors"}),
-                        "cpu", defaults)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "--objective paper (its default: the run predates the flag)" in err
-    assert "this command says --objective authors" in err
-    assert runs.load_state(str(path), "jtcse", Namespace(**defaults), "cpu", defaults)["step"] == 1
-
-
 @pytest.mark.slow
-def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatch, capsys):
-    out, w = tmp_path / "run", torch.ones(3)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
+    m, out, w = SCRIPTS[script], tmp_path / "run", torch.ones(3)
     out.mkdir()
     write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    runs.save_best(str(out), write, {"v": 1}, [w], v=1)
+    save_as(m, out, {"v": 1}, write)
     files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
-    before, real_save = files(), torch.save
+    before = files()
 
     def disk_full(obj, f, *a, **k):  # writes part of the file, then the disk is full
         if isinstance(f, (str, os.PathLike)):
@@ -3044,16 +3040,11 @@ def test_a_full_disk_or_diverged_weights_keep_the_last_save(tmp_path, monkeypatc
         f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", disk_full)
-    for save in (lambda: runs.save_state({"v": 2}, str(out), [w]),
-                 lambda: runs.save_best(str(out), write, {"v": 2}, [w], v=2)):
+    for best in (None, write):
         with pytest.raises(SystemExit) as e:
-            save()
+            save_as(m, out, {"v": 2}, best)
         assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
         assert files() == before
-    monkeypatch.setattr(torch, "save", real_save)
-    with pytest.raises(SystemExit):  # NaN weights are never written
-        runs.save_state({"v": 3}, str(out), [torch.tensor([1.0, math.nan])])
-    assert "no longer finite" in capsys.readouterr().err and files() == before
 
 
 @pytest.mark.slow
@@ -3726,6 +3717,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
      ["--objective paper (its default: the run predates the flag)", "--objective authors"],
      lambda c: edit_args(c.run / runs.CKPT, objective=None)),
+    ("jtcse", lambda c: JT_RUN(c, "--resume", "--objective", "authors"),
+     ["--objective paper (its default: the run predates the flag)", "--objective authors"],
+     lambda c: edit_args(c.jrun / runs.CKPT, objective=None)),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
      ["--bi-strategy convert (its default", "--bi-strategy add"],
      lambda c: edit_args(c.brun / runs.CKPT, bi_strategy=None)),
@@ -3846,9 +3840,8 @@ def test_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(method, run_t
                                                                    tmp_path, capsys, monkeypatch):
     """Each file that a method's run folder needs, deleted in turn: eval_sts.py and --resume refuse
     the folder in one line naming the file, print nothing else (no table: never the base model or
-    random weights), and leave the folder as it was. The list is what runs.needed_files() checks."""
+    random weights), and leave the folder as it was."""
     tpl = run_templates[method]
-    assert runs.needed_files(json.loads((tpl / common.META).read_text())) == RUN_FILES[method]
     data = {"sscl": sts_dir, "jtcse": JT_DATA["sts"], "bellm": TPL.bl_sts}[method]
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))  # jtcse.py's STS data
     for rel in RUN_FILES[method]:
@@ -3907,15 +3900,17 @@ def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, s
     assert out.read_text() == '{"old": 1}' and not (tmp_path / "r.json.tmp").exists()
 
 
-def test_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(script, tmp_path, monkeypatch,
+                                                                   capsys):
     """torch's zip writer on a full disk raises `[enforce fail at inline_container.cc:672] ...
     unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
     last save stays."""
     from safetensors import SafetensorError
-    out, w, real = tmp_path / "run", torch.ones(3), torch.save
+    m, out, w, real = SCRIPTS[script], tmp_path / "run", torch.ones(3), torch.save
     out.mkdir()
     write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    runs.save_best(str(out), write, {"v": 1}, [w], v=1)
+    save_as(m, out, {"v": 1}, write)
     before = files_of(out)
 
     def torch_full(obj, f, *a, **k):
@@ -3924,12 +3919,10 @@ def test_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(tmp_path, mon
     def safetensors_full(folder):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
                               'message: "No space left on device" })')
-    for save in (lambda: runs.save_state({"v": 2}, str(out), [w]),
-                 lambda: runs.save_best(str(out), write, {"v": 2}, [w], v=2),
-                 lambda: runs.save_best(str(out), safetensors_full, {"v": 2}, [w], v=2)):
+    for best in (None, write, safetensors_full):
         monkeypatch.setattr(torch, "save", torch_full)
         with pytest.raises(SystemExit) as e:
-            save()
+            save_as(m, out, {"v": 2}, best)
         monkeypatch.setattr(torch, "save", real)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("error:") == 1, err
