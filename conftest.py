@@ -1,5 +1,6 @@
-"""pytest settings for test_all.py: the `slow` marker (STYLE.md 11: processes, real checkpoints,
-kills, parity), so that `python3 -m pytest test_all.py -q -m "not slow"` is the quick tier."""
+"""pytest settings for test_all.py: the `slow` marker (tests that start processes, read the real
+checkpoints, kill runs or check parity with a reference tool), so that
+`python3 -m pytest test_all.py -q -m "not slow"` is the quick tier."""
 
 
 def pytest_configure(config):
