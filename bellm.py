@@ -109,10 +109,11 @@ def bellm_loss(h, h_pos, h_neg, temp):
     return F.cross_entropy(sim, torch.arange(len(h), device=h.device))
 
 
-def cosent_loss(a, b, labels, scale=20.0):
+def cosent_loss(u, v, labels, scale=20.0):
     """C-STS training (not in the paper's text; AnglE's cosine objective, by the same authors):
-    log(1 + Σ_{y_i > y_j} e^{scale (cos_j - cos_i)}); a, b: (B, H), labels: (B,)."""
-    cos = F.cosine_similarity(a, b) * scale  # (B,)
+    log(1 + Σ_{y_i > y_j} e^{scale (cos_j - cos_i)}), cos_i = cos(u_i, v_i); u, v: (B, H),
+    labels: (B,)."""
+    cos = F.cosine_similarity(u, v) * scale  # (B,)
     diff = cos[None, :] - cos[:, None]  # [i, j] = cos_j - cos_i
     diff = diff[labels[:, None] > labels[None, :]]
     return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
@@ -265,7 +266,7 @@ def prompted(tok, cfg, sentences, conditions=None):
     return texts, cfg["max_len"] + len(tok(fill(cfg["prompt"], "", ""))["input_ids"]) + 8
 
 
-def make_encoder(dec, tok, cfg, device, cpu_bf16=False):
+def make_encode(dec, tok, cfg, device, cpu_bf16=False):
     """encode(list[str], conditions=None) -> (N, H): the one encode function (dev evaluation in
     training, eval_sts.py)."""
     net = BeLLM(dec, cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
@@ -373,10 +374,10 @@ def load_encoder(run_dir, meta, device):
     """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len];
     run_dir None = zero-shot, no LoRA (a run folder without its adapter is refused by
     check_run, never run as the base model)."""
-    return make_encoder(*load_run(run_dir, meta, device), device)
+    return make_encode(*load_adapted(run_dir, meta, device), device)
 
 
-def load_run(run_dir, meta, device):
+def load_adapted(run_dir, meta, device):
     """The decoder of a run (base + LoRA adapter, in eval mode), its tokenizer and config dict."""
     cfg = {"bi_strategy": "convert", **meta}
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained
@@ -397,9 +398,9 @@ def dev_score(encode, data, csts_dev=None):
     embedded with its condition; Spearman x 100 of cosine vs label)."""
     if not csts_dev:
         return common.stsb_dev(encode, data)
-    a = encode([r[0] for r in csts_dev], [r[2] for r in csts_dev])
-    b = encode([r[1] for r in csts_dev], [r[2] for r in csts_dev])
-    return 100 * spearmanr(F.cosine_similarity(a, b).numpy(), [r[3] for r in csts_dev]).statistic
+    u = encode([r[0] for r in csts_dev], [r[2] for r in csts_dev])
+    v = encode([r[1] for r in csts_dev], [r[2] for r in csts_dev])
+    return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
 # ---------------------------------------------------------------- the harness -------------------
@@ -638,7 +639,7 @@ def main():
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
                 base_checksum=checksum)
-    encode = make_encoder(dec, tok, meta, device, a.bf16)
+    encode = make_encode(dec, tok, meta, device, a.bf16)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)
     params = [q for q in model.parameters() if q.requires_grad]

@@ -24,7 +24,7 @@ import common
 import figures
 import runs
 from bellm import (BeLLM, PROMPT, check_prompt, check_tasks, fill, forward, last_token,
-                   load_decoder, load_run, make_encoder, prompted)
+                   load_adapted, load_decoder, make_encode, prompted)
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,7 +177,7 @@ def dependency(a, device, data):
         meta, short = (runs.read_meta(name) if os.path.isdir(name) else None,
                        os.path.basename(os.path.normpath(name)))
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_run(name, meta, device)
+            dec, tok, cfg = load_adapted(name, meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
         elif (common.load_pretrained(AutoConfig, name).model_type
               in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
@@ -297,7 +297,7 @@ def representative_words(a, device, data):
         meta = runs.read_meta(name) if os.path.isdir(name) else None
         short = os.path.basename(os.path.normpath(name))
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_run(name, meta, device)
+            dec, tok, cfg = load_adapted(name, meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg,
                         meta["base_model"])]
         else:  # a causal LLM, zero-shot, at each K
@@ -310,7 +310,7 @@ def representative_words(a, device, data):
                                      prompt=a.prompt, max_len=dec.config.max_position_embeddings),
                                 name))
         for label, dec, tok, cfg, base in configs:
-            ids = next_tokens(make_encoder(dec, tok, cfg, device, a.bf16), lm_head(base, dec),
+            ids = next_tokens(make_encode(dec, tok, cfg, device, a.bf16), lm_head(base, dec),
                               sents)
             res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
     total = sum(counts.values())

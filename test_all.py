@@ -2493,7 +2493,7 @@ def test_padding_invariance(tok_dir, tmp_path, family, attn):
             for mode in ("parallel", "sequential"):
                 cfg = dict(bi_layers=k, bi_mode=mode, bi_strategy=strategy, prompt=bellm.PROMPT,
                            max_len=64)
-                enc = bellm.make_encoder(dec, tok, cfg, bl_CPU)
+                enc = bellm.make_encode(dec, tok, cfg, bl_CPU)
                 for side in ("right", "left"):
                     tok.padding_side = side
                     alone = torch.cat([enc([s]) for s in SENTS[:3]])
@@ -2550,7 +2550,7 @@ def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
             if "lora_B" in name:
                 q.data.normal_()  # LoRA starts as a no-op; make it count
         model.eval()
-        want = bellm.make_encoder(dec, tok, meta, bl_CPU)(SENTS)
+        want = bellm.make_encode(dec, tok, meta, bl_CPU)(SENTS)
         bl_run = tmp_path / f"run-{strategy}"
         model.save_pretrained(bl_run)
         (bl_run / common.META).write_text(json.dumps(meta))
@@ -2582,7 +2582,7 @@ def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
     curve = bellm_analysis.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
     meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
                 max_len=64)
-    normal = common.evaluate(bellm.make_encoder(dec, tok, meta, bl_CPU), data, ["STS-B"])
+    normal = common.evaluate(bellm.make_encode(dec, tok, meta, bl_CPU), data, ["STS-B"])
     assert len(curve) == 4 and curve[4] == pytest.approx(normal, abs=1e-6)
     assert curve[1] != curve[4]
 
@@ -2789,7 +2789,7 @@ def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_pat
                              tmp_path / "r.json")
     assert code == 0, err
     tok, dec = bellm.load_decoder(str(model), 0, "convert", bl_CPU)
-    encode = bellm.make_encoder(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
+    encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
                                                       bi_strategy="convert", max_len=256,
                                                       prompt=bellm.CSTS_PROMPT), bl_CPU)
     rows = common.read_csv(path)[1]
@@ -2829,7 +2829,7 @@ def test_representative_word_is_the_stock_lm_heads_argmax(tok_dir, tmp_path, tie
     tok, dec = bellm.load_decoder(str(d), 0, "convert", bl_CPU)
     meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
                 max_len=64)
-    encode, head = bellm.make_encoder(dec.eval(), tok, meta, bl_CPU), bellm_analysis.lm_head(d, dec)
+    encode, head = bellm.make_encode(dec.eval(), tok, meta, bl_CPU), bellm_analysis.lm_head(d, dec)
     stock = LlamaForCausalLM.from_pretrained(d).eval()
     assert stock.config.tie_word_embeddings == tie
     with torch.no_grad():
