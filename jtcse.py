@@ -446,10 +446,16 @@ def main():
                            "overwrite its weights; pass another --output-dir")
         try:
             os.makedirs(out, exist_ok=True)
-            lock = open(os.path.join(out, LOCK), "a+")
+            open(os.path.join(out, ".write_test"), "w").close()
+            os.remove(os.path.join(out, ".write_test"))
         except OSError as e:
             common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
-                       f"--output-dir (or delete {os.path.join(out, LOCK)} if it is a folder)")
+                       "--output-dir")
+        try:
+            lock = open(os.path.join(out, LOCK), "a+")
+        except OSError as e:  # e.g. a folder of that name
+            common.die(f"cannot open {os.path.join(out, LOCK)} ({e.strerror}): delete it (it only "
+                       "holds the pid of the run that writes the folder) and run again")
         try:
             import fcntl  # the kernel drops the lock when the process ends, however it ends
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -488,8 +494,11 @@ def main():
         if not isinstance(state, dict) or state.get("method", "jtcse") != "jtcse":
             common.die(f"--resume: {ckpt} was not written by jtcse.py: pass the --output-dir of a "
                        "jtcse.py run")
+        ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+              "step": lambda v: type(v) is int and v >= 0,
+              "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
         if bad := [k for k in ("model", "opt", "r_gen", "rng", "args", "step", "best")
-                   if k not in state or k == "args" and not isinstance(state[k], dict)]:
+                   if k not in state or not ok.get(k, lambda v: True)(state[k])]:
             common.die(f"--resume: {ckpt} is damaged ({', '.join(bad)} missing or of the wrong "
                        "type; not the training state jtcse.py writes): start again without "
                        "--resume in another --output-dir")
