@@ -805,7 +805,8 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
 
 
 def sts_sentences(data, task, split):
-    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training text)."""
+    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
+    text)."""
     return {s for r in load_sts(data, task, split)[split] for s in r[:2]}
 
 

@@ -1,7 +1,7 @@
 """JTCSE's analyses, no training. One twin (--analyze [TWIN_DIR]): E_CLS per layer (eq. 6) for
 tower I alone and the twin with and without cross-attention, and the cosines of STS-B test pairs
-grouped by gold score (Fig. 5). Several models (--compare MODEL ...: BERTs, sscl.py runs, jtcse.py twins or
-distilled towers): the last layer's E_CLS against the 7-STS average (Fig. 10); with --cost,
+grouped by gold score (Fig. 5). Several models (--compare MODEL ...: BERTs, sscl.py runs, jtcse.py
+twins or distilled towers): the last layer's E_CLS against the 7-STS average (Fig. 10); with --cost,
 parameters and GMACs per sentence against the 7-STS average (Table VII); with --attention, each
 layer's attention map of one sentence (Fig. 9); with --modulus, STS and |h| of runs by the number of
 LayerNorms removed (Fig. 8). With `--plot FILE.png` the figure is drawn.
