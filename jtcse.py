@@ -387,6 +387,12 @@ def save_best(out_dir, write, state, meta):
     finish_save(out_dir)
 
 
+def write_curve(out_dir, curve):
+    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
+    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
+
+
 def finish_save(out_dir):
     """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
     old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
@@ -529,8 +535,7 @@ def main():
             entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
             curve = [e for e in entries if e["step"] <= step]
             if len(curve) < len(entries):
-                text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-                common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+                write_curve(out, curve)
     # the paper's rate (the authors' supplementary for JTCSE D), or the resumed run's
     lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)
 
@@ -617,8 +622,7 @@ def main():
                 net.train()
                 curve.append({"step": step, "metric": "stsb_dev", "score": dev})
                 try:  # dev.jsonl, rewritten whole before the save of that step
-                    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-                    common.write_whole(os.path.join(out, CURVE), lambda f: f.write(text), pause)
+                    write_curve(out, curve)
                 except OSError as e:
                     save_failed(os.path.join(out, CURVE), e, out, new_run)
             new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
