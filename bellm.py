@@ -672,7 +672,7 @@ def main():
                        f"settings ({type(e).__name__}): pass the --output-dir of a run of this "
                        "model and settings")
         check_base(checksum, state.get("base_checksum"), a.model, "the checkpoint")
-        torch.set_rng_state(state["rng"][0])
+        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
         random.setstate(state["rng"][1])
         np.random.set_state(state["rng"][2])
         if lr != state["args"]["lr"]:  # a new --lr from the resumed step on

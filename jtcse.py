@@ -565,11 +565,11 @@ def main():
         try:
             net.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
-            r_gen.set_state(state["r_gen"])
-        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+            r_gen.set_state(state["r_gen"].cpu())  # a CPU generator
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
             common.die(f"--resume: the checkpoint does not fit these towers ({type(e).__name__}): "
                        "pass the --output-dir of a run of this model and settings")
-        torch.set_rng_state(state["rng"][0])
+        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
         random.setstate(state["rng"][1])
         np.random.set_state(state["rng"][2])
         if lr != state["args"]["lr"]:  # a new --lr from the resumed step on

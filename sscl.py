@@ -523,7 +523,7 @@ def main():
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
             common.die(f"--resume: the checkpoint does not fit '{a.model}' ({type(e).__name__}): "
                        "pass the --output-dir of a run of this model and settings")
-        torch.set_rng_state(state["rng"][0])
+        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
         random.setstate(state["rng"][1])
         np.random.set_state(state["rng"][2])
         if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
