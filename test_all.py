@@ -4454,3 +4454,267 @@ def test_seed_summary_equals_numpy_and_scipy(tmp_path):
                      "paired")
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert_bad_input(run("seeds.py", str(tmp_path / "bad.json")), "eval_sts.py --json")
+
+
+# ================================================================ paper scale, and the CUDA tier ==
+def paper_scale():
+    """bench/paper_scale.py, imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("paper_scale", ROOT / "bench" / "paper_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paper_scale_counts_on_fake_tensors_what_the_real_step_gives():
+    """bench/paper_scale.py counts each run's train_step on fake tensors (shapes, no storage): on
+    tiny configurations its FLOPs and the bytes autograd keeps for the backward equal those of the
+    same step on real tensors, in the GPU configuration it prices (bf16 autocast; BeLLM: bf16
+    weights and gradient checkpointing) and, for SSCL and BeLLM, the CPU one (fp32)."""
+    ps = paper_scale()
+    # 12 layers: sscl.py's default --layer 11
+    bert = {**ps.BERT_BASE, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}
+    llama = {**ps.LLAMA2_7B, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "num_hidden_layers": 2}
+    for name, gpu in [(name, True) for name in ps.RUNS] + [("SSCL", False), ("BeLLM", False)]:
+        torch.manual_seed(0)
+        module, step = ps.build(name, "cpu", gpu, bert, llama)
+        for m in module.modules():  # eager attention, as the fake count runs
+            if hasattr(m, "set_attn_implementation"):
+                m.set_attn_implementation("eager")
+        real = ps.count(module, step, 4)
+        module, step = ps.build(name, "meta", gpu, bert, llama)
+        fake = ps.count(ps.fake(module), step, 4)
+        assert real[0] > 0 and real[1] > 0, (name, gpu)
+        assert fake == real, (name, gpu)
+
+
+# The CUDA tier, `python3 -m pytest test_all.py -m cuda` on a machine with a GPU: what CUDA changes
+# (bf16 autocast, the fused AdamW kernel, checkpointing's recompute, the SDPA kernels, NCCL), each
+# checked against the CPU or eager computation. Without CUDA every test here skips, saying why.
+GPU = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def same_ranking(fp32, bf16, tol):
+    """Each row's order of similarities under bf16 is fp32's, except between two entries that fp32
+    puts within tol of each other (one bf16 rounding may swap those). -> the pairs compared."""
+    d32, d16 = (s[:, :, None] - s[:, None, :] for s in (fp32, bf16))
+    clear = d32.abs() > tol
+    assert (d32.sign() == d16.sign())[clear].all()
+    return int(clear.sum())
+
+
+def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """The method's model in fp32 on the CPU and in bellm.py's CUDA configuration on the GPU, the
+    same weights, dropout off: -> [(model, device, args)] * 2, step(model, device, args) -> the
+    loss of one train_step on 8 rows, encode(model, device) -> (N, H) embeddings of SENTS."""
+    from transformers import AutoTokenizer
+    cpu, rows = torch.device("cpu"), [sentence(random.Random(i)) for i in range(8)]
+    if method == "bellm":
+        from peft import LoraConfig, get_peft_model
+        path, models = str(bl_make_model(tok_dir, tmp)), []
+        for dev, dtype in ((cpu, torch.float32), (GPU, torch.bfloat16)):  # bellm.py's dtypes
+            tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
+            torch.manual_seed(0)  # B != 0: the LoRA path counts
+            get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           init_lora_weights=False,
+                                           target_modules="all-linear")).train()
+            if dtype == torch.bfloat16:  # as bellm.py with autocast on
+                bellm.cast_frozen_linears(dec)
+            models.append(dec)
+        for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
+            q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
+        cfg = {"bi_layers": 1, "bi_mode": "parallel", "bi_strategy": "convert",
+               "prompt": bellm.PROMPT, "max_len": 64}
+        triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
+
+        def step(m, dev, a):
+            return bellm.train_step(bellm.BeLLM(m, 1, "parallel", "convert"), tok, triplets, "nli",
+                                    a, 1, dev)[0]
+
+        def encode(m, dev):
+            return bellm.make_encode(m, tok, cfg, dev)(SENTS)
+        args = [bellm.p.parse_args(["--lora-dropout", "0", *x]) for x in ([], ["--bf16"])]
+        return list(zip(models, (cpu, GPU), args)), step, encode
+    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
+    if method == "sscl":  # bert_wide_dir: dropout off, [CLS] vectors that differ
+        model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
+        args = [sscl.p.parse_args(["--max-len", "16", *x]) for x in ([], ["--bf16"])]
+
+        def step(m, dev, a):
+            return sscl.train_step(m, tok, rows, [2], a, 1, dev)
+
+        def encode(m, dev):
+            return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
+    else:  # two wide towers; JTCSE D: the second tower's CLS as the target of the first
+        other = no_dropout(tiny_bert(tmp / "wide_b", bert_tokenizer_dir, seed=4, std=0.3))
+        towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
+        model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
+        extra = ["--distill", "T"] if method == "jtcse-distill" else []
+        args = [jtcse.p.parse_args(["--max-len", "16", *extra, *x]) for x in ([], ["--bf16"])]
+
+        def step(m, dev, a):
+            if method == "jtcse":
+                return jtcse.train_step(m, tok, rows, 1, a, 1, dev)[0]
+            teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
+            return jtcse.train_step(m[0], tok, rows, 1, a, 1, dev, teacher)[0]
+
+        def encode(m, dev):
+            return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
+                                     dev)(SENTS)
+    return [(model, cpu, args[0]), (copy.deepcopy(model).to(GPU), GPU, args[1])], step, encode
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "jtcse-distill", "bellm"])
+def test_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(method, tmp_path, bert_wide_dir,
+                                                                     bert_tokenizer_dir, tok_dir):
+    """Each script's train_step with --bf16 on CUDA (autocast; BeLLM also bf16 base weights)
+    against the fp32 step on the CPU, same weights, dropout off: the loss within rel 0.05, abs 0.02
+    (as the CPU bf16 tests: bf16 keeps 8 significant bits, ~0.4 %, and the logits are cosines / τ =
+    × 20), and the encoder ranks the similarities of SENTS' pairs as fp32 does, except between
+    two that fp32 puts within 0.02 of each other."""
+    [(m32, cpu, a32), (m16, gpu, a16)], step, encode = bf16_runs(method, tmp_path, bert_wide_dir,
+                                                               bert_tokenizer_dir, tok_dir)
+    loss32, loss16 = step(m32, cpu, a32).item(), step(m16, gpu, a16).item()
+    assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=0.05, abs=0.02)
+    e32, e16 = encode(m32, cpu), encode(m16, gpu).float().cpu()
+    sims = [F.normalize(e, dim=-1) @ F.normalize(e, dim=-1).T for e in (e32, e16)]
+    n = len(SENTS)
+    assert same_ranking(*sims, tol=0.02) >= n * n * (n - 1) // 2  # half the pairs, or more
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
+    """sscl.py's and jtcse.py's optimiser, AdamW(fused=True), on CUDA: 3 steps on the same fp32
+    gradients (an sscl.py step's) leave the weights of the CPU's fused kernel within rtol 1e-6,
+    atol 1e-6 (a float32 rounding or two: the kernels order their arithmetic differently; a
+    weight decay or bias correction done otherwise is off by ~1e-5) and the moments within rtol
+    1e-5."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
+    gpu = copy.deepcopy(enc).to(GPU)
+    sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
+                    sscl.p.parse_args(["--max-len", "16"]), 1, torch.device("cpu"))
+    pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
+    for qg, qc in zip(pg, pc, strict=True):
+        qg.grad = qc.grad.to(GPU)
+    opts = [torch.optim.AdamW(ps, lr=1e-3, fused=True) for ps in (pc, pg)]
+    for _ in range(3):
+        for opt in opts:
+            opt.step()
+    assert sum(int((qc != 0).sum()) for qc in (q.grad for q in pc)) > 0
+    for qg, qc in zip(pg, pc):
+        torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
+                                       rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 1e-3)])
+def test_cuda_gradient_checkpointing_gives_the_plain_steps_gradients(tok_dir, tmp_path, dtype,
+                                                                     tol):
+    """BeLLM on CUDA checkpointed as bellm.py does it (dec.gradient_checkpointing_enable,
+    non-reentrant), with LoRA dropout on, so that the recompute must draw the same masks: the same
+    loss and LoRA gradients as the plain step. float64: within 1e-5 of each gradient's largest (as
+    on the CPU); bf16 weights under autocast (the GPU configuration): 1e-3, the same kernels run
+    twice (a recompute outside autocast would be off by ~1e-2)."""
+    from peft import LoraConfig, get_peft_model
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", GPU, dtype)
+    torch.manual_seed(0)
+    lora = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                          init_lora_weights=False,
+                                          target_modules="all-linear")).train()
+    params = [q for q in lora.parameters() if q.requires_grad]
+    net = bellm.BeLLM(dec, 1, "parallel", "convert")
+    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS[:6]).items()}
+    out = []
+    for ckpt in (False, True):
+        if ckpt:  # as bellm.py
+            dec.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        for q in params:
+            q.grad = None
+        torch.manual_seed(1)  # the same LoRA dropout masks in both steps
+        with torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.bfloat16):
+            h = net(b["input_ids"], b["attention_mask"]).float().view(2, 3, -1)
+        loss = bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+        loss.backward()
+        out.append((loss.item(), [q.grad.clone() for q in params]))
+    assert dec.is_gradient_checkpointing and len(out[0][1]) > 10
+    (l0, g0), (l1, g1) = out
+    assert l1 == pytest.approx(l0, rel=tol)
+    for a, b_ in zip(g1, g0):
+        assert (a - b_).abs().max() <= tol * b_.abs().max() + 1e-12
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_cuda_sdpa_gives_eager_attentions_hidden_states_under_bellms_masks(tok_dir, tmp_path,
+                                                                           side):
+    """bellm.attn_mask under PyTorch's SDPA kernels on CUDA (what bellm.py runs there) gives the
+    hidden states of eager attention at every real token: K = 0, 1, 2 bidirectional layers,
+    parallel and sequential, right and left padding; fp32, within 1e-4 (the fused kernels sum in
+    another order; a mask read otherwise changes them by ~1e-1)."""
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", GPU,
+                                  torch.float32)
+    dec.eval()
+    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS, side).items()}
+    am = b["attention_mask"]
+    assert not am.all()  # padding in the batch
+    for k, mode in ((0, "parallel"), (1, "parallel"), (2, "parallel"), (1, "sequential"),
+                    (2, "sequential")):
+        got = {}
+        for attn in ("sdpa", "eager"):
+            dec.set_attn_implementation(attn)
+            assert dec.config._attn_implementation == attn
+            with torch.no_grad():
+                got[attn] = bl_real(bellm.forward(dec, b["input_ids"], am, k, mode, "convert"), am)
+        torch.testing.assert_close(got["sdpa"], got["eager"], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"K={k} {mode}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_cuda_torchrun_nccl_trains_two_steps_and_resumes(script, bert_dir, train_txt, sts_dir,
+                                                         jt_env, tok_dir, tmp_path):
+    """One process under torchrun on a GPU: the NCCL backend (the scripts' choice with CUDA), 2
+    steps and their checkpoint; then --resume loads it onto the GPU and trains step 3 alone."""
+    d, _ = jt_env
+    out = tmp_path / "run"
+    if script == "sscl":
+        def args(n):
+            return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=n,
+                             eval_steps=2)
+    elif script == "jtcse":
+        def args(n):
+            return ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
+                    "--data-dir", sts_dir, "--output-dir", out, "--batch-size", 8, "--max-len",
+                    16, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
+                    "--no-final-eval"]
+    else:
+        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
+
+        def args(n):
+            return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
+                    "--batch-size", 4, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1,
+                    "--lora-r", 4, "--tasks", "STS-B", "--no-final-eval", "--no-eval-first"]
+    first = torchrun(f"{script}.py", 1, *args(2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    head = next(line for line in first.stdout.splitlines() if "process(es)" in line)
+    assert "1 process(es), device cuda:0" in head, head
+    assert re.findall(r"step\s+(\d+)\s+loss", first.stdout) == ["1", "2"]
+    again = torchrun(f"{script}.py", 1, *args(3), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"step\s+(\d+)\s+loss", again.stdout) == ["3"]
+    assert torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")["step"] == 3

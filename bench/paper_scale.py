@@ -99,8 +99,9 @@ PAPERS = {"sscl": ("SSCL: bert-base-uncased's config, --layer 11; wiki1m, 1,000,
           "bellm": ("BeLLM: LLaMA-2-7B's config, K = 1, LoRA r 32; NLI, 275,601 triplets; batch 64 "
                     "= 4 GPUs x 16, 64 + 11 prompt tokens, bf16, gradient checkpointing; 1 epoch",
                     ["BeLLM"])}
-# transformers 5 renames it; bellm.py calls gradient_checkpointing_enable, and so does this bench
-warnings.filterwarnings("ignore", "`gradient_checkpointing_enable` is deprecated", FutureWarning)
+# transformers 5 renames them (activation_checkpointing); bellm.py, peft and this bench use the old
+for old in ("gradient_checkpointing_enable", "is_gradient_checkpointing"):
+    warnings.filterwarnings("ignore", f"`{old}` is deprecated", FutureWarning)
 PROMPT = "w1 w2 w3 w4 {sentence} w5 w6 w7 w8 w9 w10"  # with <s>: as long as LLaMA-2's bellm.PROMPT
 
 
@@ -158,7 +159,8 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
         if device == "cpu":  # as bellm.load_decoder: CPU SDPA's backward with a mask is slow
             dec.set_attn_implementation("eager")
         if gpu:
-            dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dec.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha,
                                               lora_dropout=a.lora_dropout,
                                               target_modules="all-linear"))
