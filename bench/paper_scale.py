@@ -29,10 +29,11 @@ is downloaded. What each column is:
   in fp32); the CUDA context and the backward's short-lived tensors are left out. BeLLM:
   bellm.py's start-up estimate (common.memory_estimate, docs/operations.md).
 - measured here: 1 + --steps training steps (train_step and the scripts' AdamW) on this machine's
-  device, each run in a fresh process; the median of the last --steps, and the peak memory above
+  device, in the scripts' configuration for it (a CPU: fp32, BeLLM without checkpointing), each
+  run in a fresh process; the median of the last --steps, and the peak memory above
   the loaded model (CPU: peak resident memory, VmHWM; CUDA: max_memory_allocated) next to the same
-  estimate for that step. On a CPU, --fraction 0.25 of the paper's rows a step by default (the
-  JTCSE twin's whole step would need about 26 GiB in fp32), and BeLLM runs a slice of
+  estimate for that step. On a CPU, --fraction 0.125 of the paper's rows a step by default (the
+  JTCSE twin's whole step needs about 25 GiB in fp32, and minutes), and BeLLM runs a slice of
   --bellm-layers layers of LLaMA-2-7B (the real sizes; the last one the bidirectional layer).
 
 The papers' settings, and where they come from (each script's flag help gives the paper's value):
@@ -289,7 +290,7 @@ def main():
     p.add_argument("--steps", type=common.POS_INT, default=2,
                    help="timed steps after a first one (default 2)")
     p.add_argument("--fraction", type=float, help="of the paper's rows a step and GPU, for the "
-                   "measured steps (default: 1 on CUDA, 0.25 on a CPU)")
+                   "measured steps (default: 1 on CUDA, 0.125 on a CPU)")
     p.add_argument("--bellm-layers", type=common.POS_INT, default=2,
                    help="layers of LLaMA-2-7B in BeLLM's measured slice (default 2: one causal, "
                    "the bidirectional one)")
@@ -303,55 +304,53 @@ def main():
     if a.measure:
         return measure(a.measure, a.rows, a.steps, a.bellm_layers)
     cuda = torch.cuda.is_available()
-    fraction = a.fraction or (1.0 if cuda else 0.25)
+    fraction = a.fraction or (1.0 if cuda else 0.125)
     here = device_name()
     print(f"torch {torch.__version__}; measured steps on: {here}")
     print(f"GPU-hours = FLOPs of the epoch / (peak x {a.mfu:.0%}); dense BF16 peaks: A100 312, "
           "H100 SXM 989 TFLOPS (NVIDIA's datasheets)")
     for paper in a.paper:
         title, runs = PAPERS[paper]
-        print(f"\n{title}\n")
-        print("| run | steps | FLOPs a step | FLOPs an epoch | s/step here | GPU-hours A100 / "
-              "H100 | GiB per GPU |\n|---|---|---|---|---|---|---|")
+        print(f"\n{title}\n\n| run | steps | FLOPs a step | FLOPs an epoch | s/step here | "
+              "GPU-hours A100 / H100 | GiB per GPU |\n|---|---|---|---|---|---|---|")
         notes = []
         for name in runs:
             r = RUNS[name]
-            steps = r["rows"] // (r["batch"] * r["gpus"])
-            flops, (w, o, act) = estimate(name, r["batch"], True)
+            steps = r["rows"] // (r["batch"] * r["gpus"])  # the global batch: batch x GPUs
+            flops, (w, o, act) = estimate(name, r["batch"], True)  # a step on one GPU
             epoch = steps * r["gpus"] * flops
             hours = [epoch / (PEAK[g] * a.mfu) / 3600 for g in PEAK]
+            opt = "LoRA and AdamW" if name == "BeLLM" else "gradients and AdamW"
             gib = f"{w + o + act:.1f} (estimate)"
-            here_col = "not measured"
-            if not a.no_time:
+            notes.append(f"{name}: GiB per GPU, estimated: weights {w:.2f} + {opt} {o:.2f} + "
+                         f"activations {act:.2f}" + (f"; FLOPs of the global step: 4 GPUs x "
+                                                     f"{si(flops)}, all 32 layers counted"
+                                                     if name == "BeLLM" else ""))
+            here = "not measured"
+            if not a.no_time:  # a fresh process: its peak memory is this run's alone
                 n = max(1, round(fraction * r["batch"]))
                 layers = a.bellm_layers if name == "BeLLM" else None
-                child = subprocess.run(
-                    [sys.executable, __file__, "--measure", name, "--rows", str(n), "--steps",
-                     str(a.steps), "--bellm-layers", str(a.bellm_layers)],
-                    capture_output=True, text=True)
+                child = subprocess.run([sys.executable, __file__, "--measure", name, "--rows",
+                                        str(n), "--steps", str(a.steps), "--bellm-layers",
+                                        str(a.bellm_layers)], capture_output=True, text=True)
                 if child.returncode:
                     sys.exit(f"measuring {name} failed:\n{child.stderr[-3000:]}")
                 got = json.loads(child.stdout.strip().splitlines()[-1])
                 s = statistics.median(got["times"][1:])
-                f_n, (w_n, o_n, act_n) = estimate(name, n, cuda, layers)
-                unit = "triplets" if name == "BeLLM" else "sentences"
-                part = f", {layers} of 32 layers" if layers else ""
-                here_col = (f"{s:.2f} ({n} of {r['batch']} {unit}{part}; "
-                            f"{f_n / s / 1e12:.2f} TFLOP/s)")
+                f_n, (_, o_n, act_n) = estimate(name, n, cuda, layers)  # the same step, counted
+                what = (f"{n} of {r['batch']} " + ("triplets" if name == "BeLLM" else "sentences")
+                        + (f", {layers} of 32 layers" if layers else ""))
+                here = f"{s:.2f} ({what}; {f_n / s / 1e12:.3f} TFLOP/s)"
                 if cuda and n == r["batch"] and name != "BeLLM":
                     gib = f"{got['peak']:.1f} (measured)"
-                notes.append(f"{name}: peak memory +{got['delta']:.2f} GiB above the loaded model "
-                             f"({'max_memory_allocated' if cuda else 'VmHWM'}; first step "
-                             f"{got['times'][0]:.2f} s); estimate for that step +{o_n + act_n:.2f}"
-                             f" GiB (gradients and AdamW {o_n:.2f}, activations {act_n:.2f})")
-            print(f"| {name} | {steps:,} | {si(flops * r['gpus'])} | {si(epoch)} | {here_col} | "
+                notes.append(f"{name}, measured here ({what}, {'bf16' if cuda else 'fp32'}): "
+                             f"peak +{got['delta']:.2f} GiB above the loaded model "
+                             f"({'max_memory_allocated' if cuda else 'VmHWM'}), estimated "
+                             f"+{o_n + act_n:.2f} ({opt} {o_n:.2f}, activations {act_n:.2f}); "
+                             f"first step {got['times'][0]:.2f} s")
+            print(f"| {name} | {steps:,} | {si(flops * r['gpus'])} | {si(epoch)} | {here} | "
                   f"{hours[0]:.3g} / {hours[1]:.3g} | {gib} |")
-            if name == "BeLLM":
-                notes.append(f"BeLLM: FLOPs of the global step (4 GPUs x {si(flops)}); all 32 layers "
-                             "counted; 4 GPUs take a quarter of the GPU-hours; GiB per GPU: weights "
-                             f"{w:.1f} + LoRA and AdamW {o:.2f} + activations {act:.1f}")
         print("".join("\n" + line for line in notes), flush=True)
-
 
 if __name__ == "__main__":
     main()
