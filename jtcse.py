@@ -200,7 +200,7 @@ class Twin(torch.nn.Module):
         if not self.k:
             return h, hP, None
         # the cross stream: as the primitive one up to layer k (the first CAEL), then eq. 10
-        mask = common.additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
+        mask = additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
         xs = [o.hidden_states[self.k - 1] for o in outs]
         for j in range(self.k, self.n + 1):
             layers = [t.encoder.layer[j - 1] for t in self.towers]
@@ -217,13 +217,13 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
     with common.autocast(device, a.bf16):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
-            z = common.run_batch(functools.partial(common.cls, model), batch, a.length_grouping)
+            z = common.run_batch(functools.partial(cls, model), batch, a.length_grouping)
             loss = F.mse_loss(common.gather(z.float()), common.gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
             two = {k: torch.cat([v, v]) for k, v in batch.items()}
             outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
             # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
-            h, hP, c = ([common.gather_views(z, B) for z in zs] if zs else None for zs in outs)
+            h, hP, c = ([gather_views(z, B) for z in zs] if zs else None for zs in outs)
             loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a)  # Fig. 8: h
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / a.grad_accum).backward()
@@ -234,7 +234,7 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
 def make_encode(towers, tokenizer, max_len, device):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.encoder(lambda batch: sum(common.cls(t, batch) for t in towers), tokenizer,
+    return common.encoder(lambda batch: sum(cls(t, batch) for t in towers), tokenizer,
                           max_len, device)
 
 
@@ -303,15 +303,85 @@ def check_run(run_dir, meta):
     towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
     for t in towers:
         common.check_weights(t, f"{where} ({t})", RECOPY)
-    common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
+    check_towers(towers, meta["max_len"], meta.get("num_cael"),
                         meta.get("drop_layernorm", 0), meta=path)
 
 
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
-    towers, tokenizer = common.load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
+    towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
     towers = [drop_layernorm(t, meta.get("drop_layernorm", 0)) for t in towers]  # Fig. 8
     return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
+
+
+# transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
+# embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
+JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
+
+
+def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
+    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
+    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
+    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
+    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
+    folder's twin), named in the error line instead of the flag."""
+    from transformers import AutoConfig, AutoTokenizer
+    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
+    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
+    configs = [common.load_pretrained(AutoConfig, n) for n in names]
+    for name, c in zip(names, configs):
+        if c.model_type not in JTCSE_TOWERS:
+            common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like encoders "
+                f"with a pooler ({', '.join(JTCSE_TOWERS)})")
+    vocabs = [common.load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
+    if any(v != vocabs[0] for v in vocabs):
+        common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
+            "tokenised batch, so pass models that share a vocabulary")
+    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
+    if any(s != shapes[0] for s in shapes):
+        common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values between "
+            "equal layers, so pass towers of one architecture")
+    if max_len:
+        common.check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
+    n = shapes[0][0]
+    if drop > n:
+        common.die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} layers of "
+            f"'{names[0]}': {fix(f'0 to {n}')}")
+    if num_cael and n % num_cael:
+        common.die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
+            f"{'choose' if not meta else 'set it to'} one of "
+            f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
+
+
+def load_towers(names):
+    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
+    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
+    stderr) and their tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+    towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
+    return towers, common.load_pretrained(AutoTokenizer, names[0])
+
+
+def cls(encoder, batch):
+    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
+    return encoder(**batch).last_hidden_state[:, 0]
+
+
+def additive_mask(attention_mask, dtype):
+    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def gather_views(z, B):
+    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
+    view 2 of every rank]."""
+    return torch.cat([common.gather(z[:B]), common.gather(z[B:])])
+
+
+def sts_sentences(data, task, split):
+    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
+    text)."""
+    return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
 
 
 # ---------------------------------------------------------------- the harness -------------------
@@ -435,7 +505,7 @@ def main():
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sentences += sorted(common.sts_sentences(data, "SICK-R", "train") - set(sentences))
+        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
     steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
@@ -543,7 +613,7 @@ def main():
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
-    towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
+    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
     towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len); it is
@@ -727,7 +797,7 @@ def check_args(a, world):
         import eval_sts  # --distill: the teacher is any model eval_sts.py loads
         eval_sts.check_model(t)
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
-    common.check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
+    check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
 
 
 if __name__ == "__main__":

@@ -279,6 +279,22 @@ def select_on(name, data):
     return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
 
 
+def check_encoder(name, max_len, flag="--model", num_layers=None):
+    """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
+    position embeddings hold max_len tokens, and that has num_layers layers to keep. -> its config
+    (num_hidden_layers: the kept layers)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
+    config = common.load_pretrained(AutoConfig, name)
+    if config.model_type not in MLM:
+        common.die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
+            f"BERT-like model (bert, roberta, ...) as {flag}")
+    common.check_max_len(max_len, config, name)
+    common.check_num_layers(num_layers, config, name)
+    config.num_hidden_layers = num_layers or config.num_hidden_layers
+    return config
+
+
 # ---------------------------------------------------------------- the harness -------------------
 # What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
 # holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
@@ -671,7 +687,7 @@ def check_args(a, world):
     if a.objective == "authors" and a.no_aug:
         common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
                    "dropout views): use it with --objective paper")
-    config = common.check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
+    config = check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
     return parse_layers(a.layer, config.num_hidden_layers)
 
 

@@ -1695,7 +1695,7 @@ def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
     # token
     xs = [m.embeddings(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"])
           for m in (a, b)]
-    mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)
+    mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)
     for j in range(4):
         xs = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
     real = batch["attention_mask"].bool()
@@ -1742,7 +1742,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
     ctxs = []
     out = jtcse.layer_forward([la, lb], x,
-                              common.additive_mask(batch["attention_mask"], torch.float32), True,
+                              jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
                               ctxs=ctxs)
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
@@ -2206,7 +2206,7 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     sents, _ = jtcse_analysis.stsb_sentences(data)
     E, y = [], []
     for m in models:
-        towers, tok = common.load_towers(jtcse_analysis.towers_of(m))
+        towers, tok = jtcse.load_towers(jtcse_analysis.towers_of(m))
         E.append(jtcse_analysis.e_cls({m: ([t.eval() for t in towers], tok, 0)}, sents, 16,
                                       torch.device("cpu"))[m].mean(0))  # (4,): a twin's mean
         y.append(jtcse_analysis.sts_average(m, data, torch.device("cpu")))
@@ -2330,7 +2330,7 @@ def test_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_
                             else objective])
 
     def make():
-        towers, tok = common.load_towers([tmp_path / "a", tmp_path / "b"])
+        towers, tok = jtcse.load_towers([tmp_path / "a", tmp_path / "b"])
         if objective != "distill":
             return jtcse.Twin(towers, 2).train(), tok
         teacher = jtcse.make_encode(towers[1:], tok, 16, torch.device("cpu"))
@@ -2793,7 +2793,7 @@ def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_pat
     encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
                                                       bi_strategy="convert", max_len=256,
                                                       prompt=bellm.CSTS_PROMPT), bl_CPU)
-    rows = common.read_csv(path)[1]
+    rows = bellm.read_csv(path)[1]
 
     def score(cond):
         cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
@@ -3937,10 +3937,10 @@ def test_files_as_spreadsheets_write_them_are_read(tmp_path):
     long = "word " * 30000  # 150,000 characters
     nli = tmp_path / "nli.csv"
     nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert common.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
     csts = tmp_path / "csts.csv"
     csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert common.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
     txt = tmp_path / "train.txt"
     txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
     assert common.read_sentences(txt) == ["first sentence", "second"]
@@ -4290,7 +4290,7 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = common.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
