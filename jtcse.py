@@ -83,7 +83,8 @@ p.add_argument("--drop-layernorm", type=common.NONNEG_INT, default=0, metavar="N
 p.add_argument("--objective", default="paper", choices=["paper", "authors"], help="paper: eqs. "
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
-               "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
+               "learns the sum of these encoders' embeddings (MSE): a twin run; + an SSCL/SimCSE run or a "
+               "plain encoder (its CLS) = +UC D")
 common.show_ranges(p)
 
 
@@ -159,25 +160,26 @@ def tmc_authors(h, h_pos, hP, hP_pos):
     return (-cos.log() * modulus_ratio(hP, hP_pos) / 2).mean()
 
 
-def jtcse_loss(h, hP, c, R, a):
+def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     """h, hP, c: per tower (2B, H), rows [view 1; view 2]; c None without CAELs; R ∈ {0, 1};
-    a.objective: paper (nce, tmc) or authors (nce_authors, tmc_authors). -> eq. 15, {term: value}"""
+    objective: paper (nce, tmc) or authors (nce_authors, tmc_authors); skip: terms left out
+    (nce, icnce, ictm: the ablations of Table X). -> eq. 15, {term: value}"""
     B = len(h[0]) // 2
-    authors = a.objective == "authors"
+    authors = objective == "authors"
 
     def L(x, y):  # InfoNCE, anchors from x, candidates from y: (2B, H) each
-        return nce_authors(x, y, a.temp) if authors else nce(x[:B], y[B:], a.temp)
+        return nce_authors(x, y, temp) if authors else nce(x[:B], y[B:], temp)
 
     def TMC(i, j):  # eq. 13: tower i's view 1 against tower j's view 2
         return (tmc_authors if authors else tmc)(h[i][:B], h[j][B:], hP[i][:B], hP[j][B:])
 
     terms = {}
-    if not a.no_nce:  # eq. 11, per tower: its views against each other
+    if "nce" not in skip:  # eq. 11, per tower: its views against each other
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
-    if not a.no_icnce:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
+    if "icnce" not in skip:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
         terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
-    if not a.no_ictm:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
+    if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
         terms["ictm"] = TMC(0, 1) + TMC(1, 0)
     return sum(terms.values()), terms  # eq. 15
 
@@ -224,7 +226,9 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
             outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
             # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
             h, hP, c = ([gather_views(z, B) for z in zs] if zs else None for zs in outs)
-            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a)  # Fig. 8: h
+            skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
+            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a.temp, a.objective,
+                                     skip)  # --drop-layernorm, Fig. 8: h in eq. 13
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / a.grad_accum).backward()
     return loss, terms
@@ -317,6 +321,77 @@ def load_encoder(run_dir, meta, device):
 # transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
 # embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
 JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
+
+
+# ---------------------------------------------------------------- JTCSE D: the teacher ----------
+def teacher_run(name):
+    """A --distill teacher's run description, checked by the script that wrote it: (check_run,
+    load_encoder, meta) of a JTCSE run (this script) or an SSCL/SimCSE run (sscl.py); None for a
+    plain encoder (a model folder or a hub name)."""
+    path = os.path.join(name, common.META)
+    if not os.path.isfile(path):
+        return None
+    if os.path.isdir(os.path.join(name, PENDING)):
+        common.die(f"'{name}' holds a save still under way or cut short: let its run finish, or "
+                   f"complete it by evaluating it once (python eval_sts.py --model {name})")
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    method = meta.get("method") if isinstance(meta, dict) else None
+    if method == "sscl":
+        try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
+            import sscl
+        except ImportError:
+            common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
+        sscl.check_run(name, meta)
+        return sscl.load_encoder, meta
+    if method != "jtcse":
+        said = f"method {method!r}" if method is not None else "damaged or edited"
+        common.die(f"{path} is not a run description of jtcse.py or sscl.py ({said}): --distill "
+                   "takes JTCSE and SSCL runs and plain encoders")
+    check_run(name, meta)
+    return load_encoder, meta
+
+
+def load_teacher(names, max_len, hidden, device):
+    """JTCSE D's teacher: encode(list[str]) -> (N, hidden), the sum of its members' embeddings
+    (+UC D: the twin plus another encoder, Table I), each reading the student's text up to
+    max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
+    members = []
+    for name in names:
+        if run := teacher_run(name):
+            members.append(run[0](name, {**run[1], "max_len": max_len}, device))
+            continue
+        from transformers import AutoModel, AutoTokenizer
+        model = common.load_pretrained(AutoModel, name).to(device).eval()
+        members.append(common.encoder(functools.partial(cls, model),
+                                      common.load_pretrained(AutoTokenizer, name),
+                                      min(max_len, common.positions(model.config) or max_len),
+                                      device))
+    for n, m in zip(names[1:], members[1:]):  # a sum over one text: one vocabulary, one limit
+        if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
+            common.die(f"'{names[0]}' and '{n}' have different tokenizers: the teacher sums the "
+                       "embeddings of one tokenised sentence, so pass models that share a "
+                       "vocabulary")
+        if m.max_len != members[0].max_len:
+            common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
+                       f"{m.max_len}: pass teachers of one maximum length")
+    sizes = [m(["a probe sentence"]).shape[-1] for m in members]
+    if set(sizes) != {hidden}:
+        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
+                   f"dimensions; the student's is {hidden}: pass teachers of the student's size")
+    return lambda sentences: sum(m(sentences).float() for m in members)  # (N, H)
+
+
+def check_teacher(name):
+    """A --distill teacher, before any work: its run's files and values, or a model folder."""
+    if not os.path.isdir(name):
+        from transformers import AutoConfig
+        common.load_pretrained(AutoConfig, name)
+    elif teacher_run(name) is None:
+        common.check_hf_folder(name, "model", f"cannot load '{name}'")
+        common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
 def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
@@ -617,9 +692,7 @@ def main():
     towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len); it is
-        import eval_sts  # any model eval_sts.py loads (another method's run, an ensemble)
-        teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=device,
-                                         size=(towers[0].config.hidden_size, "the student's"))
+        teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
         tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
     model = net.to(device)
@@ -793,9 +866,8 @@ def check_args(a, world):
                    "--drop-layernorm (they set up the twin)")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
-    for t in a.distill or []:  # each as eval_sts.py loads it: a missing or damaged one stops here
-        import eval_sts  # --distill: the teacher is any model eval_sts.py loads
-        eval_sts.check_model(t)
+    for t in a.distill or []:  # a missing or damaged teacher stops here
+        check_teacher(t)
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
     check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
 

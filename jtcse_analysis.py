@@ -23,8 +23,8 @@ from scipy.stats import pearsonr, spearmanr
 from transformers import AutoConfig, AutoModel
 
 import common
+import eval_sts
 import figures
-import runs
 import jtcse
 from jtcse import Twin, drop_layernorm, layer_forward, make_encode
 
@@ -96,7 +96,7 @@ def towers_of(name):
     BERT -> [name]; an ensemble A+B -> A's, then B's."""
     if len(members(name)) > 1:
         return [t for m in members(name) for t in towers_of(m)]
-    meta = runs.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
     if meta is None or meta["method"] == "sscl":
         return [name]
     if meta["method"] == "jtcse":
@@ -110,7 +110,7 @@ def dropped(name):
     0 for any other model."""
     if len(members(name)) > 1:
         return [n for m in members(name) for n in dropped(m)]
-    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
     if meta is None or meta["method"] != "jtcse":
         return [0]
     return [meta.get("drop_layernorm", 0)] * len(meta["towers"])
@@ -291,7 +291,7 @@ def inference_cost(name, tokens):
     from torch.utils.flop_counter import FlopCounterMode
     if len(members(name)) > 1:
         return tuple(map(sum, zip(*(inference_cost(m, tokens) for m in members(name)))))
-    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
     nets = [AutoModel.from_config(load_config(n), attn_implementation="eager").eval()
             for n in towers_of(name)]
     H = nets[0].config.hidden_size

@@ -270,13 +270,13 @@ def select_on(name, data):
     once for the run."""
     if name == "stsb":
         return "stsb_dev", common.stsb_dev
-    try:  # SentEval's classifiers: eval_sts.py, beside this script in the repository
-        import eval_sts
+    try:  # the one file beside this script that a flag needs: SentEval's classifiers
+        import transfer
     except ImportError:
-        common.die("--select-on transfer needs eval_sts.py (SentEval's transfer tasks) beside "
+        common.die("--select-on transfer needs transfer.py (SentEval's transfer tasks) beside "
                    "sscl.py: copy it from the repository, or pass --select-on stsb")
-    loaded = {task: eval_sts.load_transfer(data, task) for task in eval_sts.TRANSFER}
-    return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
+    loaded = {task: transfer.load_transfer(data, task) for task in transfer.TRANSFER}
+    return "transfer_dev", functools.partial(transfer.transfer_dev, loaded=loaded)
 
 
 def check_encoder(name, max_len, flag="--model", num_layers=None):
