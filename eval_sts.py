@@ -139,10 +139,10 @@ def read_meta(run_dir):
 
 
 def read_curve(run_dir):
-    """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation), read
-    by its script; [] for a folder that is not a run of ours."""
-    meta = read_meta(run_dir)
-    return METHODS[meta["method"]].read_curve(run_dir) if meta else []
+    """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
+    format in the three scripts), after settle(); [] without one."""
+    settle(run_dir)
+    return sscl.read_curve(run_dir)
 
 
 def load_run(run_dir, meta, device):
