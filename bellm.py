@@ -405,6 +405,23 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
 def finite(text):
     """float(text), refusing nan and inf as ValueError."""
     if not math.isfinite(v := float(text)):
@@ -426,23 +443,24 @@ def read_csv(path):
     else:
         has = ",".join(sorted(cols)) or "no header"
         common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-            f"sentence2,condition,label (C-STS); it has {has}")
+                   f"sentence2,condition,label (C-STS); it has {has}")
     rows = []
     for r in reader:
         if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
             common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                "delete the row")
+                       "delete the row")
         try:
             rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
                         if kind == "csts" else tuple(r[c] for c in need))
         except ValueError:
             common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                "C-STS labels are 1-5")
+                       "C-STS labels are 1-5")
     if not rows:
         common.die(f"'{path}' has a header but no rows: pass a --train file with data")
     return kind, rows
 
 
+# ---------------------------------------------------------------- memory (the start-up line) ----
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
     """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
     moments in fp32, activations kept for the backward). Activations, bytes a token a layer
@@ -596,7 +614,7 @@ def main():
     data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
     metric = "csts_dev" if csts_dev else "stsb_dev"
     per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
-    steps = common.step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint

@@ -176,22 +176,6 @@ def train_file(path, hub_name):
         f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
 
 
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
-    if n < per_step:
-        die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
-
-
 def read_text(path):
     """A whole UTF-8 text file, newlines translated as open() in text mode does, without the
     byte-order mark that spreadsheet programs write first; anything else is a bad input naming the

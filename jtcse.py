@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import resource
@@ -83,8 +84,8 @@ p.add_argument("--drop-layernorm", type=common.NONNEG_INT, default=0, metavar="N
 p.add_argument("--objective", default="paper", choices=["paper", "authors"], help="paper: eqs. "
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
-               "learns the sum of these encoders' embeddings (MSE): a twin run; + an SSCL/SimCSE run or a "
-               "plain encoder (its CLS) = +UC D")
+               "learns the sum of these encoders' embeddings (MSE): a twin run; + an SSCL/SimCSE "
+               "run or a plain encoder (its CLS) = +UC D")
 common.show_ranges(p)
 
 
@@ -176,7 +177,8 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     terms = {}
     if "nce" not in skip:  # eq. 11, per tower: its views against each other
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
-    if "icnce" not in skip:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
+    # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
+    if "icnce" not in skip:
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
         terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
     if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
@@ -184,7 +186,7 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     return sum(terms.values()), terms  # eq. 15
 
 
-# ---------------------------------------------------------------- the model: the twin ---------
+# ---------------------------------------------------------------- the model: the twin -----------
 class Twin(torch.nn.Module):
     """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (stock
     BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross stream (or None)."""
@@ -318,9 +320,69 @@ def load_encoder(run_dir, meta, device):
     return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
 
 
+# ---------------------------------------------------------------- the towers --------------------
 # transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
 # embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
 JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
+
+
+def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
+    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
+    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
+    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
+    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
+    folder's twin), named in the error line instead of the flag."""
+    from transformers import AutoConfig, AutoTokenizer
+    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
+    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
+    configs = [common.load_pretrained(AutoConfig, n) for n in names]
+    for name, c in zip(names, configs):
+        if c.model_type not in JTCSE_TOWERS:
+            common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like "
+                       f"encoders with a pooler ({', '.join(JTCSE_TOWERS)})")
+    vocabs = [common.load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
+    if any(v != vocabs[0] for v in vocabs):
+        common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
+                   "tokenised batch, so pass models that share a vocabulary")
+    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
+    if any(s != shapes[0] for s in shapes):
+        common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values "
+                   "between equal layers, so pass towers of one architecture")
+    if max_len:
+        common.check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
+    n = shapes[0][0]
+    if drop > n:
+        common.die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} "
+                   f"layers of '{names[0]}': {fix(f'0 to {n}')}")
+    if num_cael and n % num_cael:
+        common.die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
+                   f"{'choose' if not meta else 'set it to'} one of "
+                   f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
+
+
+def load_towers(names):
+    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
+    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
+    stderr) and their tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+    towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
+    return towers, common.load_pretrained(AutoTokenizer, names[0])
+
+
+def cls(encoder, batch):
+    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
+    return encoder(**batch).last_hidden_state[:, 0]
+
+
+def additive_mask(attention_mask, dtype):
+    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def gather_views(z, B):
+    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
+    view 2 of every rank]."""
+    return torch.cat([common.gather(z[:B]), common.gather(z[B:])])
 
 
 # ---------------------------------------------------------------- JTCSE D: the teacher ----------
@@ -394,63 +456,21 @@ def check_teacher(name):
         common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
-def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
-    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
-    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
-    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
-    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
-    folder's twin), named in the error line instead of the flag."""
-    from transformers import AutoConfig, AutoTokenizer
-    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
-    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
-    configs = [common.load_pretrained(AutoConfig, n) for n in names]
-    for name, c in zip(names, configs):
-        if c.model_type not in JTCSE_TOWERS:
-            common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like encoders "
-                f"with a pooler ({', '.join(JTCSE_TOWERS)})")
-    vocabs = [common.load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
-    if any(v != vocabs[0] for v in vocabs):
-        common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
-            "tokenised batch, so pass models that share a vocabulary")
-    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
-    if any(s != shapes[0] for s in shapes):
-        common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values between "
-            "equal layers, so pass towers of one architecture")
-    if max_len:
-        common.check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
-    n = shapes[0][0]
-    if drop > n:
-        common.die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} layers of "
-            f"'{names[0]}': {fix(f'0 to {n}')}")
-    if num_cael and n % num_cael:
-        common.die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
-            f"{'choose' if not meta else 'set it to'} one of "
-            f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
-
-
-def load_towers(names):
-    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
-    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
-    stderr) and their tokenizer."""
-    from transformers import AutoModel, AutoTokenizer
-    towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
-    return towers, common.load_pretrained(AutoTokenizer, names[0])
-
-
-def cls(encoder, batch):
-    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
-    return encoder(**batch).last_hidden_state[:, 0]
-
-
-def additive_mask(attention_mask, dtype):
-    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-
-
-def gather_views(z, B):
-    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
-    view 2 of every rank]."""
-    return torch.cat([common.gather(z[:B]), common.gather(z[B:])])
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
 
 
 def sts_sentences(data, task, split):
@@ -582,7 +602,7 @@ def main():
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
         sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint

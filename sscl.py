@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import resource
@@ -288,11 +289,28 @@ def check_encoder(name, max_len, flag="--model", num_layers=None):
     config = common.load_pretrained(AutoConfig, name)
     if config.model_type not in MLM:
         common.die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
-            f"BERT-like model (bert, roberta, ...) as {flag}")
+                   f"BERT-like model (bert, roberta, ...) as {flag}")
     common.check_max_len(max_len, config, name)
     common.check_num_layers(num_layers, config, name)
     config.num_hidden_layers = num_layers or config.num_hidden_layers
     return config
+
+
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
 
 
 # ---------------------------------------------------------------- the harness -------------------
@@ -417,7 +435,7 @@ def main():
     metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint

@@ -907,7 +907,7 @@ def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
     assert saved["strict"] == 20 and len(saved["shown"]) == 1
 
 
-# ---------------------------------------------------------------- SSCL ---------------------------
+# ---------------------------------------------------------------- SSCL --------------------------
 def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
     return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
             "--batch-size", 8, "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps,
@@ -1729,7 +1729,7 @@ def jt_towers(jt_env, arch):
     return towers
 
 
-# ---------------------------------------------------------------- model equivalences -------------
+# ---------------------------------------------------------------- model equivalences ------------
 @pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta"])
 def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
     d, tok = jt_env
@@ -1817,7 +1817,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
                               atol=1e-3)
 
 
-# ---------------------------------------------------------------- losses = equations -------------
+# ---------------------------------------------------------------- losses = equations ------------
 def nce_by_hand(z, zp, tau=0.05):
     total = 0.0
     for i in range(len(z)):
@@ -2092,7 +2092,7 @@ def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
     torch.testing.assert_close(got[0], want / len(sents), atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- end to end ---------------------
+# ---------------------------------------------------------------- end to end --------------------
 @pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
@@ -3846,8 +3846,8 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
 def test_every_run_folder_as_saved_passes_its_checks(run_templates, tok_dir, tmp_path, capsys,
                                                      monkeypatch):
     """The checks refuse only what disagrees: each method's saved folder reads whole
-    (eval_sts.read_meta: every file and value), and a BeLLM run evaluates with its base model moved to
-    another folder (same weights: the checksum agrees), with the same dev score as in place."""
+    (eval_sts.read_meta: every file and value), and a BeLLM run evaluates with its base model moved
+    to another folder (same weights: the checksum agrees), with the same dev score as in place."""
     for method, folder in run_templates.items():
         assert eval_sts.read_meta(str(folder))["method"] == method
     run = tmp_path / "bellm"
