@@ -1,9 +1,9 @@
 """All tests: `python -m pytest test_all.py -q`; the quick tier, `-m "not slow"`, holds the
-equation and equivalence tests (loss = the paper's or the authors' equation, patch off = stock model,
-length groups = one padded forward) on tiny random-weight models built here, offline. The slow tier
-starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation data and the
-all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS (docs/operations.md,
-"The test suite"); they skip when these are missing, and fail instead under CI=true."""
+equation and equivalence tests (loss = the paper's or the authors' equation, patch off = stock
+model, length groups = one padded forward) on tiny random-weight models built here, offline. The
+slow tier starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation
+data and the all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS
+(docs/operations.md, "The test suite"); they skip when these are missing, and fail instead under CI=true."""
 import codecs
 import copy
 import csv
@@ -2143,7 +2143,8 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     # +UC D: the twin and another encoder teach together (the sum of their embeddings)
     _, o, _ = jt_main(capsys, monkeypatch, "--distill", run_dir, d / "b", "--model-a", d / "a",
                       "--train", d / "train.txt", "--output-dir", tmp_path / "uc_d", "--batch-size",
-                      "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick", "--no-final-eval")
+                      "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick",
+                      "--no-final-eval")
     assert f"distil {run_dir} + {d / 'b'} into" in o and "step     2  loss" in o
     assert json.loads((tmp_path / "uc_d" / common.META).read_text())["teacher"] == [
         str(run_dir), str(d / "b")]
@@ -2191,8 +2192,10 @@ def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys
     last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=False)["model"]  # step 3
     for i, t in enumerate("ab"):  # the last training state, not the best one (maybe step 0)
         before = BertModel.from_pretrained(d / t).state_dict()
-        after = {k[len(f"towers.{i}."):]: v for k, v in last.items() if k.startswith(f"towers.{i}.")}
-        frozen = {k for k in before if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
+        after = {k[len(f"towers.{i}."):]: v for k, v in last.items()
+                 if k.startswith(f"towers.{i}.")}
+        frozen = {k for k in before
+                  if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
         assert len(frozen) == 4 and all(torch.equal(before[k], after[k]) for k in frozen)
         assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
                                after["encoder.layer.3.output.dense.weight"])
@@ -2270,7 +2273,8 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
     assert png_size(tmp_path / "fig10.png") == (810, 630)
     uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
-    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost", 16)
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost",
+                            16)
     assert "a sentence of 16 tokens" in out
     assert float(next(l.split()[5] for l in out.splitlines() if l.startswith(uc + " "))) == \
         pytest.approx(np.mean(list(common.evaluate(eval_sts.load_ensemble(
@@ -3475,6 +3479,7 @@ def swap_tokens(folder):
     (folder / "tokenizer.json").write_text(json.dumps(t))
 
 
+JA = "jtcse_analysis"  # a PROBES row's script
 PROBES = [  # (script, arguments, words of the error line, preparation)
     *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
         ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan",
@@ -3700,30 +3705,30 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
      lambda c: fake_state(c.jrun / sscl.CKPT, "jtcse")),
     # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
+    (JA, lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
+    (JA, lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
      lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
+    (JA, lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
      ["--plot", "create it first"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "200"],
      ["--cost 200", "128 positions", "--cost 128"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
      ["--cost", "drop --plot"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
      ["one at a time"], None),
-    ("jtcse_analysis", lambda c: ["--cost"], ["add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--modulus"], ["add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
-    ("jtcse_analysis", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
+    (JA, lambda c: ["--cost"], ["add --compare"], None),
+    (JA, lambda c: ["--modulus"], ["add --compare"], None),
+    (JA, lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
+    (JA, lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
      ["pass the twin to --compare"], None),
     # ---- bellm.py ----
     ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
@@ -4041,7 +4046,8 @@ import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
 st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-print(float((st - eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
 
@@ -4063,7 +4069,8 @@ import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
 st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
-print(float((st - eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+ours = eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
     assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
 
 
