@@ -3,7 +3,8 @@ equation and equivalence tests (loss = the paper's or the authors' equation, pat
 model, length groups = one padded forward) on tiny random-weight models built here, offline. The
 slow tier starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation
 data and the all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS
-(docs/operations.md, "The test suite"); they skip when these are missing, and fail instead under CI=true."""
+(docs/operations.md, "The test suite"); they skip when these are missing, and fail instead under
+CI=true."""
 import codecs
 import copy
 import csv
