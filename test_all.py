@@ -1130,6 +1130,22 @@ def test_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b"}}) is None
 
 
+def test_each_method_page_names_the_lines_of_its_scripts_harness():
+    """docs/<method>.md says which lines of the script are the harness (what a reader who copies the
+    method leaves behind): they must be the script's section "the harness" down to its argument
+    checks, as the file stands."""
+    for script in ("sscl", "jtcse", "bellm"):
+        banners = {m[1]: i for i, line in enumerate(
+            (ROOT / f"{script}.py").read_text().splitlines(), 1)
+            if (m := re.match(r"# -{64} (.*?) -+$", line))}
+        said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*.*?takes lines\s+1–(\d+)",
+                         (ROOT / "docs" / f"{script}.md").read_text(), re.S)
+        assert said, script
+        first, last, copy = map(int, said.groups())
+        assert (first, last + 1, copy + 1) == (banners["the harness"],
+                                               banners["argument checks"], first), script
+
+
 def copy_run(script, cmd, tmp_path):
     """script.py and common.py copied into an empty folder: --help; a run of 2 steps (a dev
     evaluation each), killed inside its second save; --resume finishes and prints the final table,
