@@ -23,7 +23,9 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
 import argparse
 import contextlib
 import copy
+import csv
 import functools
+import io
 import json
 import math
 import os
@@ -403,6 +405,90 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
+def finite(text):
+    """float(text), refusing nan and inf as ValueError."""
+    if not math.isfinite(v := float(text)):
+        raise ValueError(text)
+    return v
+
+
+def read_csv(path):
+    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
+    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
+    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
+    cols = set(reader.fieldnames or [])
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        has = ",".join(sorted(cols)) or "no header"
+        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
+                   f"sentence2,condition,label (C-STS); it has {has}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
+                       "delete the row")
+        try:
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
+        except ValueError:
+            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
+                       "C-STS labels are 1-5")
+    if not rows:
+        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
+
+
+# ---------------------------------------------------------------- memory (the start-up line) ----
+def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
+    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
+    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
+    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
+    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
+    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
+    input (s·H) and one layer is recomputed at a time."""
+    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
+    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
+        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
+    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
+    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
+    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
+
+
+def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
+    """The start-up line: a step's memory, estimated (docs/operations.md)."""
+    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes, mostly
+    n = sum(q.numel() for q in params)
+    est = [memory_estimate(dec, n, s, texts * longest, longest, a.lora_r, c) for c in (0, 1)]
+    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
+    w, o, act = est[grad_ckpt]
+    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
+            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
+            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
+            f"{w + o + act:.2f} GiB in all")
+
+
 # ---------------------------------------------------------------- the harness -------------------
 # What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
 # holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
@@ -522,13 +608,13 @@ def main():
     tasks = check_args(a, world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = common.read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = common.read_csv(a.csts)[1] if a.csts else None
+    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = read_csv(a.csts)[1] if a.csts else None
     check_prompt(a.prompt, kind == "csts" or csts_dev is not None)
     data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
     metric = "csts_dev" if csts_dev else "stsb_dev"
     per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
-    steps = common.step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint
@@ -687,7 +773,7 @@ def main():
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, {world} process(es), device "
         f"{device}{bf16}", flush=True)
     texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
-    log(common.memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device), flush=True)
+    log(memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device), flush=True)
 
     model.train()
     clock, tokens = (time.perf_counter(), step), 0  # tokens: real ones since the last log line
@@ -840,7 +926,7 @@ def check_args(a, world):
     tasks = check_tasks(a.tasks)
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
+    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
     return tasks
 

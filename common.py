@@ -12,8 +12,6 @@ numbers printed during training and by eval_sts.py come from the same function.
 import argparse
 import codecs
 import contextlib
-import csv
-import io
 import json
 import math
 import os
@@ -127,22 +125,6 @@ def gather(z):
     return torch.cat(parts)
 
 
-def cls(encoder, batch):
-    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
-    return encoder(**batch).last_hidden_state[:, 0]
-
-
-def additive_mask(attention_mask, dtype):
-    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-
-
-def gather_views(z, B):
-    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
-    view 2 of every rank]."""
-    return torch.cat([gather(z[:B]), gather(z[B:])])
-
-
 # ---------------------------------------------------------------- data location -----------------
 def _from_hub(filename):
     """Download one file of SimCSE's hub dataset; None when offline or unreachable."""
@@ -194,22 +176,6 @@ def train_file(path, hub_name):
         f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
 
 
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
-    if n < per_step:
-        die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
-
-
 def read_text(path):
     """A whole UTF-8 text file, newlines translated as open() in text mode does, without the
     byte-order mark that spreadsheet programs write first; anything else is a bad input naming the
@@ -233,44 +199,6 @@ def read_sentences(path):
     if not sents:
         die(f"'{path}' has no sentences: pass a --train file with one sentence per line")
     return sents
-
-
-def finite(text):
-    """float(text), refusing nan and inf as ValueError."""
-    if not math.isfinite(v := float(text)):
-        raise ValueError(text)
-    return v
-
-
-def read_csv(path):
-    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
-    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
-    text = read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
-    reader = csv.DictReader(io.StringIO(text))
-    cols = set(reader.fieldnames or [])
-    if {"sent0", "sent1", "hard_neg"} <= cols:
-        kind, need = "nli", ("sent0", "sent1", "hard_neg")
-    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
-        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
-    else:
-        has = ",".join(sorted(cols)) or "no header"
-        die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-            f"sentence2,condition,label (C-STS); it has {has}")
-    rows = []
-    for r in reader:
-        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
-            die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                "delete the row")
-        try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
-                        if kind == "csts" else tuple(r[c] for c in need))
-        except ValueError:
-            die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                "C-STS labels are 1-5")
-    if not rows:
-        die(f"'{path}' has a header but no rows: pass a --train file with data")
-    return kind, rows
 
 
 # ---------------------------------------------------------------- argument types ----------------
@@ -556,70 +484,6 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
     return max_len
 
 
-def check_encoder(name, max_len, flag="--model", num_layers=None):
-    """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
-    position embeddings hold max_len tokens, and that has num_layers layers to keep. -> its config
-    (num_hidden_layers: the kept layers)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
-    config = load_pretrained(AutoConfig, name)
-    if config.model_type not in MLM:
-        die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
-            f"BERT-like model (bert, roberta, ...) as {flag}")
-    check_max_len(max_len, config, name)
-    check_num_layers(num_layers, config, name)
-    config.num_hidden_layers = num_layers or config.num_hidden_layers
-    return config
-
-
-def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
-    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
-    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
-    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
-    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
-    folder's twin), named in the error line instead of the flag."""
-    from transformers import AutoConfig, AutoTokenizer
-    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
-    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
-    configs = [load_pretrained(AutoConfig, n) for n in names]
-    for name, c in zip(names, configs):
-        if c.model_type not in JTCSE_TOWERS:
-            die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like encoders "
-                f"with a pooler ({', '.join(JTCSE_TOWERS)})")
-    vocabs = [load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
-    if any(v != vocabs[0] for v in vocabs):
-        die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
-            "tokenised batch, so pass models that share a vocabulary")
-    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
-    if any(s != shapes[0] for s in shapes):
-        die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values between "
-            "equal layers, so pass towers of one architecture")
-    if max_len:
-        check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
-    n = shapes[0][0]
-    if drop > n:
-        die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} layers of "
-            f"'{names[0]}': {fix(f'0 to {n}')}")
-    if num_cael and n % num_cael:
-        die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
-            f"{'choose' if not meta else 'set it to'} one of "
-            f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
-
-
-# transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
-# embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
-JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
-
-
-def load_towers(names):
-    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
-    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
-    stderr) and their tokenizer."""
-    from transformers import AutoModel, AutoTokenizer
-    towers = [load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
-    return towers, load_pretrained(AutoTokenizer, names[0])
-
-
 # ---------------------------------------------------------------- tokenisation ------------------
 def tokenize(tokenizer, sentences, max_len, device):
     """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
@@ -804,12 +668,6 @@ def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=Fals
     return results
 
 
-def sts_sentences(data, task, split):
-    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
-    text)."""
-    return {s for r in load_sts(data, task, split)[split] for s in r[:2]}
-
-
 def stsb_dev(encode, data):
     """STS-B dev, Spearman x 100: the score that selects the checkpoint during training."""
     return evaluate(encode, data, ["STS-B"], split="dev")["STS-B"]
@@ -821,32 +679,3 @@ def format_table(results):
     avg = sum(results[t] for t in names) / len(names)
     head = " ".join(f"{t:>7}" for t in names + ["Avg."])
     return head + "\n" + " ".join(f"{results[t]:7.2f}" for t in names) + f" {avg:7.2f}"
-
-
-# ---------------------------------------------------------------- memory (bellm.py) -------------
-def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
-    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
-    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
-    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
-    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
-    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
-    input (s·H) and one layer is recomputed at a time."""
-    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
-    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
-        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
-    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
-    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
-    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
-
-
-def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
-    """The start-up line: a step's memory, estimated (docs/operations.md)."""
-    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes, mostly
-    n = sum(q.numel() for q in params)
-    est = [memory_estimate(dec, n, s, texts * longest, longest, a.lora_r, c) for c in (0, 1)]
-    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
-    w, o, act = est[grad_ckpt]
-    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
-            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
-            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
-            f"{w + o + act:.2f} GiB in all")

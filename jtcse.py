@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import resource
@@ -83,7 +84,8 @@ p.add_argument("--drop-layernorm", type=common.NONNEG_INT, default=0, metavar="N
 p.add_argument("--objective", default="paper", choices=["paper", "authors"], help="paper: eqs. "
                "11-13; authors: the authors' code (docs/jtcse.md, details 4-8)")
 p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh --model-a tower "
-               "learns the sum of these encoders' embeddings (MSE): a twin run, + others = +UC D")
+               "learns the sum of these encoders' embeddings (MSE): a twin run; + an SSCL/SimCSE "
+               "run or a plain encoder (its CLS) = +UC D")
 common.show_ranges(p)
 
 
@@ -159,30 +161,32 @@ def tmc_authors(h, h_pos, hP, hP_pos):
     return (-cos.log() * modulus_ratio(hP, hP_pos) / 2).mean()
 
 
-def jtcse_loss(h, hP, c, R, a):
+def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     """h, hP, c: per tower (2B, H), rows [view 1; view 2]; c None without CAELs; R ∈ {0, 1};
-    a.objective: paper (nce, tmc) or authors (nce_authors, tmc_authors). -> eq. 15, {term: value}"""
+    objective: paper (nce, tmc) or authors (nce_authors, tmc_authors); skip: terms left out
+    (nce, icnce, ictm: the ablations of Table X). -> eq. 15, {term: value}"""
     B = len(h[0]) // 2
-    authors = a.objective == "authors"
+    authors = objective == "authors"
 
     def L(x, y):  # InfoNCE, anchors from x, candidates from y: (2B, H) each
-        return nce_authors(x, y, a.temp) if authors else nce(x[:B], y[B:], a.temp)
+        return nce_authors(x, y, temp) if authors else nce(x[:B], y[B:], temp)
 
     def TMC(i, j):  # eq. 13: tower i's view 1 against tower j's view 2
         return (tmc_authors if authors else tmc)(h[i][:B], h[j][B:], hP[i][:B], hP[j][B:])
 
     terms = {}
-    if not a.no_nce:  # eq. 11, per tower: its views against each other
+    if "nce" not in skip:  # eq. 11, per tower: its views against each other
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
-    if not a.no_icnce:  # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
+    # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
+    if "icnce" not in skip:
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
         terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
-    if not a.no_ictm:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
+    if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
         terms["ictm"] = TMC(0, 1) + TMC(1, 0)
     return sum(terms.values()), terms  # eq. 15
 
 
-# ---------------------------------------------------------------- the model: the twin ---------
+# ---------------------------------------------------------------- the model: the twin -----------
 class Twin(torch.nn.Module):
     """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (stock
     BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross stream (or None)."""
@@ -200,7 +204,7 @@ class Twin(torch.nn.Module):
         if not self.k:
             return h, hP, None
         # the cross stream: as the primitive one up to layer k (the first CAEL), then eq. 10
-        mask = common.additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
+        mask = additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
         xs = [o.hidden_states[self.k - 1] for o in outs]
         for j in range(self.k, self.n + 1):
             layers = [t.encoder.layer[j - 1] for t in self.towers]
@@ -217,14 +221,16 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
     with common.autocast(device, a.bf16):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
-            z = common.run_batch(functools.partial(common.cls, model), batch, a.length_grouping)
+            z = common.run_batch(functools.partial(cls, model), batch, a.length_grouping)
             loss = F.mse_loss(common.gather(z.float()), common.gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
             two = {k: torch.cat([v, v]) for k, v in batch.items()}
             outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
             # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
-            h, hP, c = ([common.gather_views(z, B) for z in zs] if zs else None for zs in outs)
-            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a)  # Fig. 8: h
+            h, hP, c = ([gather_views(z, B) for z in zs] if zs else None for zs in outs)
+            skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
+            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a.temp, a.objective,
+                                     skip)  # --drop-layernorm, Fig. 8: h in eq. 13
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / a.grad_accum).backward()
     return loss, terms
@@ -234,7 +240,7 @@ def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
 def make_encode(towers, tokenizer, max_len, device):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.encoder(lambda batch: sum(common.cls(t, batch) for t in towers), tokenizer,
+    return common.encoder(lambda batch: sum(cls(t, batch) for t in towers), tokenizer,
                           max_len, device)
 
 
@@ -303,15 +309,174 @@ def check_run(run_dir, meta):
     towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
     for t in towers:
         common.check_weights(t, f"{where} ({t})", RECOPY)
-    common.check_towers(towers, meta["max_len"], meta.get("num_cael"),
+    check_towers(towers, meta["max_len"], meta.get("num_cael"),
                         meta.get("drop_layernorm", 0), meta=path)
 
 
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
-    towers, tokenizer = common.load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
+    towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
     towers = [drop_layernorm(t, meta.get("drop_layernorm", 0)) for t in towers]  # Fig. 8
     return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
+
+
+# ---------------------------------------------------------------- the towers --------------------
+# transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
+# embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
+JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
+
+
+def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
+    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
+    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
+    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
+    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
+    folder's twin), named in the error line instead of the flag."""
+    from transformers import AutoConfig, AutoTokenizer
+    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
+    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
+    configs = [common.load_pretrained(AutoConfig, n) for n in names]
+    for name, c in zip(names, configs):
+        if c.model_type not in JTCSE_TOWERS:
+            common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like "
+                       f"encoders with a pooler ({', '.join(JTCSE_TOWERS)})")
+    vocabs = [common.load_pretrained(AutoTokenizer, n).get_vocab() for n in names]
+    if any(v != vocabs[0] for v in vocabs):
+        common.die(f"'{names[0]}' and '{names[-1]}' have different tokenizers: the towers read one "
+                   "tokenised batch, so pass models that share a vocabulary")
+    shapes = [(c.num_hidden_layers, c.hidden_size, c.num_attention_heads) for c in configs]
+    if any(s != shapes[0] for s in shapes):
+        common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values "
+                   "between equal layers, so pass towers of one architecture")
+    if max_len:
+        common.check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
+    n = shapes[0][0]
+    if drop > n:
+        common.die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} "
+                   f"layers of '{names[0]}': {fix(f'0 to {n}')}")
+    if num_cael and n % num_cael:
+        common.die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
+                   f"{'choose' if not meta else 'set it to'} one of "
+                   f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
+
+
+def load_towers(names):
+    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
+    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
+    stderr) and their tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+    towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
+    return towers, common.load_pretrained(AutoTokenizer, names[0])
+
+
+def cls(encoder, batch):
+    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
+    return encoder(**batch).last_hidden_state[:, 0]
+
+
+def additive_mask(attention_mask, dtype):
+    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def gather_views(z, B):
+    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
+    view 2 of every rank]."""
+    return torch.cat([common.gather(z[:B]), common.gather(z[B:])])
+
+
+# ---------------------------------------------------------------- JTCSE D: the teacher ----------
+def teacher_run(name):
+    """A --distill teacher's run description, checked by the script that wrote it: (check_run,
+    load_encoder, meta) of a JTCSE run (this script) or an SSCL/SimCSE run (sscl.py); None for a
+    plain encoder (a model folder or a hub name)."""
+    path = os.path.join(name, common.META)
+    if not os.path.isfile(path):
+        return None
+    if os.path.isdir(os.path.join(name, PENDING)):
+        common.die(f"'{name}' holds a save still under way or cut short: let its run finish, or "
+                   f"complete it by evaluating it once (python eval_sts.py --model {name})")
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    method = meta.get("method") if isinstance(meta, dict) else None
+    if method == "sscl":
+        try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
+            import sscl
+        except ImportError:
+            common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
+        sscl.check_run(name, meta)
+        return sscl.load_encoder, meta
+    if method != "jtcse":
+        said = f"method {method!r}" if method is not None else "damaged or edited"
+        common.die(f"{path} is not a run description of jtcse.py or sscl.py ({said}): --distill "
+                   "takes JTCSE and SSCL runs and plain encoders")
+    check_run(name, meta)
+    return load_encoder, meta
+
+
+def load_teacher(names, max_len, hidden, device):
+    """JTCSE D's teacher: encode(list[str]) -> (N, hidden), the sum of its members' embeddings
+    (+UC D: the twin plus another encoder, Table I), each reading the student's text up to
+    max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
+    members = []
+    for name in names:
+        if run := teacher_run(name):
+            members.append(run[0](name, {**run[1], "max_len": max_len}, device))
+            continue
+        from transformers import AutoModel, AutoTokenizer
+        model = common.load_pretrained(AutoModel, name).to(device).eval()
+        members.append(common.encoder(functools.partial(cls, model),
+                                      common.load_pretrained(AutoTokenizer, name),
+                                      min(max_len, common.positions(model.config) or max_len),
+                                      device))
+    for n, m in zip(names[1:], members[1:]):  # a sum over one text: one vocabulary, one limit
+        if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
+            common.die(f"'{names[0]}' and '{n}' have different tokenizers: the teacher sums the "
+                       "embeddings of one tokenised sentence, so pass models that share a "
+                       "vocabulary")
+        if m.max_len != members[0].max_len:
+            common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
+                       f"{m.max_len}: pass teachers of one maximum length")
+    sizes = [m(["a probe sentence"]).shape[-1] for m in members]
+    if set(sizes) != {hidden}:
+        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
+                   f"dimensions; the student's is {hidden}: pass teachers of the student's size")
+    return lambda sentences: sum(m(sentences).float() for m in members)  # (N, H)
+
+
+def check_teacher(name):
+    """A --distill teacher, before any work: its run's files and values, or a model folder."""
+    if not os.path.isdir(name):
+        from transformers import AutoConfig
+        common.load_pretrained(AutoConfig, name)
+    elif teacher_run(name) is None:
+        common.check_hf_folder(name, "model", f"cannot load '{name}'")
+        common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
+
+
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
+def sts_sentences(data, task, split):
+    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
+    text)."""
+    return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
 
 
 # ---------------------------------------------------------------- the harness -------------------
@@ -435,9 +600,9 @@ def main():
     data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sentences += sorted(common.sts_sentences(data, "SICK-R", "train") - set(sentences))
+        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint
@@ -543,13 +708,11 @@ def main():
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
-    towers, tokenizer = common.load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
+    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
     towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
     net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
     if a.distill:  # the teacher encodes the text the student reads (cut to --max-len); it is
-        import eval_sts  # any model eval_sts.py loads (another method's run, an ensemble)
-        teacher = eval_sts.load_ensemble(a.distill, cut=a.max_len, device=device,
-                                         size=(towers[0].config.hidden_size, "the student's"))
+        teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)
     for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
         tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
     model = net.to(device)
@@ -723,11 +886,10 @@ def check_args(a, world):
                    "--drop-layernorm (they set up the twin)")
     if a.no_nce and a.no_icnce and a.no_ictm:
         common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
-    for t in a.distill or []:  # each as eval_sts.py loads it: a missing or damaged one stops here
-        import eval_sts  # --distill: the teacher is any model eval_sts.py loads
-        eval_sts.check_model(t)
+    for t in a.distill or []:  # a missing or damaged teacher stops here
+        check_teacher(t)
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
-    common.check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
+    check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
 
 
 if __name__ == "__main__":

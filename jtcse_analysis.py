@@ -23,8 +23,9 @@ from scipy.stats import pearsonr, spearmanr
 from transformers import AutoConfig, AutoModel
 
 import common
+import eval_sts
 import figures
-import runs
+import jtcse
 from jtcse import Twin, drop_layernorm, layer_forward, make_encode
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -70,7 +71,7 @@ def analyze(a, device):
         common.die("--cost prints Table VII and draws nothing: drop --plot")
     towers = {name: towers_of(name) for name in a.compare}  # every model checked before any work
     for name, names in towers.items():
-        common.check_towers(names)
+        jtcse.check_towers(names)
         common.check_max_len(a.cost or a.max_len, load_config(names[0]), name,
                              "--cost" if a.cost else "--max-len")
     if a.cost is not None:
@@ -95,7 +96,7 @@ def towers_of(name):
     BERT -> [name]; an ensemble A+B -> A's, then B's."""
     if len(members(name)) > 1:
         return [t for m in members(name) for t in towers_of(m)]
-    meta = runs.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
     if meta is None or meta["method"] == "sscl":
         return [name]
     if meta["method"] == "jtcse":
@@ -109,7 +110,7 @@ def dropped(name):
     0 for any other model."""
     if len(members(name)) > 1:
         return [n for m in members(name) for n in dropped(m)]
-    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
     if meta is None or meta["method"] != "jtcse":
         return [0]
     return [meta.get("drop_layernorm", 0)] * len(meta["towers"])
@@ -117,7 +118,7 @@ def dropped(name):
 
 def load_model(name, names):
     """The towers of `name` (towers_of) as its encoder runs them, and their tokenizer."""
-    ts, tokenizer = common.load_towers(names)
+    ts, tokenizer = jtcse.load_towers(names)
     return [drop_layernorm(t, n) for t, n in zip(ts, dropped(name))], tokenizer
 
 
@@ -156,7 +157,7 @@ def e_cls(models, sents, max_len, device, batch_size=128):
             m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens but CLS
             xs = [t.embeddings(input_ids=batch["input_ids"],
                                token_type_ids=batch.get("token_type_ids")) for t in ts]  # (b, L, H)
-            mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
+            mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
             for j in range(1, ts[0].config.num_hidden_layers + 1):
                 ctxs = []  # one (b, L, H) context per tower
                 xs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
@@ -179,11 +180,11 @@ def twin(a, device):
     gold score under each tower and the twin."""
     twin_names = ([os.path.join(a.analyze, "tower_a"), os.path.join(a.analyze, "tower_b")]
                   if a.analyze else [a.model_a, a.model_b])
-    common.check_towers(twin_names, num_cael=a.num_cael)
-    common.check_towers([a.model_a])
+    jtcse.check_towers(twin_names, num_cael=a.num_cael)
+    jtcse.check_towers([a.model_a])
     towers, tokenizer = load_model(a.analyze, twin_names) if a.analyze else \
-        common.load_towers(twin_names)
-    single, single_tok = common.load_towers([a.model_a])
+        jtcse.load_towers(twin_names)
+    single, single_tok = jtcse.load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
     k = Twin(towers, a.num_cael).k
@@ -290,7 +291,7 @@ def inference_cost(name, tokens):
     from torch.utils.flop_counter import FlopCounterMode
     if len(members(name)) > 1:
         return tuple(map(sum, zip(*(inference_cost(m, tokens) for m in members(name)))))
-    meta = runs.read_meta(name) if os.path.isdir(name) else None
+    meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
     nets = [AutoModel.from_config(load_config(n), attn_implementation="eager").eval()
             for n in towers_of(name)]
     H = nets[0].config.hidden_size
@@ -341,7 +342,7 @@ def attention_maps(tower, batch):
     own query and key projections; the layer's input comes from layer_forward (the stock layer)."""
     x = tower.embeddings(input_ids=batch["input_ids"],
                          token_type_ids=batch.get("token_type_ids"))  # (N, L, H)
-    mask = common.additive_mask(batch["attention_mask"], x.dtype)  # (N, 1, 1, L)
+    mask = jtcse.additive_mask(batch["attention_mask"], x.dtype)  # (N, 1, 1, L)
     maps = []
     for layer in tower.encoder.layer:
         att = layer.attention.self

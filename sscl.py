@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import resource
@@ -270,13 +271,46 @@ def select_on(name, data):
     once for the run."""
     if name == "stsb":
         return "stsb_dev", common.stsb_dev
-    try:  # SentEval's classifiers: eval_sts.py, beside this script in the repository
-        import eval_sts
+    try:  # the one file beside this script that a flag needs: SentEval's classifiers
+        import transfer
     except ImportError:
-        common.die("--select-on transfer needs eval_sts.py (SentEval's transfer tasks) beside "
+        common.die("--select-on transfer needs transfer.py (SentEval's transfer tasks) beside "
                    "sscl.py: copy it from the repository, or pass --select-on stsb")
-    loaded = {task: eval_sts.load_transfer(data, task) for task in eval_sts.TRANSFER}
-    return "transfer_dev", functools.partial(eval_sts.transfer_dev, loaded=loaded)
+    loaded = {task: transfer.load_transfer(data, task) for task in transfer.TRANSFER}
+    return "transfer_dev", functools.partial(transfer.transfer_dev, loaded=loaded)
+
+
+def check_encoder(name, max_len, flag="--model", num_layers=None):
+    """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
+    position embeddings hold max_len tokens, and that has num_layers layers to keep. -> its config
+    (num_hidden_layers: the kept layers)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
+    config = common.load_pretrained(AutoConfig, name)
+    if config.model_type not in MLM:
+        common.die(f"'{name}' is a {config.model_type} model, not a bidirectional encoder: pass a "
+                   f"BERT-like model (bert, roberta, ...) as {flag}")
+    common.check_max_len(max_len, config, name)
+    common.check_num_layers(num_layers, config, name)
+    config.num_hidden_layers = num_layers or config.num_hidden_layers
+    return config
+
+
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
 
 
 # ---------------------------------------------------------------- the harness -------------------
@@ -401,7 +435,7 @@ def main():
     metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
     # completed; a folder holding a run needs --resume, --resume needs its checkpoint
@@ -671,7 +705,7 @@ def check_args(a, world):
     if a.objective == "authors" and a.no_aug:
         common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
                    "dropout views): use it with --objective paper")
-    config = common.check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
+    config = check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
     return parse_layers(a.layer, config.num_hidden_layers)
 
 

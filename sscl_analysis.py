@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 import common
+import eval_sts
 import figures
-import runs
+import sscl
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,9 +116,9 @@ def convergence(a):
     figures.check(a.plot)
     curves = {}
     for m in a.model:
-        curves[m] = runs.read_curve(m) if os.path.isdir(m) else []
+        curves[m] = eval_sts.read_curve(m) if os.path.isdir(m) else []
         if not curves[m]:
-            common.die(f"'{m}' holds no dev curve ({runs.CURVE}): --convergence takes run folders "
+            common.die(f"'{m}' holds no dev curve ({sscl.CURVE}): --convergence takes run folders "
                        "of sscl.py, jtcse.py or bellm.py, trained with this version")
     short = [os.path.basename(os.path.normpath(m)) for m in a.model]
     label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))

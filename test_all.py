@@ -1,9 +1,10 @@
 """All tests: `python -m pytest test_all.py -q`; the quick tier, `-m "not slow"`, holds the
-equation and equivalence tests (loss = the paper's or the authors' equation, patch off = stock model,
-length groups = one padded forward) on tiny random-weight models built here, offline. The slow tier
-starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation data and the
-all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS (docs/operations.md,
-"The test suite"); they skip when these are missing, and fail instead under CI=true."""
+equation and equivalence tests (loss = the paper's or the authors' equation, patch off = stock
+model, length groups = one padded forward) on tiny random-weight models built here, offline. The
+slow tier starts processes (smoke runs, torchrun, kills), and a few tests need SimCSE's evaluation
+data and the all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEMB_MODELS
+(docs/operations.md, "The test suite"); they skip when these are missing, and fail instead under
+CI=true."""
 import codecs
 import copy
 import csv
@@ -33,7 +34,7 @@ from transformers import AutoModel, BertConfig, BertModel, PreTrainedTokenizerFa
 import bellm
 import bellm_analysis
 import common
-import runs
+import eval_more
 import eval_sts
 import figures
 import jtcse
@@ -41,6 +42,7 @@ import jtcse_analysis
 import seeds
 import sscl
 import sscl_analysis
+import transfer
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -199,8 +201,8 @@ def test_ensemble_is_the_sum_of_its_members_in_any_order(bert_dir, bert_nodrop_d
     load_encoder encodes it alone, with its own pooling; one member = that model."""
     cpu, rng = torch.device("cpu"), random.Random(0)
     s = [sentence(rng) for _ in range(6)]
-    a = eval_sts.load_encoder(str(bert_dir), "avg", device=cpu)(s)
-    b = eval_sts.load_encoder(str(bert_nodrop_dir), "cls", device=cpu)(s)
+    a = eval_sts.load_model(str(bert_dir), "avg", device=cpu)(s)
+    b = eval_sts.load_model(str(bert_nodrop_dir), "cls", device=cpu)(s)
     one = eval_sts.load_ensemble([str(bert_dir)], ["avg"], device=cpu)(s)
     ab = eval_sts.load_ensemble([str(bert_dir), str(bert_nodrop_dir)], ["avg", "cls"], device=cpu)
     ba = eval_sts.load_ensemble([str(bert_nodrop_dir), str(bert_dir)], ["cls", "avg"], device=cpu)
@@ -287,7 +289,7 @@ def mteb_inputs(mteb, texts, batch_size=3):
 
 def assert_mteb_adapter_is(mteb, encode, texts):
     """MTEBEncoder(encode) is an mteb encoder whose embeddings are encode's, bit for bit."""
-    adapter = eval_sts.MTEBEncoder(encode, "m")
+    adapter = eval_more.MTEBEncoder(encode, "m")
     assert isinstance(adapter, mteb.models.EncoderProtocol)
     loader, meta = mteb_inputs(mteb, texts)
     e = adapter.encode(loader, task_metadata=meta, hf_split="test", hf_subset="default")
@@ -297,12 +299,12 @@ def assert_mteb_adapter_is(mteb, encode, texts):
 
 
 def test_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
-    """eval_sts.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
+    """eval_more.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
     out, in mteb's order; cosine similarity."""
     mteb, cpu, rng = need_mteb(), torch.device("cpu"), random.Random(0)
     texts = [sentence(rng) for _ in range(10)]
     texts += texts[:3]  # repeated sentences, as in STS-B
-    for encode in (eval_sts.load_encoder(str(bert_dir), "avg", device=cpu),
+    for encode in (eval_sts.load_model(str(bert_dir), "avg", device=cpu),
                    eval_sts.load_ensemble([str(bert_dir), str(bert_nodrop_dir)], ["avg", "cls"],
                                           device=cpu)):
         adapter, e = assert_mteb_adapter_is(mteb, encode, texts)
@@ -319,12 +321,12 @@ def test_mteb_senteval_tasks_equal_our_sts(sts_dir):
     per sentence, so that the cosines are spread and no rank is rounding noise."""
     mteb = need_mteb()
     data = common.senteval_dir(str(sts_dir))
-    tasks = [eval_sts.senteval_task(t, data) for t in common.TASKS]
-    res = mteb.evaluate(eval_sts.MTEBEncoder(hashed_encode, "hashed"), tasks, cache=None,
+    tasks = [eval_more.senteval_task(t, data) for t in common.TASKS]
+    res = mteb.evaluate(eval_more.MTEBEncoder(hashed_encode, "hashed"), tasks, cache=None,
                         co2_tracker=False, show_progress_bar=False)
     scores = {r.task_name: 100 * r.scores["test"][0]["cosine_spearman"] for r in res.task_results}
     ours = common.evaluate(hashed_encode, data)
-    assert scores == pytest.approx({eval_sts.SENTEVAL_PREFIX + t: v for t, v in ours.items()},
+    assert scores == pytest.approx({eval_more.SENTEVAL_PREFIX + t: v for t, v in ours.items()},
                                    abs=1e-4)
 
 
@@ -383,7 +385,7 @@ def test_mteb_adapter_on_every_run_kind(run_templates):
     mteb, rng = need_mteb(), random.Random(1)
     texts = [sentence(rng) for _ in range(7)]
     for method, folder in run_templates.items():
-        assert_mteb_adapter_is(mteb, eval_sts.load_encoder(str(folder)), texts)
+        assert_mteb_adapter_is(mteb, eval_sts.load_model(str(folder)), texts)
 
 
 @pytest.mark.slow
@@ -424,7 +426,7 @@ def write_transfer(root, n=40, seed=0):
     (d / "TREC").mkdir(parents=True, exist_ok=True)
     for name in ("train_5500.label", "TREC_10.label"):
         (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n"
-                                               for c in list(eval_sts.TREC_CLASSES) * (n // 6 + 2)))
+                                               for c in list(transfer.TREC_CLASSES) * (n // 6 + 2)))
     (d / "MRPC").mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
         rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n"
@@ -441,7 +443,7 @@ def test_stratified_kfold_equals_scikit_learn():
     sklearn_test_folds = [[4, 5, 6, 16, 22, 26, 27, 38, 41], [2, 13, 15, 19, 20, 23, 31, 37, 39],
                           [3, 7, 11, 14, 24, 28, 30, 35], [9, 10, 12, 17, 21, 29, 34, 40],
                           [0, 1, 8, 18, 25, 32, 33, 36]]
-    folds = eval_sts.stratified_kfold(y, 5)
+    folds = transfer.stratified_kfold(y, 5)
     assert [list(te) for _, te in folds] == sklearn_test_folds
     assert all(sorted(np.concatenate([tr, te])) == list(range(len(y))) for tr, te in folds)
 
@@ -511,7 +513,7 @@ def test_batched_runs_equal_senteval_one_by_one(optim):
     runs = [(np.arange(0, 60), np.arange(60, 90), 1e-3), (np.arange(0, 60), np.arange(60, 90),
                                                           1e-2),
             (np.arange(5, 62), np.arange(62, 80), 1e-4), (np.arange(10, 90), None, 1e-5)]
-    got = eval_sts.fit_logreg(X, y, runs, 2, cfg)
+    got = transfer.fit_logreg(X, y, runs, 2, cfg)
     for (tr, dev, l2), (acc, W, b) in zip(runs, got):
         kw = dict(validation_split=0.05) if dev is None else dict(validation_data=(X[dev], y[dev]))
         want_acc, model = senteval_fit(X[tr], y[tr], 2, l2, cfg, **kw)
@@ -524,18 +526,18 @@ def test_inner_kfold_protocol_equals_senteval():
     """MR/CR/SUBJ/MPQA: SentEval's InnerKFoldClassifier.run, transcribed."""
     X, y = synthetic(75, seed=1)
     k, dev, test = SMALL["kfold"], [], []
-    for tr, te in eval_sts.stratified_kfold(y.numpy(), k):
+    for tr, te in transfer.stratified_kfold(y.numpy(), k):
         scores = []
         for l2 in REGS:
             regscores = [senteval_fit(X[tr][itr], y[tr][itr], 2, l2, SMALL,
                                       validation_data=(X[tr][ite], y[tr][ite]))[0]
-                         for itr, ite in eval_sts.stratified_kfold(y[tr].numpy(), k)]
+                         for itr, ite in transfer.stratified_kfold(y[tr].numpy(), k)]
             scores.append(round(100 * np.mean(regscores), 2))
         dev.append(np.max(scores))
         _, model = senteval_fit(X[tr], y[tr], 2, REGS[np.argmax(scores)], SMALL,
                                 validation_split=0.05)
         test.append(round(100 * senteval_score(model, X[te], y[te]), 2))
-    got = eval_sts.classify("MR", {"all": X}, {"all": y}, SMALL)
+    got = transfer.classify("MR", {"all": X}, {"all": y}, SMALL)
     assert got == {"devacc": round(np.mean(dev), 2), "acc": round(np.mean(test), 2)}
 
 
@@ -548,10 +550,10 @@ def test_kfold_and_split_protocols_equal_senteval():
     for l2 in REGS:
         scores.append(round(100 * np.mean(
             [senteval_fit(X[tr], y[tr], 6, l2, SMALL, validation_data=(X[te], y[te]))[0]
-             for tr, te in eval_sts.stratified_kfold(y.numpy(), SMALL["kfold"])]), 2))
+             for tr, te in transfer.stratified_kfold(y.numpy(), SMALL["kfold"])]), 2))
     _, model = senteval_fit(X, y, 6, REGS[np.argmax(scores)], SMALL, validation_split=0.05)
     want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
-    assert eval_sts.classify("TREC", {"train": X, "test": Xt}, {"train": y, "test": yt},
+    assert transfer.classify("TREC", {"train": X, "test": Xt}, {"train": y, "test": yt},
                              SMALL) == want
 
     X, y = synthetic(60, seed=4)
@@ -561,18 +563,18 @@ def test_kfold_and_split_protocols_equal_senteval():
               for l2 in REGS]
     _, model = senteval_fit(X, y, 2, REGS[np.argmax(scores)], SMALL, validation_data=(Xd, yd))
     want = {"devacc": np.max(scores), "acc": round(100 * senteval_score(model, Xt, yt), 2)}
-    assert eval_sts.classify("SST2", {"train": X, "dev": Xd, "test": Xt},
+    assert transfer.classify("SST2", {"train": X, "dev": Xd, "test": Xt},
                              {"train": y, "dev": yd, "test": yt}, SMALL) == want
 
 
 def test_mrpc_features_and_loading_order(tmp_path):
     a, b = torch.randn(5, 3), torch.randn(5, 3)
-    assert torch.equal(eval_sts.mrpc_features(a, b), torch.cat([(a - b).abs(), a * b], 1))
+    assert torch.equal(transfer.mrpc_features(a, b), torch.cat([(a - b).abs(), a * b], 1))
     d = write_transfer(tmp_path)
-    (texts_a, texts_b), y = eval_sts.load_transfer(str(d), "MRPC")["train"]
+    (texts_a, texts_b), y = transfer.load_transfer(str(d), "MRPC")["train"]
     keys = [(len(s.split()), len(t.split()), int(l)) for s, t, l in zip(texts_a, texts_b, y)]
     assert keys == sorted(keys) and len(keys) == 40  # header skipped, SentEval's order
-    (texts,), y = eval_sts.load_transfer(str(d), "SUBJ")["all"]
+    (texts,), y = transfer.load_transfer(str(d), "SUBJ")["all"]
     assert len(texts) == 82 and texts.count("") == 2  # empty lines kept, as SentEval keeps them
     assert ([(len(s.split()), l) for s, l in zip(texts, y)]
             == sorted((len(s.split()), l) for s, l in zip(texts, y)))
@@ -581,8 +583,8 @@ def test_mrpc_features_and_loading_order(tmp_path):
 
 
 def test_transfer_table_format():
-    res = {t: {"devacc": 0.0, "acc": 70.0 + i} for i, t in enumerate(eval_sts.TRANSFER)}
-    head, row = eval_sts.format_transfer(res).splitlines()
+    res = {t: {"devacc": 0.0, "acc": 70.0 + i} for i, t in enumerate(transfer.TRANSFER)}
+    head, row = transfer.format_transfer(res).splitlines()
     assert head.split() == ["MR", "CR", "SUBJ", "MPQA", "SST", "TREC", "MRPC", "Avg."]
     assert row.split() == ["70.00", "71.00", "72.00", "73.00", "74.00", "75.00", "76.00", "73.00"]
 
@@ -596,7 +598,7 @@ def test_align_uniform_by_hand(tmp_path):
                      "g\tf\ty\t2\t1.0\tthe car\ta dog\n")
     vec = {"a man": [1.0, 0.0], "a dog": [0.0, 2.0], "a cat": [3.0, 4.0], "the car": [-1.0, -1.0]}
     encode = lambda sents: torch.tensor([vec[s] for s in sents])  # noqa: E731
-    align, uniform = eval_sts.align_uniform(encode, str(d / "downstream"))
+    align, uniform = transfer.align_uniform(encode, str(d / "downstream"))
     f = {s: torch.tensor(v) / torch.tensor(v).norm() for s, v in vec.items()}
     assert align == pytest.approx(((f["a man"] - f["a dog"]).norm() ** 2
                                    + (f["a cat"] - f["a man"]).norm() ** 2).item() / 2)
@@ -617,7 +619,7 @@ def test_eval_transfer_end_to_end_and_bad_inputs(bert_dir, tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].split() == common.TASKS + ["Avg."] and lines[2].split()[-1] == "Avg."
     r = json.loads(out.read_text())
-    assert set(r["results"]) == set(common.TASKS) and set(r["transfer"]) == set(eval_sts.TRANSFER)
+    assert set(r["results"]) == set(common.TASKS) and set(r["transfer"]) == set(transfer.TRANSFER)
     assert (all(0 <= v["acc"] <= 100 for v in r["transfer"].values())
             and r["transfer_mode"] == "fasttest")
     assert r["align"] >= 0 and -4 <= r["uniform"] <= 0
@@ -741,52 +743,52 @@ def test_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatc
     line."""
     d = write_probing(tmp_path)
     data = str(d / "downstream")
-    for task, (_, name) in eval_sts.PROBING.items():
-        loaded = eval_sts.load_probing(data, task)
+    for task, (_, name) in transfer.PROBING.items():
+        loaded = transfer.load_probing(data, task)
         want = senteval_probing(d / "downstream" / "probing" / name, length_encode,
-                                eval_sts.TRANSFER_MODES["test"])[2]
+                                transfer.TRANSFER_MODES["test"])[2]
         assert {s: (texts[0], list(y)) for s, (texts, y) in loaded.items()} == want, task
     # TreeDepth's classes: '10' '11' '5' '6' ... -> 0 1 2 3 ...; the last field is the sentence
-    (texts,), y = eval_sts.load_probing(data, "Depth")["train"]
+    (texts,), y = transfer.load_probing(data, "Depth")["train"]
     depth = [l.split("\t") for l in (d / "downstream" / "probing" / "tree_depth.txt")
              .read_text().splitlines() if l.startswith("tr\t")]
     assert [y[texts.index(" ".join(t[-1].split()))] for t in depth if t[1] in ("10", "5")][:4] == [
         {"10": 0, "5": 2}[t[1]] for t in depth if t[1] in ("10", "5")][:4]
     assert not any("middle field" in t for t in texts) and len(texts) == 60
-    for mode, cfg in eval_sts.TRANSFER_MODES.items():
-        got, _ = eval_sts.evaluate_transfer(length_encode, data, list(eval_sts.PROBING), mode,
+    for mode, cfg in transfer.TRANSFER_MODES.items():
+        got, _ = transfer.evaluate_transfer(length_encode, data, list(transfer.PROBING), mode,
                                             torch.device("cpu"))
-        for task, (_, name) in eval_sts.PROBING.items():
+        for task, (_, name) in transfer.PROBING.items():
             dev, acc, _ = senteval_probing(d / "downstream" / "probing" / name, length_encode, cfg)
             assert got[task] == {"devacc": dev, "acc": acc}, (mode, task)
     # RMSprop (fasttest) learns SentLen from the word count: the labels stay with their sentences
     assert got["Length"]["acc"] >= 60
     # --tasks: SentEval's names, the group 'probing', mixed with the others; 'all' is STS+transfer
-    assert eval_sts.parse_tasks("probing") == ([], [], list(eval_sts.PROBING))
+    assert eval_sts.parse_tasks("probing") == ([], [], list(transfer.PROBING))
     assert (eval_sts.parse_tasks("CoordinationInversion,STS-B,Length,MR")
             == (["STS-B"], ["MR"], ["Length", "CoordinationInversion"]))
     assert eval_sts.parse_tasks("all")[2] == []
     assert "probing" in one_error(capsys, eval_sts.parse_tasks, "SentLen")
-    head, row = eval_sts.format_probing(got).splitlines()
+    head, row = transfer.format_probing(got).splitlines()
     assert head.split() == ["SentLen", "TreeDepth", "CoordInv"]
-    assert row.split() == [f"{got[t]['acc']:.2f}" for t in eval_sts.PROBING]
+    assert row.split() == [f"{got[t]['acc']:.2f}" for t in transfer.PROBING]
 
     # bad files: one line naming the file (and line) and the fix
     f = d / "downstream" / "probing" / "tree_depth.txt"
     lines = f.read_text().split("\n")
     f.write_text("\n".join(lines[:4] + [lines[4].replace("\t", " ")] + lines[5:]))
-    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    err = one_error(capsys, transfer.load_probing, data, "Depth")
     assert "tree_depth.txt, line 5" in err and "malformed" in err
     f.write_text("\n".join(lines[:6] + ["dev" + lines[6][2:]] + lines[7:]))
-    assert "tree_depth.txt, line 7" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert "tree_depth.txt, line 7" in one_error(capsys, transfer.load_probing, data, "Depth")
     te = next(i for i, l in enumerate(lines) if l.startswith("te\t"))
     f.write_text("\n".join(lines[:te] + ["te\t99\ta b c"] + lines[te + 1:]))
-    err = one_error(capsys, eval_sts.load_probing, data, "Depth")
+    err = one_error(capsys, transfer.load_probing, data, "Depth")
     assert f"line {te + 1}" in err and "'99'" in err
     f.write_text("\n".join(l for l in lines if not l.startswith("va\t")))
-    assert "no 'va' lines" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert "no 'va' lines" in one_error(capsys, transfer.load_probing, data, "Depth")
     f.write_bytes(b"tr\t5\tcaf\xe9\n")
-    assert "UTF-8" in one_error(capsys, eval_sts.load_probing, data, "Depth")
+    assert "UTF-8" in one_error(capsys, transfer.load_probing, data, "Depth")
     # a missing folder stops eval_sts.py before it loads a model (this one does not exist)
     write_sts(tmp_path)
     shutil.rmtree(d / "downstream" / "probing")
@@ -816,8 +818,8 @@ def test_eval_probing_mixed_with_other_tasks(bert_dir, tmp_path, capsys, monkeyp
     assert set(r["results"]) == {"STS-B"} and set(r["transfer"]) == {"MR"}
     assert list(r["probing"]) == ["Length", "Depth"] and r["transfer_mode"] == "fasttest"
     assert {"probing_encode", "probing_classifier"} <= set(r["seconds"])
-    encode = eval_sts.load_encoder(str(bert_dir), "avg", device=torch.device("cpu"))
-    want, _ = eval_sts.evaluate_transfer(encode, str(tmp_path / "downstream"), ["Length", "Depth"],
+    encode = eval_sts.load_model(str(bert_dir), "avg", device=torch.device("cpu"))
+    want, _ = transfer.evaluate_transfer(encode, str(tmp_path / "downstream"), ["Length", "Depth"],
                                          "fasttest", torch.device("cpu"))
     assert r["probing"] == want
 
@@ -883,9 +885,9 @@ def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
     -> strict miss, R@1 hit. c (180): 183 then e's 225 before its 65 -> miss, R@1 hit. d (300):
     b's 255 (45) before its 350 (50) -> R@1 miss, R@5 hit. e (225): its 45 is 180 away, the
     farthest of all -> R@10 miss. Strict 1/5, R@1 3/5, R@5 4/5, R@10 4/5."""
-    groups = eval_sts.read_groups(str(ret_file(tmp_path)))
+    groups = eval_more.read_groups(str(ret_file(tmp_path)))
     assert {g: len(c) for g, c in groups.items()} == {"a": 5, "b": 5, "c": 3, "d": 2, "e": 2}
-    r = eval_sts.retrieval(angle_encode, groups, show=2, batch=2)  # queries in 3 batches
+    r = eval_more.retrieval(angle_encode, groups, show=2, batch=2)  # queries in 3 batches
     assert (r["queries"], r["captions"]) == (5, 17)
     assert [r[k] for k in ("strict", "recall@1", "recall@5", "recall@10")] == [20, 60, 80, 80]
     assert [s["query"] for s in r["shown"]] == ["two people at 20", "two people at 90"]
@@ -906,7 +908,7 @@ def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
     assert saved["strict"] == 20 and len(saved["shown"]) == 1
 
 
-# ---------------------------------------------------------------- SSCL ---------------------------
+# ---------------------------------------------------------------- SSCL --------------------------
 def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
     return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
             "--batch-size", 8, "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps,
@@ -1058,30 +1060,90 @@ def project_imports(path):
     return found & PROJECT
 
 
-def test_common_and_the_method_scripts_import_nothing_of_the_project_but_common():
-    """common.py imports no module of the project; bellm.py only common.py; sscl.py and jtcse.py
-    too, but for
-    eval_sts.py under the one flag that needs another file, inside the code that flag runs:
-    sscl.py --select-on transfer (SentEval's classifiers), jtcse.py --distill (a teacher is any
-    model eval_sts.py loads)."""
+# the one lazy import each of two flags needs, inside the function that flag runs
+LAZY = {("sscl", "transfer"): ("select_on", "transfer"), ("jtcse", "sscl"): ("teacher_run", "sscl")}
+
+
+def lazy_imports(script):
+    """{module: the function whose body imports it} for the imports inside script's functions."""
     import ast
+    found = {}
+    for fn in ast.walk(ast.parse((ROOT / f"{script}.py").read_text())):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for m in (project_imports_of(node) & PROJECT):
+                        found.setdefault(m, fn.name)
+    return found
+
+
+def project_imports_of(node):
+    """The modules one import node names."""
+    import ast
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    return {node.module.split(".")[0]} if node.module and not node.level else set()
+
+
+def test_no_import_cycle_and_the_method_scripts_import_only_common():
+    """Every module of the project (the repository root and bench/) read with ast: its imports at
+    module level, inside functions and through importlib. common.py imports nothing of the
+    project; each method script only common.py, but for one lazy import under one flag (sscl.py
+    --select-on transfer: transfer.py, SentEval's classifiers; jtcse.py --distill of an SSCL run:
+    sscl.py, its loader), inside the function that flag runs; and the graph has no cycle."""
     assert project_imports(ROOT / "common.py") == set()
-    assert project_imports(ROOT / "bellm.py") == {"common"}
-    for script, flag in (("sscl", "transfer"), ("jtcse", "distill")):
-        assert project_imports(ROOT / f"{script}.py") == {"common", "eval_sts"}, script
-        tree = ast.parse((ROOT / f"{script}.py").read_text())
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                child.parent = node
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import) and node.names[0].name == "eval_sts":
-                guards, up = [], node
-                while not isinstance(up, ast.FunctionDef):  # the if/for/try around it
-                    up = up.parent
-                    guards.append(ast.unparse(up.test if isinstance(up, ast.If) else up.iter)
-                                  if isinstance(up, (ast.If, ast.For)) else "")
-                name = up.name
-                assert any(flag in g for g in guards) or (script, name) == ("sscl", "select_on")
+    for script in ("sscl", "jtcse", "bellm"):
+        lazy = lazy_imports(script)
+        allowed = {other for (s, other) in LAZY if s == script}
+        assert project_imports(ROOT / f"{script}.py") == {"common"} | allowed, script
+        assert {m: lazy[m] for m in allowed} == {m: LAZY[script, m][0] for m in allowed}, script
+    graph = {p.stem: project_imports(p) - {p.stem}
+             for p in [*ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]}
+    assert graph["eval_sts"] >= {"sscl", "jtcse", "bellm", "transfer", "eval_more"}  # read: real
+    assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph))
+
+
+def find_cycle(graph):
+    """A cycle of {module: the modules it imports} as [m, ..., m], or None (depth-first: a module
+    met again on the current path closes a cycle)."""
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return path + [m, n]
+            if n not in state and (cycle := visit(n, path + [m])):
+                return cycle
+        state[m] = "done"
+    return next((c for m in sorted(graph) if m not in state and (c := visit(m, []))), None)
+
+
+def test_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
+    """The reader above, on a made-up project with a function-level and an importlib cycle."""
+    (tmp_path / "x.py").write_text("import os\nimport y\n")
+    (tmp_path / "y.py").write_text("def f():\n    import importlib\n"
+                                   "    return importlib.import_module('x')\n")
+    monkeypatch.setattr(sys.modules[__name__], "PROJECT", {"x", "y"})
+    graph = {m: project_imports(tmp_path / f"{m}.py") for m in ("x", "y")}
+    assert graph == {"x": {"y"}, "y": {"x"}} and find_cycle(graph) == ["x", "y", "x"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b"}}) is None
+
+
+def test_each_method_page_names_the_lines_of_its_scripts_harness():
+    """docs/<method>.md says which lines of the script are the harness (what a reader who copies the
+    method leaves behind): they must be the script's section "the harness" down to its argument
+    checks, as the file stands."""
+    for script in ("sscl", "jtcse", "bellm"):
+        banners = {m[1]: i for i, line in enumerate(
+            (ROOT / f"{script}.py").read_text().splitlines(), 1)
+            if (m := re.match(r"# -{64} (.*?) -+$", line))}
+        said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*.*?takes lines\s+1–(\d+)",
+                         (ROOT / "docs" / f"{script}.md").read_text(), re.S)
+        assert said, script
+        first, last, copy = map(int, said.groups())
+        assert (first, last + 1, copy + 1) == (banners["the harness"],
+                                               banners["argument checks"], first), script
 
 
 def copy_run(script, cmd, tmp_path):
@@ -1098,8 +1160,8 @@ def copy_run(script, cmd, tmp_path):
                           cwd=d).returncode == 0
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
                             env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
-    saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # step 1's save, under way
-    assert kill_when(proc, d / "run", lambda: len(runs.read_curve(d / "run")) == 2 and any(
+    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # step 1's save, under way
+    assert kill_when(proc, d / "run", lambda: len(sscl.read_curve(d / "run")) == 2 and any(
         (d / "run" / n).exists() for n in saving))
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
@@ -1223,7 +1285,7 @@ def test_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(bert_di
 
 
 def curve_of(out):
-    return [json.loads(line) for line in (out / runs.CURVE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / sscl.CURVE).read_text().splitlines()]
 
 
 def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
@@ -1240,7 +1302,7 @@ def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpo
     assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
     assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
     # what a kill between the two writes of step 6 leaves, then --resume to step 6
-    (out / runs.CURVE).write_text((out / runs.CURVE).read_text()
+    (out / sscl.CURVE).write_text((out / sscl.CURVE).read_text()
                                   + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
     def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
         raise SystemExit(0)
@@ -1256,19 +1318,19 @@ def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpo
     assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
     assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
     # a write cut short (here: every rename fails) keeps the old curve, and says so
-    before = (out / runs.CURVE).read_bytes()
+    before = (out / sscl.CURVE).read_bytes()
     monkeypatch.setattr(os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
     code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
         bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=8))
     monkeypatch.undo()
     assert code == 2 and "dev.jsonl" in err and "No space left on device" in err, err
-    assert (out / runs.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
+    assert (out / sscl.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
 
 
 def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, train_txt, tmp_path,
                                                                     capsys, monkeypatch):
     """--select-on transfer: every dev evaluation is the mean fasttest dev accuracy of the 7
-    transfer tasks (eval_sts.transfer_dev), logged, in dev.jsonl, and the checkpoint kept is the
+    transfer tasks (transfer.transfer_dev), logged, in dev.jsonl, and the checkpoint kept is the
     best of them: eval_sts.py's transfer_dev of the saved run gives the recorded score again."""
     write_sts(tmp_path)
     data = write_transfer(tmp_path)
@@ -1285,10 +1347,10 @@ def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, tra
     assert best["step"] not in (0, 4)  # the selection picked a middle step, not the first or last
     assert (meta["select_on"], meta["step"], meta["transfer_dev"]) == (
         "transfer", best["step"], best["score"]) and "stsb_dev" not in meta
-    encode = eval_sts.load_encoder(str(out), device=torch.device("cpu"))
-    results, _ = eval_sts.evaluate_transfer(encode, str(data), eval_sts.TRANSFER, "fasttest")
-    assert set(results) == set(eval_sts.TRANSFER)
-    assert eval_sts.transfer_dev(encode, str(data)) == pytest.approx(best["score"], abs=1e-9) == \
+    encode = eval_sts.load_model(str(out), device=torch.device("cpu"))
+    results, _ = transfer.evaluate_transfer(encode, str(data), transfer.TRANSFER, "fasttest")
+    assert set(results) == set(transfer.TRANSFER)
+    assert transfer.transfer_dev(encode, str(data)) == pytest.approx(best["score"], abs=1e-9) == \
         pytest.approx(sum(r["devacc"] for r in results.values()) / 7, abs=1e-9)
 
 
@@ -1298,7 +1360,7 @@ def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys
     for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
                        ("sscl", [(0, 79.73), (25, 82.0), (50, 83.55)])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / runs.CURVE).write_text("".join(json.dumps(
+        (tmp_path / name / sscl.CURVE).write_text("".join(json.dumps(
             {"step": s, "metric": "stsb_dev", "score": v}) + "\n" for s, v in rows))
     pytest.importorskip("matplotlib")
     code, log, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model",
@@ -1324,7 +1386,7 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
     assert meta["num_layers"] == 2 and json.loads((out / "config.json").read_text())[
         "num_hidden_layers"] == 2 and AutoModel.from_pretrained(out).config.num_hidden_layers == 2
     cpu = torch.device("cpu")
-    ours = eval_sts.load_encoder(str(out), device=cpu)(SENTS)
+    ours = eval_sts.load_model(str(out), device=cpu)(SENTS)
     torch.testing.assert_close(ours, eval_sts.hf_encoder(str(bert_dir), "cls", 512, cpu, 2)(SENTS))
     ev = run("eval_sts.py", "--model", bert_dir, "--num-layers", 2, "--data-dir", sts_dir,
              "--tasks", "STS-B", "--split", "dev")
@@ -1335,7 +1397,7 @@ import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
 st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-ours = eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu"))(s)
+ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
 print(float((st - ours).abs().max()))""")
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split()[-1]) <= 1e-5
@@ -1348,21 +1410,21 @@ def test_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothin
     the curve is written (SENTEMB_SAVE_PAUSE holds it open) leaves the previous curve whole, and
     --resume ends with the uninterrupted run's curve, each step once."""
     for method, folder in run_templates.items():
-        curve = runs.read_curve(folder)
+        curve = sscl.read_curve(folder)
         steps = [e["step"] for e in curve]
         assert steps == sorted(set(steps)) and steps[-1] == torch.load(
-            folder / runs.CKPT, weights_only=False)["step"], method
+            folder / sscl.CKPT, weights_only=False)["step"], method
         assert {e["metric"] for e in curve} == {"stsb_dev"}, method
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
                                  steps=6, eval_steps=1)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out = tmp_path / "killed"
-    ckpt, tmp = out / runs.CKPT, out / (runs.CURVE + ".tmp")
+    ckpt, tmp = out / sscl.CKPT, out / (sscl.CURVE + ".tmp")
     for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
                  lambda: ckpt.exists() and tmp.exists(),
                  # inside the save after it: the curve is one step ahead of the checkpoint
                  lambda: ckpt.exists() and any((out / n).exists() for n in (
-                     runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))):
+                     sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))):
         resume = ["--resume"] if ckpt.exists() else []
         proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
         t0 = time.time()
@@ -1371,8 +1433,8 @@ def test_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothin
         assert proc.poll() is None, "the run ended before the kill"
         proc.kill()
         proc.wait()
-        runs.settle(out)  # as any command of ours that opens the folder
-        steps = [e["step"] for e in runs.read_curve(out)]  # whole: every line parses
+        eval_sts.settle(out)  # as any command of ours that opens the folder
+        steps = [e["step"] for e in sscl.read_curve(out)]  # whole: every line parses
         assert steps == list(range(len(steps))) and len(steps) - 1 in (
             weights(out, "step"), weights(out, "step") + 1), steps
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
@@ -1619,6 +1681,12 @@ def jt_run(*args, ok=True):
     return r
 
 
+def jtcse_loss_of(h, hP, c, R, a):
+    """jtcse.jtcse_loss with the settings of jtcse.py's flags a, as train_step passes them."""
+    skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
+    return jtcse.jtcse_loss(h, hP, c, R, a.temp, a.objective, skip)
+
+
 def jt_analysis(capsys, monkeypatch, *args):
     """jtcse_analysis.main() in this process, on jt_env's STS data; it must succeed."""
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
@@ -1678,7 +1746,7 @@ def jt_towers(jt_env, arch):
     return towers
 
 
-# ---------------------------------------------------------------- model equivalences -------------
+# ---------------------------------------------------------------- model equivalences ------------
 @pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta"])
 def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
     d, tok = jt_env
@@ -1695,7 +1763,7 @@ def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
     # token
     xs = [m.embeddings(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"])
           for m in (a, b)]
-    mask = common.additive_mask(batch["attention_mask"], xs[0].dtype)
+    mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)
     for j in range(4):
         xs = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
     real = batch["attention_mask"].bool()
@@ -1742,7 +1810,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
     ctxs = []
     out = jtcse.layer_forward([la, lb], x,
-                              common.additive_mask(batch["attention_mask"], torch.float32), True,
+                              jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
                               ctxs=ctxs)
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
@@ -1766,7 +1834,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
                               atol=1e-3)
 
 
-# ---------------------------------------------------------------- losses = equations -------------
+# ---------------------------------------------------------------- losses = equations ------------
 def nce_by_hand(z, zp, tau=0.05):
     total = 0.0
     for i in range(len(z)):
@@ -1798,7 +1866,7 @@ def test_each_loss_term_equals_its_equation():
                                tmc_by_hand(z, zp, h[0][:B], h[1][:B]), atol=1e-5, rtol=1e-5)
     a = jtcse.p.parse_args([])
     for R in (0, 1):
-        loss, t = jtcse.jtcse_loss(h, hP, c, R, a)
+        loss, t = jtcse_loss_of(h, hP, c, R, a)
         v1, v2 = lambda x: x[:B], lambda x: x[B:]  # noqa: E731
         # eq. 11, both towers
         nce = nce_by_hand(v1(h[0]), v2(h[0])) + nce_by_hand(v1(h[1]), v2(h[1]))
@@ -1812,13 +1880,13 @@ def test_each_loss_term_equals_its_equation():
             torch.testing.assert_close(got, torch.as_tensor(want, dtype=torch.float32), atol=1e-4,
                                        rtol=1e-5)
     a = jtcse.p.parse_args(["--no-nce", "--no-ictm"])
-    r1, r0 = jtcse.jtcse_loss(h, hP, c, 1, a)[0], jtcse.jtcse_loss(h, hP, c, 0, a)[0]
+    r1, r0 = jtcse_loss_of(h, hP, c, 1, a)[0], jtcse_loss_of(h, hP, c, 0, a)[0]
     assert not torch.allclose(r1, r0)  # R flips the direction of ICNCE
     torch.testing.assert_close(r1, jtcse.nce(h[0][:B], h[1][B:], 0.05)
                                + jtcse.nce(c[0][:B], c[1][B:], 0.05))
     torch.testing.assert_close(r0, jtcse.nce(h[1][:B], h[0][B:], 0.05)
                                + jtcse.nce(c[1][:B], c[0][B:], 0.05))
-    _, t = jtcse.jtcse_loss(h, hP, None, 1, jtcse.p.parse_args(["--no-icnce"]))
+    _, t = jtcse_loss_of(h, hP, None, 1, jtcse.p.parse_args(["--no-icnce"]))
     assert set(t) == {"nce", "ictm"}
 
 
@@ -1880,7 +1948,7 @@ def test_jtcse_authors_objective_equals_their_code():
     assert 0 < F.cosine_similarity(h[0][2], h[1][B + 2], dim=0) < 1e-4
     a = jtcse.p.parse_args(["--objective", "authors"])
     for R in (0, 1):
-        loss, t = jtcse.jtcse_loss(h, hP, c, R, a)
+        loss, t = jtcse_loss_of(h, hP, c, R, a)
         hI, hII, PI, PII, cI, cII = map(interleave, (h[0], h[1], hP[0], hP[1], c[0], c[1]))
         L_nce = authors_unsup_infonce_loss(hI) + authors_unsup_infonce_loss(hII)
         if 1 - R == 0:  # their random_data == 0: tower I anchors
@@ -1891,7 +1959,7 @@ def test_jtcse_authors_objective_equals_their_code():
         for got, want in ((t["nce"], L_nce), (t["icnce"], L_icnce), (t["ictm"], L_ictm),
                           (loss, L_nce + L_icnce + L_ictm)):
             assert abs(got.item() - want.item()) <= 1e-10, (got.item(), want.item())
-        paper = jtcse.jtcse_loss(h, hP, c, R, jtcse.p.parse_args([]))[1]
+        paper = jtcse_loss_of(h, hP, c, R, jtcse.p.parse_args([]))[1]
         assert all(abs(paper[k].item() - t[k].item()) > 1e-3 for k in t)  # every term differs
     # the cosine in [0, 1e-4): their raw log, our clamp; a negative one: the constant 1e-4 in both
     x, y, P, Q = h[0][:B], h[1][B:], hP[0][:B], hP[1][B:]
@@ -1934,7 +2002,7 @@ def test_jtcse_paper_objective_is_unchanged_bit_for_bit():
     for flags in ([], ["--no-nce"], ["--no-icnce"], ["--no-ictm"], ["--temp", "0.1"]):
         a = jtcse.p.parse_args(flags)
         for R, cc in ((0, c), (1, c), (1, None)):
-            loss, terms = jtcse.jtcse_loss(h, hP, cc, R, a)
+            loss, terms = jtcse_loss_of(h, hP, cc, R, a)
             loss0, terms0 = jtcse_loss_before(h, hP, cc, R, a)
             assert torch.equal(loss, loss0) and terms.keys() == terms0.keys()
             assert all(torch.equal(terms[k], terms0[k]) for k in terms)
@@ -2041,7 +2109,7 @@ def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
     torch.testing.assert_close(got[0], want / len(sents), atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- end to end ---------------------
+# ---------------------------------------------------------------- end to end --------------------
 @pytest.mark.slow
 def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
@@ -2092,7 +2160,8 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
     # +UC D: the twin and another encoder teach together (the sum of their embeddings)
     _, o, _ = jt_main(capsys, monkeypatch, "--distill", run_dir, d / "b", "--model-a", d / "a",
                       "--train", d / "train.txt", "--output-dir", tmp_path / "uc_d", "--batch-size",
-                      "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick", "--no-final-eval")
+                      "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick",
+                      "--no-final-eval")
     assert f"distil {run_dir} + {d / 'b'} into" in o and "step     2  loss" in o
     assert json.loads((tmp_path / "uc_d" / common.META).read_text())["teacher"] == [
         str(run_dir), str(d / "b")]
@@ -2140,8 +2209,10 @@ def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys
     last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=False)["model"]  # step 3
     for i, t in enumerate("ab"):  # the last training state, not the best one (maybe step 0)
         before = BertModel.from_pretrained(d / t).state_dict()
-        after = {k[len(f"towers.{i}."):]: v for k, v in last.items() if k.startswith(f"towers.{i}.")}
-        frozen = {k for k in before if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
+        after = {k[len(f"towers.{i}."):]: v for k, v in last.items()
+                 if k.startswith(f"towers.{i}.")}
+        frozen = {k for k in before
+                  if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
         assert len(frozen) == 4 and all(torch.equal(before[k], after[k]) for k in frozen)
         assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
                                after["encoder.layer.3.output.dense.weight"])
@@ -2151,7 +2222,7 @@ def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys
     b = jt_batch_of(tok, s)
     with torch.no_grad():
         want = sum(t(**b).last_hidden_state[:, 0] for t in towers)
-    got = eval_sts.load_encoder(str(tmp_path / "ln"), device=torch.device("cpu"))(s)
+    got = eval_sts.load_model(str(tmp_path / "ln"), device=torch.device("cpu"))(s)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     models = [str(d / "a"), str(tmp_path / "ln")]
     _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", *models, "--modulus", "--max-len", 16,
@@ -2206,7 +2277,7 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     sents, _ = jtcse_analysis.stsb_sentences(data)
     E, y = [], []
     for m in models:
-        towers, tok = common.load_towers(jtcse_analysis.towers_of(m))
+        towers, tok = jtcse.load_towers(jtcse_analysis.towers_of(m))
         E.append(jtcse_analysis.e_cls({m: ([t.eval() for t in towers], tok, 0)}, sents, 16,
                                       torch.device("cpu"))[m].mean(0))  # (4,): a twin's mean
         y.append(jtcse_analysis.sts_average(m, data, torch.device("cpu")))
@@ -2219,7 +2290,8 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
     assert png_size(tmp_path / "fig10.png") == (810, 630)
     uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
-    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost", 16)
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost",
+                            16)
     assert "a sentence of 16 tokens" in out
     assert float(next(l.split()[5] for l in out.splitlines() if l.startswith(uc + " "))) == \
         pytest.approx(np.mean(list(common.evaluate(eval_sts.load_ensemble(
@@ -2330,7 +2402,7 @@ def test_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_
                             else objective])
 
     def make():
-        towers, tok = common.load_towers([tmp_path / "a", tmp_path / "b"])
+        towers, tok = jtcse.load_towers([tmp_path / "a", tmp_path / "b"])
         if objective != "distill":
             return jtcse.Twin(towers, 2).train(), tok
         teacher = jtcse.make_encode(towers[1:], tok, 16, torch.device("cpu"))
@@ -2793,7 +2865,7 @@ def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_pat
     encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
                                                       bi_strategy="convert", max_len=256,
                                                       prompt=bellm.CSTS_PROMPT), bl_CPU)
-    rows = common.read_csv(path)[1]
+    rows = bellm.read_csv(path)[1]
 
     def score(cond):
         cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
@@ -2910,7 +2982,7 @@ def save_versions(m, out, pause, done):
     training does (a new best model with its training state every other save, the training state
     alone otherwise); one byte to the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
-    v = torch.load(out / runs.CKPT)["v"] if (out / runs.CKPT).exists() else 0
+    v = torch.load(out / sscl.CKPT)["v"] if (out / sscl.CKPT).exists() else 0
     while True:
         v += 1
         w = torch.full((4000,), float(v))
@@ -2935,7 +3007,7 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
     out.mkdir()
     for i in range(40):
         r, w = os.pipe()
-        aim = rng.choice([runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"]) if i % 2 else None
+        aim = rng.choice([sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"]) if i % 2 else None
         pid = os.fork()
         if pid == 0:  # the child never returns into pytest
             try:
@@ -2953,16 +3025,16 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
-        inside += any((out / n).exists() for n in (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp"))
+        inside += any((out / n).exists() for n in (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))
         SCRIPTS[script].finish_save(str(out))
         assert sorted(p.name for p in out.iterdir()) in (
-            [], [runs.CKPT, "model.pt", common.META, "tower"])
+            [], [sscl.CKPT, "model.pt", common.META, "tower"])
         if (out / common.META).exists():
             # the best model: all its files of one save
             best = json.loads((out / common.META).read_text())["v"]
             assert torch.load(out / "model.pt")["w"].eq(best).all()
             assert (out / "tower" / "weights.txt").read_text() == str(best) * 2000
-            state = torch.load(out / runs.CKPT)  # the training state: at or after that save, whole
+            state = torch.load(out / sscl.CKPT)  # the training state: at or after that save, whole
             assert (state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all()
                     and state["v"] >= last)
             last = state["v"]
@@ -3057,7 +3129,7 @@ def test_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, t
     real = torch.save
 
     def disk_full(obj, f, *a, **k):
-        if isinstance(f, (str, os.PathLike)) and os.path.basename(f) == runs.CKPT:
+        if isinstance(f, (str, os.PathLike)) and os.path.basename(f) == sscl.CKPT:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, f, *a, **k)
     monkeypatch.setattr(torch, "save", disk_full)
@@ -3110,7 +3182,7 @@ def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
 
 
 def weights(out, key):
-    return torch.load(out / runs.CKPT, weights_only=False)[key]
+    return torch.load(out / sscl.CKPT, weights_only=False)[key]
 
 
 @pytest.mark.slow
@@ -3124,16 +3196,16 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
                                  "--proj-dim", 8, steps=6)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out, fired = tmp_path / "killed", []
-    saving = (runs.STAGING, runs.PENDING, runs.CKPT + ".tmp")  # any save under way
+    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # any save under way
     # the fourth kill lands between saves: once the log shows a training step's loss (the next
     # save is at least one step and SENTEMB_SAVE_PAUSE's sleeps away)
-    for trigger in [(runs.STAGING,), (runs.PENDING,), saving, "training", saving[1:]]:
-        resume = ["--resume"] if (out / runs.CKPT).exists() else []
+    for trigger in [(sscl.STAGING,), (sscl.PENDING,), saving, "training", saving[1:]]:
+        resume = ["--resume"] if (out / sscl.CKPT).exists() else []
         proc, log = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
         if trigger == "training":
             trigger = lambda log=log: re.search(r"step +\d+  loss", text(log))  # noqa: E731
         fired.append(kill_when(proc, out, trigger))
-        if (out / common.META).exists() or (out / runs.PENDING).exists():
+        if (out / common.META).exists() or (out / sscl.PENDING).exists():
             code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
                                     sts_dir, "--tasks", "STS-B", "--split", "dev")
             assert code == 0, err
@@ -3142,7 +3214,7 @@ def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train
             assert weights(out, "best") == meta["stsb_dev"] and weights(out, "step") >= meta["step"]
             AutoModel.from_pretrained(out)
         # eval_sts.py completed a save cut after its commit
-        assert not (out / runs.PENDING).exists()
+        assert not (out / sscl.PENDING).exists()
     assert all(fired), fired
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     for key, a in weights(tmp_path / "whole", "encoder").items():
@@ -3175,7 +3247,7 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
     # first, a SIGKILL while
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})
     # the twin's files move: both towers must come from one step
-    assert kill_when(proc, out, (runs.PENDING,))
+    assert kill_when(proc, out, (sscl.PENDING,))
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
                             "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
@@ -3219,7 +3291,7 @@ def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monk
     assert code == 0, err
     out = tmp_path / "killed"
     proc, log = popen("bellm.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.3"})
-    assert kill_when(proc, out, (runs.PENDING,))
+    assert kill_when(proc, out, (sscl.PENDING,))
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data,
                             "--tasks", "STS-B", "--split", "dev")
     assert code == 0, err
@@ -3323,7 +3395,7 @@ def TSV(c, body):  # noqa: N802 (as SJ)
 CSTS_HEAD = b"sentence1,sentence2,condition,label\n"
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
-    c.held = open(c.run / runs.LOCK, "a+")
+    c.held = open(c.run / sscl.LOCK, "a+")
     fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -3424,6 +3496,7 @@ def swap_tokens(folder):
     (folder / "tokenizer.json").write_text(json.dumps(t))
 
 
+JA = "jtcse_analysis"  # a PROBES row's script
 PROBES = [  # (script, arguments, words of the error line, preparation)
     *[("sscl", lambda c, f=f, v=v: SSCL(c, f, v), [f, w], None) for f, v, w in [
         ("--lr", "0", "> 0"), ("--lr", "-1", "> 0"), ("--lr", "nan",
@@ -3439,9 +3512,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"],
      malformed_sts12),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
-     lambda c: (c.run / runs.CKPT).write_bytes((c.run / runs.CKPT).read_bytes()[:5000])),
+     lambda c: (c.run / sscl.CKPT).write_bytes((c.run / sscl.CKPT).read_bytes()[:5000])),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
-     lambda c: fake_state(c.run / runs.CKPT, "jtcse")),
+     lambda c: fake_state(c.run / sscl.CKPT, "jtcse")),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"),
      ["--layer 2", "--layer 1"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
@@ -3456,7 +3529,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
-     lambda c: edit_args(c.jrun / runs.CKPT, num_cael=2)),
+     lambda c: edit_args(c.jrun / sscl.CKPT, num_cael=2)),
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
@@ -3477,7 +3550,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")),
      ["line 2", "not UTF-8"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["--lora-r 8", "--lora-r 4"],
-     lambda c: edit_args(c.brun / runs.CKPT, lora_r=8)),
+     lambda c: edit_args(c.brun / sscl.CKPT, lora_r=8)),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
      lambda c: (c.run / common.META).write_text("{not json")),
     ("eval_sts", lambda c: EV(c), ["not a run description"],
@@ -3601,16 +3674,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--model", c.plain), ["tokenizer.json", "damaged"],
      lambda c: cut(c.plain / "tokenizer.json")),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "encoder"],
-     lambda c: fake_state(c.srun / runs.CKPT, "sscl")),  # a valid torch file of another structure
+     lambda c: fake_state(c.srun / sscl.CKPT, "sscl")),  # a valid torch file of another structure
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
-     lambda c: torch.save({**torch.load(c.srun / runs.CKPT, weights_only=False), "step": "2"},
-                          c.srun / runs.CKPT)),
+     lambda c: torch.save({**torch.load(c.srun / sscl.CKPT, weights_only=False), "step": "2"},
+                          c.srun / sscl.CKPT)),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json is missing"],
      lambda c: (c.srun / common.META).unlink()),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["model.safetensors", "damaged"],
      lambda c: cut(c.srun / "model.safetensors")),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), [".lock", "delete it"],
-     lambda c: ((c.srun / runs.LOCK).unlink(), (c.srun / runs.LOCK).mkdir())),
+     lambda c: ((c.srun / sscl.LOCK).unlink(), (c.srun / sscl.LOCK).mkdir())),
     # ---- sscl.py: Table 1 (--num-layers), Table 3 (--select-on), Fig. 6 (dev.jsonl) ----
     ("sscl", lambda c: SSCL(c, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
     ("sscl", lambda c: SSCL(c, "--num-layers", "5"), ["--num-layers 5", "has 4 layers",
@@ -3626,7 +3699,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--select-on", "sts"), ["--select-on", "invalid choice"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--max-steps", 3),
      ["dev.jsonl", "damaged", "line 2", "delete it"],
-     lambda c: (c.run / runs.CURVE).write_text('{"step": 0, "metric": "stsb_dev", "score": 1}\n'
+     lambda c: (c.run / sscl.CURVE).write_text('{"step": 0, "metric": "stsb_dev", "score": 1}\n'
                                                '{"step": 2, "metric": "stsb_dev"\n')),
     ("sscl", lambda c: SSCL(c, "--convergence"), ["unrecognized arguments: --convergence"],
      None),  # the analyses are sscl_analysis.py's
@@ -3647,32 +3720,32 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("jtcse", lambda c: JT(c, "--distill", c.jrun), ["tower_b/model.safetensors", "is missing"],
      lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
-     lambda c: fake_state(c.jrun / runs.CKPT, "jtcse")),
+     lambda c: fake_state(c.jrun / sscl.CKPT, "jtcse")),
     # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--attention", "  "], ["--attention is empty"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
+    (JA, lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
      None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
+    (JA, lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
      lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
+    (JA, lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
      ["--plot", "create it first"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "200"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "0"], ["--cost", ">= 1"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "200"],
      ["--cost 200", "128 positions", "--cost 128"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "--plot", c.tmp / "f.png"],
      ["--cost", "drop --plot"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
+    (JA, lambda c: ["--compare", c.jt / "a", "--cost", "--attention", "x"],
      ["one at a time"], None),
-    ("jtcse_analysis", lambda c: ["--cost"], ["add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--modulus"], ["add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
-    ("jtcse_analysis", lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
-    ("jtcse_analysis", lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
+    (JA, lambda c: ["--cost"], ["add --compare"], None),
+    (JA, lambda c: ["--modulus"], ["add --compare"], None),
+    (JA, lambda c: ["--analyze", "--modulus"], ["--modulus", "add --compare"], None),
+    (JA, lambda c: ["--compare", c.jt / "a", "--modulus", "--cost"], ["one at a time"], None),
+    (JA, lambda c: ["--analyze", c.jrun, "--compare", c.jt / "a"],
      ["pass the twin to --compare"], None),
     # ---- bellm.py ----
     ("bellm", lambda c: BL(c, "--max-len", 300), ["--max-len 300", "256 positions"], None),
@@ -3686,7 +3759,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
                            "--prompt", "In {condition}, {sentence} means:"),
      ["line 2", "not a number"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "trainable"],
-     lambda c: fake_state(c.brun / runs.CKPT, "bellm")),
+     lambda c: fake_state(c.brun / sscl.CKPT, "bellm")),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
      lambda c: cut(c.brun / "adapter_model.safetensors")),
     ("bellm_analysis", lambda c: ["--representative-words", "--model", c.llama, "--data-dir",
@@ -3717,13 +3790,13 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["reads up to 64 tokens", "up to 32", "one maximum length"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
      ["--objective paper (its default: the run predates the flag)", "--objective authors"],
-     lambda c: edit_args(c.run / runs.CKPT, objective=None)),
+     lambda c: edit_args(c.run / sscl.CKPT, objective=None)),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--objective", "authors"),
      ["--objective paper (its default: the run predates the flag)", "--objective authors"],
-     lambda c: edit_args(c.jrun / runs.CKPT, objective=None)),
+     lambda c: edit_args(c.jrun / sscl.CKPT, objective=None)),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
      ["--bi-strategy convert (its default", "--bi-strategy add"],
-     lambda c: edit_args(c.brun / runs.CKPT, bi_strategy=None)),
+     lambda c: edit_args(c.brun / sscl.CKPT, bi_strategy=None)),
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
@@ -3777,7 +3850,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     folders = (c.run, c.bert, c.llama, c.jt, c.srun, c.jrun, c.brun, c.plain,
                *run_templates.values())
     snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
-                        if p.is_file() and p.name != runs.LOCK}
+                        if p.is_file() and p.name != sscl.LOCK}
     before = snapshot()
     if script in ("jtcse", "jtcse_analysis"):
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
@@ -3795,10 +3868,10 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
 def test_every_run_folder_as_saved_passes_its_checks(run_templates, tok_dir, tmp_path, capsys,
                                                      monkeypatch):
     """The checks refuse only what disagrees: each method's saved folder reads whole
-    (runs.read_meta: every file and value), and a BeLLM run evaluates with its base model moved to
-    another folder (same weights: the checksum agrees), with the same dev score as in place."""
+    (eval_sts.read_meta: every file and value), and a BeLLM run evaluates with its base model moved
+    to another folder (same weights: the checksum agrees), with the same dev score as in place."""
     for method, folder in run_templates.items():
-        assert runs.read_meta(str(folder))["method"] == method
+        assert eval_sts.read_meta(str(folder))["method"] == method
     run = tmp_path / "bellm"
     shutil.copytree(run_templates["bellm"], run)
     moved = bl_make_model(tok_dir, tmp_path / "moved")  # the same seed: the same weights
@@ -3825,7 +3898,7 @@ MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
 
 def files_of(folder):
     return {p: p.read_bytes() for p in Path(folder).rglob("*")
-            if p.is_file() and p.name != runs.LOCK}
+            if p.is_file() and p.name != sscl.LOCK}
 
 
 def resume_args(method, out):
@@ -3937,10 +4010,10 @@ def test_files_as_spreadsheets_write_them_are_read(tmp_path):
     long = "word " * 30000  # 150,000 characters
     nli = tmp_path / "nli.csv"
     nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert common.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
     csts = tmp_path / "csts.csv"
     csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert common.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
     txt = tmp_path / "train.txt"
     txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
     assert common.read_sentences(txt) == ["first sentence", "second"]
@@ -3990,7 +4063,8 @@ import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
 st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-print(float((st - eval_sts.load_encoder({str(out)!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
 
@@ -4012,7 +4086,8 @@ import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
 st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
-print(float((st - eval_sts.load_encoder({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)).abs().max()))""")
+ours = eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
     assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
 
 
@@ -4126,7 +4201,7 @@ def test_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
 
     def loss_of(grouped):
         h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
-        return jtcse.jtcse_loss(h, hP, c, 1, a)[0]
+        return jtcse_loss_of(h, hP, c, 1, a)[0]
     same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
     # distillation: one tower's CLS against a fixed target
     target = torch.randn(2 * B, 32, dtype=torch.float64)
@@ -4290,7 +4365,7 @@ def test_memory_estimate_counts_the_saved_activations(tmp_path):
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = common.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import bellm  # noqa: E402
 import common  # noqa: E402
 
 what, args = sys.argv[1], sys.argv[2:]
@@ -45,7 +46,7 @@ elif what == "stsb-groups":  # union-find over STS-B test sentences linked by go
         for s in sents:
             print(f"{g}\t{s}")
 elif what == "csts-synthetic":  # premise/entailment high, premise/contradiction low
-    rows = common.read_csv(args[0])[1][int(args[1]):int(args[2])]
+    rows = bellm.read_csv(args[0])[1][int(args[1]):int(args[2])]
     conditions = ["the main action", "the people involved", "the place"]
     w = csv.writer(sys.stdout, lineterminator=os.linesep)
     w.writerow(["sentence1", "sentence2", "condition", "label"])

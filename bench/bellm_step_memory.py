@@ -46,7 +46,7 @@ bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
 opt.step()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 s = 2 if dtype == torch.bfloat16 or bf16 else 4
-w, o, act = common.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
+w, o, act = bellm.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
                                   b["input_ids"].shape[1], 32, ckpt)
 print(f"{' '.join(sys.argv[1:]) or 'fp32'}: {tuple(b['input_ids'].shape)} tokens; "
       f"after loading {base:.2f} GiB, step peak {peak:.2f} GiB: +{peak - base:.2f} GiB; "

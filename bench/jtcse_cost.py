@@ -31,10 +31,9 @@ if mode == "simcse":
 else:
     model = jtcse.Twin([BertModel.from_pretrained(A), BertModel.from_pretrained(B)],
                        int(sys.argv[2]))
-    args = jtcse.p.parse_args([])
     def step_loss(batch, n):
         h, hP, c = model(batch)
-        return jtcse.jtcse_loss(h, hP, c, 1, args)[0]
+        return jtcse.jtcse_loss(h, hP, c, 1, 0.05)[0]
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 model.train()
 base = rss_mb()

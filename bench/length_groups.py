@@ -88,12 +88,11 @@ else:
     else:
         model = jtcse.Twin([BertModel.from_pretrained(MINILM), BertModel.from_pretrained(MINILM)],
                            2)
-        args = jtcse.p.parse_args([])
         forwards = {None: model}
 
         def loss_of(out):
             return jtcse.jtcse_loss(*[None if z is None else [t.float() for t in z] for z in out],
-                                    1, args)[0]
+                                    1, 0.05)[0]
     models = {None: model}
 params = [q for m in models.values() for q in m.train().parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
