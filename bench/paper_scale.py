@@ -51,7 +51,7 @@ The papers' settings, and where they come from (each script's flag help gives th
   tokenizer, <s> included; bench/bellm_memory.py), bf16, gradient checkpointing, lr 2e-4:
   bellm.py's defaults and docs/bellm.md.
 
-  python bench/paper_scale.py                       # the three papers, about 6 min on a 2-core CPU
+  python bench/paper_scale.py                       # the three papers: 4 min on an idle 2-core CPU
   python bench/paper_scale.py --paper bellm --no-time          # counts and estimates only: seconds
   python bench/paper_scale.py --fraction 1 --steps 5           # a GPU: the papers' own steps
 """
