@@ -87,11 +87,12 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  initializer_range=0.02, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False)
 PEAK = {"A100": 312e12, "H100": 989e12}  # dense BF16 FLOP/s, NVIDIA's datasheets (A100; H100 SXM)
-# the runs: training rows, rows a step and GPU, GPUs; the text of the papers' settings
+# the runs: training rows, rows a step and GPU, GPUs (the docstring's sources)
 RUNS = {"SSCL": dict(rows=1_000_000, batch=64, gpus=1),
         "JTCSE twin": dict(rows=1_000_000 + 4_802, batch=64, gpus=1),
         "JTCSE D": dict(rows=1_000_000 + 4_802, batch=64, gpus=1),
         "BeLLM": dict(rows=275_601, batch=16, gpus=4)}
+# each paper: its setting, in words, and its runs
 PAPERS = {"sscl": ("SSCL: bert-base-uncased's config, --layer 11; wiki1m, 1,000,000 sentences; "
                    "batch 64, 32 tokens; 1 epoch on one GPU", ["SSCL"]),
           "jtcse": ("JTCSE: two bert-base-uncased towers, 6 CAELs; wiki1m + SICK train's 4,802 "
@@ -108,7 +109,7 @@ PROMPT = "w1 w2 w3 w4 {sentence} w5 w6 w7 w8 w9 w10"  # with <s>: as long as LLa
 
 def tokenizer(decoder):
     """A word-level stand-in for the models' tokenisers (a count needs token ids, not words): words
-    w0..w999; [CLS] sentence [SEP] for BERT, <s> sentence for a decoder."""
+    w0..w999; <s> sentence [SEP] for BERT (its [CLS] .. [SEP]), <s> sentence for a decoder."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     vocab = {"[PAD]": 0, "[UNK]": 1, "<s>": 2, "[SEP]": 3, **{f"w{i}": 4 + i for i in range(1000)}}
