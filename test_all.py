@@ -2366,7 +2366,7 @@ def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, 
                             "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
                             "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
                             "--no-add-sick", "--no-final-eval", "--objective", objective]
-    one = run("jtcse.py", *args(tmp_path / "one", 8))
+    one = run("jtcse.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})  # as a rank
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
@@ -2809,7 +2809,7 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
                             "--max-steps", 2, "--eval-steps", 100,
                             "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
                             "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
-    one = run("bellm.py", *args(tmp_path / "one", 4))
+    one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
