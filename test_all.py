@@ -2374,7 +2374,8 @@ def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, 
         r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
     assert len(terms(one.stdout)) == 2
     for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
-        assert x[:4] == pytest.approx(y[:4], abs=2e-5) and x[4] == y[4]
+        # the log prints 4 decimals: two runs' float sums may round to neighbours, 1e-4 apart
+        assert x[:4] == pytest.approx(y[:4], abs=2e-4) and x[4] == y[4]
     w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
     for k in w1:
@@ -2814,7 +2815,7 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
     assert (len(loss(one.stdout)) == 2
-            and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-5))
+            and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
     w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["trainable"]
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["trainable"]
     assert len(w1) == len(w2) > 0
