@@ -104,8 +104,8 @@ def lock_run(out_dir):
 
 
 def settle(run_dir):
-    """Complete a save that a kill cut short after its commit point, with the finish_save of the
-    script that saved it; a training run that holds the folder completes its own: wait for it."""
+    """Complete a save that a kill cut short after its commit point (the scripts' finish_save); a
+    training run that holds the folder completes its own: wait for it."""
     key, pending = os.path.realpath(run_dir), os.path.join(run_dir, PENDING)
     for _ in range(300):
         if not os.path.isdir(pending):
@@ -113,9 +113,7 @@ def settle(run_dir):
         mine = key in _held
         try:
             if lock_run(run_dir):
-                found = method_of(os.path.join(pending, common.META)) or method_of(
-                    os.path.join(run_dir, common.META)) or (sscl, None)
-                found[0].finish_save(run_dir)
+                sscl.finish_save(run_dir)  # one save protocol, written out in each script
                 if not mine and key in _held:
                     _held.pop(key).close()
                 return

@@ -1044,24 +1044,30 @@ def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
 PROJECT = {p.stem for p in ROOT.glob("*.py")} - {"test_all", "conftest"}
 
 
+def imported_by(node):
+    """The top-level modules one ast node imports: an import statement, or a call
+    importlib.import_module("name")."""
+    import ast
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    if isinstance(node, ast.ImportFrom):
+        return {node.module.split(".")[0]} if node.module and not node.level else set()
+    if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+            and node.args and isinstance(node.args[0], ast.Constant)):
+        return {str(node.args[0].value).split(".")[0]}
+    return set()
+
+
 def project_imports(path):
     """The project modules a file imports: at module level, inside functions, and through
     importlib.import_module("name")."""
     import ast
-    found = set()
-    for node in ast.walk(ast.parse(Path(path).read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant)):
-            found.add(str(node.args[0].value).split(".")[0])
-    return found & PROJECT
+    return {m for node in ast.walk(ast.parse(Path(path).read_text()))
+            for m in imported_by(node)} & PROJECT
 
 
-# the one lazy import each of two flags needs, inside the function that flag runs
-LAZY = {("sscl", "transfer"): ("select_on", "transfer"), ("jtcse", "sscl"): ("teacher_run", "sscl")}
+# the one lazy import each of two flags needs: (script, module) -> the function that flag runs
+LAZY = {("sscl", "transfer"): "select_on", ("jtcse", "sscl"): "teacher_run"}
 
 
 def lazy_imports(script):
@@ -1071,18 +1077,9 @@ def lazy_imports(script):
     for fn in ast.walk(ast.parse((ROOT / f"{script}.py").read_text())):
         if isinstance(fn, ast.FunctionDef):
             for node in ast.walk(fn):
-                if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    for m in (project_imports_of(node) & PROJECT):
-                        found.setdefault(m, fn.name)
+                for m in imported_by(node) & PROJECT:
+                    found.setdefault(m, fn.name)
     return found
-
-
-def project_imports_of(node):
-    """The modules one import node names."""
-    import ast
-    if isinstance(node, ast.Import):
-        return {a.name.split(".")[0] for a in node.names}
-    return {node.module.split(".")[0]} if node.module and not node.level else set()
 
 
 def test_no_import_cycle_and_the_method_scripts_import_only_common():
@@ -1096,7 +1093,7 @@ def test_no_import_cycle_and_the_method_scripts_import_only_common():
         lazy = lazy_imports(script)
         allowed = {other for (s, other) in LAZY if s == script}
         assert project_imports(ROOT / f"{script}.py") == {"common"} | allowed, script
-        assert {m: lazy[m] for m in allowed} == {m: LAZY[script, m][0] for m in allowed}, script
+        assert {m: lazy[m] for m in allowed} == {m: LAZY[script, m] for m in allowed}, script
     graph = {p.stem: project_imports(p) - {p.stem}
              for p in [*ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]}
     assert graph["eval_sts"] >= {"sscl", "jtcse", "bellm", "transfer", "eval_more"}  # read: real
