@@ -56,6 +56,7 @@ METHODS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # sentemb.json's metho
 # and value (a broken or edited folder is one line naming the file, never another model) and its
 # load_encoder builds the encode function its training evaluated with.
 PENDING, LOCK = sscl.PENDING, sscl.LOCK  # the scripts' names (one protocol: sscl.save_best)
+RECOPY = sscl.RECOPY
 _held = {}  # real path -> open lock file, for the run folders this process holds
 
 
@@ -130,10 +131,20 @@ def read_meta(run_dir):
     value the weights cannot have) is one line: it is never loaded as something else."""
     settle(run_dir)
     found = method_of(os.path.join(run_dir, common.META))
+    ckpt = os.path.join(run_dir, sscl.CKPT)
     if found is None:
+        if os.path.isfile(ckpt):  # a run killed or stopped before its first best model
+            common.die(f"'{run_dir}' holds a training state ({sscl.CKPT}) and no {common.META}:"
+                       " a run that has saved no best model yet (resume it), or a copy that lost "
+                       "its sentemb.json (copy the whole run folder again)")
         return None
-    found[0].check_run(run_dir, found[1])
-    return found[1]
+    script, meta = found
+    script.check_run(run_dir, meta)
+    if os.path.isfile(ckpt):  # the training state and the best model: of one run
+        state = script.read_checkpoint(run_dir, f"cannot evaluate '{run_dir}'", RECOPY,
+                                       mmap=True)
+        script.check_agree(run_dir, state, meta)
+    return meta
 
 
 def read_curve(run_dir):

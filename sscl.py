@@ -253,6 +253,17 @@ def check_run(run_dir, meta):
                 "damaged or another model's", f"set it to {w.shape[0]}")
 
 
+def described(state):
+    """The sentemb.json values that a checkpoint's flags give (the harness's check_agree)."""
+    a = state["args"]
+    try:
+        layers = sorted({int(m) for m in str(a["layer"]).split(",")} - {0})
+    except ValueError:  # not a --layer sscl.py takes: --resume names the flag
+        layers = None
+    return {"pooler": a["pooler"], "proj_dim": a["proj_dim"], "objective": a["objective"],
+            "select_on": a["select_on"], "num_layers": a["num_layers"], "layers": layers}
+
+
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (check_run has checked it)."""
     bert = common.load_pretrained(AutoModel, run_dir, strict=True)  # every weight from the file
@@ -321,10 +332,12 @@ def step_rows(n, per_step, epochs, max_steps, seed):
 # .lock).
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
+METHOD = "sscl"  # this script: sentemb.json's and checkpoint.pt's "method"
+STATE_KEYS = ("encoder", "opt", "sched", "rng", "args", "step", "best")  # checkpoint.pt
 # settings --resume may change; any other difference is refused
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
              "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}
-STOP = {"signum": 0, "now": False}  # SIGINT/SIGTERM: stop at the next step boundary, saved
+STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
 def on_signal(signum, frame):
@@ -336,7 +349,12 @@ def on_signal(signum, frame):
              "once)\n".encode())
 
 
-def pause():  # tests: SENTEMB_SAVE_PAUSE=seconds between a save's writes, to aim a kill inside it
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
 
 
@@ -379,6 +397,7 @@ def save_best(out_dir, write, state, meta):
                 pause()
             fsync(root)
         os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
+        pause()
         fsync(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -393,33 +412,97 @@ def write_curve(out_dir, curve):
 
 
 def finish_save(out_dir):
-    """Complete a save a kill cut short (holding the lock): an uncommitted staging folder goes (the
-    old model stands); a committed one (.best.pending) is moved into place, sentemb.json last."""
+    """Complete a save that a kill cut short (holding the lock). Before its commit point: the staging
+    folder goes, the old model stands. After it, .best.pending holds the files of the save not yet
+    in place, sentemb.json the last to leave: while it holds sentemb.json, they are moved into
+    place, sentemb.json last, once the others' moves are on disk; without it, the moves had
+    finished, and the empty folder only goes (nothing in place is touched)."""
     shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
     for tmp in (CKPT, CURVE):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, tmp + ".tmp"))
     pending = os.path.join(out_dir, PENDING)
-    if not os.path.isdir(pending):
-        return
-    with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
-        os.remove(os.path.join(out_dir, common.META))
-    files = sorted((os.path.relpath(os.path.join(root, n), pending)
-                    for root, _, names in os.walk(pending) for n in names),
-                   key=lambda rel: (rel == common.META, rel))
-    for rel in files:
-        os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
-        os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+    if os.path.isfile(os.path.join(pending, common.META)):  # committed, not all moved
+        with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
+            os.remove(os.path.join(out_dir, common.META))
         pause()
-    for root, _, _ in os.walk(out_dir):
-        fsync(root)
-    shutil.rmtree(pending)
+        files = sorted(os.path.relpath(os.path.join(root, n), pending)
+                       for root, _, names in os.walk(pending) for n in names)
+        for rel in [f for f in files if f != common.META] + [common.META]:
+            os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
+            if rel == common.META:  # the others' moves on disk first
+                for root, _, _ in os.walk(out_dir):
+                    fsync(root)
+            os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
+            pause()
+        fsync(out_dir)
+    if os.path.isdir(pending):
+        shutil.rmtree(pending)
+        pause()
+
+
+def check_new_run(out_dir):
+    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
+    .lock and dev.jsonl): never over a run, nor over any file that it did not write."""
+    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE})
+    if common.META in found or CKPT in found:
+        ours = (method := method_in(out_dir)) == METHOD
+        common.die(f"'{out_dir}' already holds {'a run of ' + method + '.py' if method else 'a run'}"
+                   f": pass {'--resume to continue it, or ' * ours}another --output-dir")
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
+                   "new or empty --output-dir")
+
+
+def method_in(run_dir):
+    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
+    neither says)."""
+    with contextlib.suppress(Exception):
+        return json.loads(common.read_text(os.path.join(run_dir, common.META)))["method"]
+    with contextlib.suppress(Exception):
+        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
+                          mmap=True)["method"]
+
+
+def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
+    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
+    the defaults of the flags the run predates (their names: state["predates"]); one line when it
+    is damaged or another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
+    path = os.path.join(run_dir, CKPT)
+    try:
+        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
+    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
+        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
+    ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0,
+          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
+    if bad := [k for k in STATE_KEYS if k not in state or not ok.get(k, lambda v: True)(state[k])]:
+        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
+                   f"the training state {METHOD}.py writes): {fix}")
+    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
+    state["predates"] = [k for k in defaults if k not in state["args"]]
+    state["args"] = {**defaults, **state["args"]}
+    return state
+
+
+def check_agree(run_dir, state, meta):
+    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
+    are of one run: every setting both hold is the same (described: the values a checkpoint's
+    flags give sentemb.json), or one line naming both files."""
+    for key, want in described(state).items():
+        if key in meta and want is not None and meta[key] != want:
+            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
+                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
+                       f"are of different runs; {RECOPY}")
 
 
 # ---------------------------------------------------------------- main --------------------------
 def main():
     a = common.parse(p)
-    STOP.update(signum=0, now=False)
+    STOP.update(signum=0, now=False, writes=0)
     rank, world, device = 0, 1, common.pick_device()
     if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -472,15 +555,9 @@ def main():
         lock.write(str(os.getpid()))
         lock.flush()
         finish_save(out)
-        holds_run = os.path.exists(os.path.join(out, common.META)) or os.path.exists(ckpt)
-        if not a.resume and holds_run:
-            common.die(f"'{out}' already holds a run: pass --resume to continue it, or another "
-                       "--output-dir")
-        if not holds_run and any(os.path.exists(os.path.join(out, f))
-                                 for f in ("config.json", "adapter_config.json")):
-            common.die(f"'{out}' holds a model that is not a run of this project: pass a new or "
-                       "empty --output-dir")
-        if a.resume and not os.path.isfile(ckpt):
+        if not a.resume:
+            check_new_run(out)
+        elif not os.path.isfile(ckpt):
             common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
     if world > 1:
         torch.distributed.barrier()
@@ -489,30 +566,15 @@ def main():
     # its default), and, once it has saved a best model, that model whole
     step, best, curve = 0, -float("inf"), []
     if a.resume:
-        try:
-            state = torch.load(ckpt, map_location=device, weights_only=False)
-        except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-            common.die(f"--resume: {ckpt} cannot be read ({type(e).__name__}); it is damaged: "
-                       "start again without --resume in another --output-dir")
-        if not isinstance(state, dict) or state.get("method", "sscl") != "sscl":
-            common.die(f"--resume: {ckpt} was not written by sscl.py: pass the --output-dir of an "
-                       "sscl.py run")
-        ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-              "step": lambda v: type(v) is int and v >= 0,
-              "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
-        if bad := [k for k in ("encoder", "opt", "sched", "rng", "args", "step", "best")
-                   if k not in state or not ok.get(k, lambda v: True)(state[k])]:
-            common.die(f"--resume: {ckpt} is damaged ({', '.join(bad)} missing or of the wrong "
-                       "type; not the training state sscl.py writes): start again without "
-                       "--resume in another --output-dir")
-        defaults = {x.dest: x.default for x in p._actions}
+        state = read_checkpoint(out, "--resume", "start again without --resume in another "
+                                "--output-dir", device)
         now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                for k, v in vars(a).items()}
-        old = {**{k: v for k, v in defaults.items() if k in now}, **state["args"]}
+        old = state["args"]  # with the defaults of flags the run predates
         if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
                        and (k in now or old[k])]:  # a flag now gone: ignored where it was off
             flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
-                " (its default: the run predates the flag)" * (k not in state["args"]))
+                " (its default: the run predates the flag)" * (k in state["predates"]))
             common.die("--resume: the run was started with "
                        f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
                        f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
@@ -522,6 +584,7 @@ def main():
                 common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
                            f"has saved a best model: {RECOPY}")
             check_run(out, meta)
+            check_agree(out, state, meta)
         step, best = state["step"], state["best"]
         if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
             log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "

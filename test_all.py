@@ -6,10 +6,12 @@ data and the all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEM
 (docs/operations.md, "The test suite"); they skip when these are missing, and fail instead under
 CI=true."""
 import codecs
+import collections
 import copy
 import csv
 import errno
 import io
+import itertools
 import json
 import math
 import os
@@ -3037,6 +3039,160 @@ def test_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
                     and state["v"] >= last)
             last = state["v"]
     assert inside >= 10 and last >= 20
+
+
+def fork_main(module, args, log, env=None):
+    """module.main() in a forked child, as from the command line with env added to its
+    environment, its output into log: -> the child's wait status. The child has the modules
+    imported already (no start-up cost) and never returns into pytest."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+            os.environ.update(env or {})
+            for script in SCRIPTS.values():  # the instants of saves: counted from here
+                script.STOP["writes"] = 0
+            sys.argv = [f"{module.__name__}.py", *map(str, args)]
+            module.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    return os.waitpid(pid, 0)[1]
+
+
+def numbers(log):
+    """A log's step lines without their rates (sent/s, rows/s, tok/s: the machine's speed)."""
+    return [re.sub(r"  (sent/s|rows/s|tok/s) .*", "", l) for l in log.splitlines()
+            if l.startswith("step ")]
+
+
+def kill_runs(c):
+    """Per script: (module, its arguments of a run into out, the run's STS data, the checkpoint key
+    of the trained weights): runs of 3 steps, each evaluated and saved, that save a new best model
+    twice or more (the fixtures here are built the same in every process)."""
+    return {
+        "sscl": (sscl, lambda out: sscl_args(c.bert, c.train, c.sts, out, "--no-final-eval",
+                                             "--proj-dim", 8, steps=3, eval_steps=1),
+                 c.sts, "encoder"),
+        "jtcse": (jtcse, lambda out: ["--model-a", c.bert, "--model-b", c.bert_b, "--train",
+                                      c.train, "--data-dir", c.sts, "--output-dir", out,
+                                      "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
+                                      "--eval-steps", 1, "--log-steps", 1, "--lr", "1e-2",
+                                      "--no-add-sick", "--no-final-eval"],
+                  c.sts, "model"),
+        "bellm": (bellm, lambda out: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts,
+                                      "--output-dir", out, "--batch-size", 4, "--max-steps", 3,
+                                      "--eval-steps", 1, "--log-steps", 1, "--lora-r", 4,
+                                      "--lr", "3e-2", "--no-final-eval"],
+                  c.bl_sts, "trainable")}
+
+
+KILL_STATES = {  # what a kill leaves in a run folder, by the first of these files present
+    ".best.staging": "in a best model's staging (before its commit point)",
+    ".best.pending/sentemb.json": "after the commit point, files still to move",
+    ".best.pending": "after the last move (pending folder empty)",
+    "checkpoint.pt.tmp": "in a write of the training state alone",
+    "dev.jsonl.tmp": "in a write of the dev curve",
+    "": "between two writes (every file whole and in place)"}
+
+
+def left_by_kill(out):
+    return next(f for f in KILL_STATES if (out / f).exists())
+
+
+def kill_eval_at_every_instant(run, data, tmp, capsys, monkeypatch):
+    """eval_sts.py on a run folder whose save a kill cut after its commit point: it completes the
+    save first, and is SIGKILLed at each instant of that in turn; after each kill, eval_sts.py
+    gives the new model's recorded score, sentemb.json is the new one. -> the number of kills."""
+    want = json.loads((run / sscl.PENDING / common.META).read_text())
+    for j in itertools.count(1):
+        copy = tmp / f"eval{j}"
+        shutil.copytree(run, copy)
+        status = fork_main(eval_sts, ["--model", copy, "--data-dir", data, "--tasks", "STS-B",
+                                      "--split", "dev"], tmp / "eval.log",
+                           {"SENTEMB_KILL_AT": str(j)})
+        if os.WIFEXITED(status):  # past its last instant: it ran to the end
+            assert os.WEXITSTATUS(status) == 0, (tmp / "eval.log").read_text()
+            return j - 1
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        code, score, err = dev_of(copy, data, capsys, monkeypatch)
+        assert code == 0 and score == f"{want['stsb_dev']:.2f}", (j, err)
+        assert json.loads((copy / common.META).read_text()) == want
+        shutil.rmtree(copy)
+
+
+def dev_of(out, data, capsys, monkeypatch):
+    """eval_sts.py --model out on STS-B dev: (exit code, the score printed or None, stderr)."""
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data,
+                            "--tasks", "STS-B", "--split", "dev")
+    return code, ev.split()[2] if code == 0 else None, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
+        script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
+        monkeypatch):
+    """A run of 3 steps, each evaluated and saved (3 or 4 saves: the best model with its state, or
+    the state alone), SIGKILLed at each instant between two of its saves' writes in turn
+    (SENTEMB_KILL_AT=N: aimed by the run's own progress, never by time), in a child forked from
+    this process. After every kill: eval_sts.py gives the score that sentemb.json records for its
+    step, a best model of the uninterrupted run (or, before the first best model is whole, refuses
+    in one line), and --resume (a new run where no checkpoint.pt was left) ends on the
+    uninterrupted run's weights, sentemb.json and dev curve, logging its numbers."""
+    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir, llama=bl_make_model(tok_dir, tmp_path),
+                  bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
+                  bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
+    m, args, data, key = kill_runs(c)[script]
+    code, whole, err = main_of(m, capsys, monkeypatch, *args(tmp_path / "whole"))
+    assert code == 0, err
+    instants, ref = m.STOP["writes"], numbers(whole)
+    bests = {(e["step"], f"{e['score']:.2f}") for e in curve_of(tmp_path / "whole")}
+    saves = [e for i, e in enumerate(curve_of(tmp_path / "whole"))  # new bests: a save replaces
+             if all(e["score"] > f["score"] for f in curve_of(tmp_path / "whole")[:i])]
+    ref_meta = json.loads((tmp_path / "whole" / common.META).read_text())
+    ref_weights = weights(tmp_path / "whole", key)
+    states, eval_kills = collections.Counter(), 0
+    for k in range(1, instants + 1):
+        out, log = tmp_path / f"k{k}", tmp_path / f"k{k}.log"
+        status = fork_main(m, args(out), log, {"SENTEMB_KILL_AT": str(k)})
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, log.read_text()
+        states[left_by_kill(out)] += 1
+        if left_by_kill(out) == ".best.pending/sentemb.json" and (out / common.META).exists() \
+                and not eval_kills:  # a save that replaces a best model, cut after its commit
+            eval_kills = kill_eval_at_every_instant(out, data, tmp_path, capsys, monkeypatch)
+        code, score, err = dev_of(out, data, capsys, monkeypatch)
+        if (out / common.META).exists():
+            meta = json.loads((out / common.META).read_text())
+            dev = meta.get("stsb_dev")
+            assert code == 0, err
+            assert score == f"{dev:.2f}" and (meta["step"], score) in bests, (k, meta, score)
+        else:  # killed before the first best model was whole
+            assert code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, err
+        assert not (out / sscl.PENDING).exists()  # eval_sts.py completed the save
+        resume = ["--resume"] if (out / sscl.CKPT).exists() else []
+        code, rest, err = main_of(m, capsys, monkeypatch, *args(out), *resume)
+        assert code == 0, (k, err)
+        assert numbers(rest) == ref[len(ref) - len(numbers(rest)):], (k, rest)
+        assert json.loads((out / common.META).read_text()) == ref_meta, k
+        assert curve_of(out) == curve_of(tmp_path / "whole"), k
+        saved = weights(out, key)
+        for name in (ref_weights if isinstance(ref_weights, dict) else range(len(ref_weights))):
+            assert torch.equal(saved[name], ref_weights[name]), (k, name)
+        shutil.rmtree(out)
+    print(f"{script}: {instants} kill points, {len(saves)} best models saved; the state each kill "
+          f"left: {dict(states)}; eval_sts.py completing a save: {eval_kills} kill points")
+    assert len(saves) >= 2 and all(states[s] for s in KILL_STATES if s != "") and eval_kills, whole
 
 
 def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
