@@ -588,10 +588,10 @@ def write_curve(out_dir, curve):
 
 
 def finish_save(out_dir):
-    """Complete a save that a kill cut short (holding the lock). Before its commit point: the staging
-    folder goes, the old model stands. After it, .best.pending holds the files of the save not yet
-    in place, sentemb.json the last to leave: while it holds sentemb.json, they are moved into
-    place, sentemb.json last, once the others' moves are on disk; without it, the moves had
+    """Complete a save that a kill cut short (holding the lock). Before its commit point: the
+    staging folder goes, the old model stands. After it, .best.pending holds the files of the save
+    not yet in place, sentemb.json the last to leave: while it holds sentemb.json, they are moved
+    into place, sentemb.json last, once the others' moves are on disk; without it, the moves had
     finished, and the empty folder only goes (nothing in place is touched)."""
     shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
     for tmp in (CKPT, CURVE):
@@ -619,12 +619,14 @@ def finish_save(out_dir):
 
 def check_new_run(out_dir):
     """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
-    .lock and dev.jsonl): never over a run, nor over any file that it did not write."""
-    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE})
+    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
+    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
+                                                CURVE + ".tmp"})
     if common.META in found or CKPT in found:
-        ours = (method := method_in(out_dir)) == METHOD
-        common.die(f"'{out_dir}' already holds {'a run of ' + method + '.py' if method else 'a run'}"
-                   f": pass {'--resume to continue it, or ' * ours}another --output-dir")
+        method = method_in(out_dir)
+        what = f"a run of {method}.py" if method else "a run"
+        common.die(f"'{out_dir}' already holds {what}: pass "
+                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
     if found:
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
         common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
@@ -635,7 +637,8 @@ def method_in(run_dir):
     """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
     neither says)."""
     with contextlib.suppress(Exception):
-        return json.loads(common.read_text(os.path.join(run_dir, common.META)))["method"]
+        with open(os.path.join(run_dir, common.META)) as f:
+            return json.load(f)["method"]
     with contextlib.suppress(Exception):
         return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
                           mmap=True)["method"]
@@ -708,6 +711,8 @@ def main():
         if os.path.isdir(a.model) and os.path.isdir(out) and os.path.samefile(a.model, out):
             common.die(f"--output-dir '{out}' is the input model '{a.model}': training would "
                        "overwrite its weights; pass another --output-dir")
+        if not a.resume and os.path.isdir(out):  # before anything is written into it
+            check_new_run(out)
         try:
             os.makedirs(out, exist_ok=True)
             open(os.path.join(out, ".write_test"), "w").close()
@@ -733,7 +738,7 @@ def main():
         lock.write(str(os.getpid()))
         lock.flush()
         finish_save(out)
-        if not a.resume:
+        if not a.resume:  # again, now that a save cut short is completed
             check_new_run(out)
         elif not os.path.isfile(ckpt):
             common.die(f"--resume: no {ckpt}; drop --resume to start a new run")

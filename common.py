@@ -302,8 +302,29 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+RUN_KINDS = {  # a run folder of ours, by the method in its sentemb.json: what it is
+    "bellm": "a bellm.py run (a LoRA adapter for the base model its sentemb.json names)",
+    "jtcse": "a jtcse.py run (a twin: its towers are the model folders tower_a and tower_b)",
+    "sscl": "an sscl.py run"}
+
+
+def run_kind(folder):
+    """What a folder that holds a run description (sentemb.json) is, for an error line; None
+    without one."""
+    if not os.path.isfile(os.path.join(folder, META)):
+        return None
+    with contextlib.suppress(Exception):
+        return RUN_KINDS[json.loads(read_text(os.path.join(folder, META)))["method"]]
+    return "a run folder (it holds a sentemb.json)"
+
+
 def check_hf_folder(folder, kind, where, fix=REFETCH):
     has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
+    needs = "config.json" if kind != "tokenizer" else "a tokenizer file"
+    if not (has("config.json") if kind != "tokenizer" else any(map(has, TOKENIZER_FILES))) \
+            and (run := run_kind(folder)):  # say what it is before naming a missing file
+        die(f"{where}: it is {run}, not a model folder (no {needs}): pass it to eval_sts.py "
+            "--model without --pooler, which reads run folders, or pass a model folder")
     for f in READS[kind]:
         if os.path.exists(os.path.join(folder, f)):
             read_json(os.path.join(folder, f), where, REFETCH)

@@ -226,3 +226,8 @@ def format_retrieval(r):
         lines.append(f"query: {s['query']}")
         lines += [f"  {'+' if same else '-'} {cos:.4f}  {c}" for c, cos, same in s["top"]]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone
+    common.die("eval_more.py is a module: its evaluations run with python eval_sts.py --model "
+               "MODEL --mteb TASK[,TASK...] or --retrieval FILE")

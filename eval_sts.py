@@ -313,6 +313,9 @@ def load_model(name, pooler="cls", max_len=512, device=None, prompt=None, cut=No
     num_layers: a plain encoder's first N layers (check_num_layers)."""
     device = device or common.pick_device()
     # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
+    if pooler == "last" and os.path.isdir(name) and (run := common.run_kind(name)):
+        common.die(f"--pooler last: '{name}' is {run}, and its sentemb.json says how it encodes: "
+                   "drop --pooler last (it reads a plain decoder zero-shot)")
     if pooler == "last":
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel",
                 "prompt": prompt, **({"max_len": cut} if cut else {})}

@@ -109,3 +109,8 @@ def draw(path, panels, title, ncols=2, size=(5.4, 4.2)):
                    "pass a path in a writable folder")
     plt.close(fig)
     print(f"figure written: {path}")
+
+
+if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone
+    common.die("figures.py is a module: the figures are drawn by the analyses and eval_sts.py with "
+               "--plot FILE.png (docs: the experiment map in README.md)")

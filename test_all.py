@@ -224,6 +224,13 @@ def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("module,words", [("transfer.py", "--tasks transfer"),
+                                          ("eval_more.py", "--mteb"), ("figures.py", "--plot")])
+def test_a_module_run_alone_names_the_command_to_use(module, words):
+    assert_bad_input(run(module, "--help"), f"{module} is a module", words)
+
+
+@pytest.mark.slow
 def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
     write_sts(tmp_path)
     f = tmp_path / "downstream" / "STS" / "STS14-en-test" / "STS.input.images.txt"
@@ -3150,7 +3157,8 @@ def test_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
     step, a best model of the uninterrupted run (or, before the first best model is whole, refuses
     in one line), and --resume (a new run where no checkpoint.pt was left) ends on the
     uninterrupted run's weights, sentemb.json and dev curve, logging its numbers."""
-    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir, llama=bl_make_model(tok_dir, tmp_path),
+    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir,
+                  llama=bl_make_model(tok_dir, tmp_path),
                   bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
                   bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
     m, args, data, key = kill_runs(c)[script]
@@ -3340,42 +3348,6 @@ def weights(out, key):
 
 
 @pytest.mark.slow
-def test_sscl_sigkill_anywhere_then_resume_ends_as_uninterrupted(bert_dir, train_txt, sts_dir,
-                                                                tmp_path, capsys, monkeypatch):
-    """SIGKILL inside each part of a save (SENTEMB_SAVE_PAUSE makes them last) and at random
-    instants: after every kill eval_sts.py reads the folder, its score is the one sentemb.json
-    records (weights and description of one step), AutoModel loads it, and --resume goes on to the
-    uninterrupted run's weights."""
-    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                 "--proj-dim", 8, steps=6)
-    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
-    out, fired = tmp_path / "killed", []
-    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # any save under way
-    # the fourth kill lands between saves: once the log shows a training step's loss (the next
-    # save is at least one step and SENTEMB_SAVE_PAUSE's sleeps away)
-    for trigger in [(sscl.STAGING,), (sscl.PENDING,), saving, "training", saving[1:]]:
-        resume = ["--resume"] if (out / sscl.CKPT).exists() else []
-        proc, log = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.15"})
-        if trigger == "training":
-            trigger = lambda log=log: re.search(r"step +\d+  loss", text(log))  # noqa: E731
-        fired.append(kill_when(proc, out, trigger))
-        if (out / common.META).exists() or (out / sscl.PENDING).exists():
-            code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
-                                    sts_dir, "--tasks", "STS-B", "--split", "dev")
-            assert code == 0, err
-            meta = json.loads((out / common.META).read_text())
-            assert f"{float(ev.split()[2]):.2f}" == f"{meta['stsb_dev']:.2f}"
-            assert weights(out, "best") == meta["stsb_dev"] and weights(out, "step") >= meta["step"]
-            AutoModel.from_pretrained(out)
-        # eval_sts.py completed a save cut after its commit
-        assert not (out / sscl.PENDING).exists()
-    assert all(fired), fired
-    assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
-    for key, a in weights(tmp_path / "whole", "encoder").items():
-        assert torch.equal(a, weights(out, "encoder")[key]), key
-
-
-@pytest.mark.slow
 def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval"))
@@ -3426,34 +3398,6 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
     jt_main(capsys, monkeypatch, *args(out), "--resume")
     for key, a in weights(tmp_path / "whole", "model").items():
         assert torch.equal(a, weights(out, "model")[key]), key
-
-
-@pytest.mark.slow
-def test_bellm_sigkill_inside_a_save_then_resume(tok_dir, tmp_path, capsys, monkeypatch):
-    """A kill while a new best adapter is moved into place: eval_sts.py completes that save and
-    reads the adapter, PeftModel loads it, and --resume logs the uninterrupted run's losses."""
-    from peft import PeftModel
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=20))
-    args = lambda out: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
-                        "--output-dir", out,
-                        "--batch-size", 4, "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
-                        "--no-final-eval", "--no-eval-first", "--max-steps", 4]
-    losses = lambda text: [l.split("rows/s")[0] for l in text.splitlines()  # noqa: E731
-                           if " loss " in l]
-    code, whole, err = bl_main(capsys, monkeypatch, *args(tmp_path / "whole"))
-    assert code == 0, err
-    out = tmp_path / "killed"
-    proc, log = popen("bellm.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.3"})
-    assert kill_when(proc, out, (sscl.PENDING,))
-    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir", data,
-                            "--tasks", "STS-B", "--split", "dev")
-    assert code == 0, err
-    assert f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}"
-    PeftModel.from_pretrained(AutoModel.from_pretrained(model), out)
-    code, rest, err = bl_main(capsys, monkeypatch, *args(out), "--resume")
-    assert code == 0, err
-    assert losses(text(log)) + losses(rest) == losses(whole)
 
 
 @pytest.mark.slow
@@ -3528,6 +3472,19 @@ def edit_args(path, **changes):
     state["args"] = {k: v for k, v in {**state["args"], **changes}.items()
                      if k not in changes or changes[k] is not None}
     torch.save(state, path)
+
+
+def edit_state(path, **changes):
+    """A checkpoint whose training state holds other values (not its flags: edit_args)."""
+    state = torch.load(path, weights_only=False)
+    torch.save({**state, **changes}, path)
+
+
+def foreign(c, name="README.md"):
+    """A folder of the user's, holding one file of theirs: -> the folder."""
+    (c.tmp / "mine").mkdir()
+    (c.tmp / "mine" / name).write_text("my notes\n")
+    return c.tmp / "mine"
 
 
 def edit_json(path, **changes):
@@ -3626,6 +3583,26 @@ JSON_VALUES = [  # (method, file, key, a value the run cannot have, words of the
         ("peft_type", "IA3", ['peft_type "IA3"']), ("rank_pattern", {"q_proj": 8},
                                                     ["rank_pattern"])]],
 ]
+AGREE = [  # (method, the --resume flags of the edit, checkpoint.pt's setting, its value, words)
+    ("sscl", ["--objective", "authors"], "objective", "authors", ['objective "authors"',
+                                                                 'objective "paper"']),
+    ("sscl", ["--layer", "1"], "layer", "1", ["layers [1]", "layers [2]"]),
+    ("sscl", ["--pooler", "avg"], "pooler", "avg", ['pooler "avg"', 'pooler "cls"']),
+    ("sscl", ["--proj-dim", "4"], "proj_dim", 4, ["proj_dim 4", "proj_dim 8"]),
+    ("sscl", ["--num-layers", "3"], "num_layers", 3, ["num_layers 3", "num_layers 4"]),
+    ("sscl", None, "select_on", "transfer", ['select_on "transfer"', 'select_on "stsb"']),
+    ("jtcse", ["--objective", "authors"], "objective", "authors", ['objective "authors"']),
+    ("jtcse", ["--num-cael", "1"], "num_cael", 1, ["num_cael 1", "num_cael 2"]),
+    ("jtcse", ["--drop-layernorm", "1"], "drop_layernorm", 1, ["drop_layernorm 1"]),
+    ("jtcse", None, "distill", ["teacher"], ['towers ["."]', '["tower_a", "tower_b"]']),
+    ("bellm", ["--bi-mode", "sequential"], "bi_mode", "sequential", ['bi_mode "sequential"',
+                                                                    'bi_mode "parallel"']),
+    ("bellm", ["--bi-layers", "2"], "bi_layers", 2, ["bi_layers 2", "bi_layers 1"]),
+    ("bellm", ["--bi-strategy", "add"], "bi_strategy", "add", ['bi_strategy "add"']),
+    ("bellm", ["--prompt", "{sentence} means"], "prompt", "{sentence} means", ["prompt"]),
+    ("bellm", ["--lora-r", "8"], "lora_r", 8, ["lora_r 8", "lora_r 4"]),
+    ("bellm", ["--lora-alpha", "16"], "lora_alpha", 16, ["lora_alpha 16", "lora_alpha 32"]),
+    ("bellm", ["--dtype", "bfloat16"], "dtype", "bfloat16", ['dtype "bfloat16"'])]
 RUN_DIR = {"sscl": lambda c: c.srun, "jtcse": lambda c: c.jrun, "bellm": lambda c: c.brun}
 RUN_EVAL = {"sscl": lambda c: ES(c, c.srun), "jtcse": lambda c: EJ(c), "bellm": lambda c: EB(c)}
 RUN_RESUME = {"sscl": lambda c: SSCL_RUN(c, c.srun, "--resume"),
@@ -3662,7 +3639,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--train", c.binary), ["not UTF-8"], None),
     ("sscl", lambda c: SSCL(c, "--model", c.llama), ["llama", "not a bidirectional encoder"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.bert), ["is the input model"], None),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.llama), ["not a run of this project"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.llama), ["holds config.json", "did not write"],
+     None),
     ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"],
      malformed_sts12),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
@@ -3793,7 +3771,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "damaged"],
      lambda c: cut(c.brun / "adapter_config.json")),
     ("eval_sts", lambda c: EB(c), ["another base model"], lambda c: (  # with sentemb.json's lora_r
-        edit_json(c.brun / "adapter_config.json", r=8), edit_json(c.brun / common.META, lora_r=8))),
+        edit_json(c.brun / "adapter_config.json", r=8), edit_json(c.brun / common.META, lora_r=8),
+        (c.brun / sscl.CKPT).unlink())),  # (its checkpoint.pt would say r 4 first)
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "lacks 1 adapter weights"],
      lambda c: drop_tensor(c.brun / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["dtype", "wrong type"],
@@ -3955,6 +3934,42 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
          edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
+    # ---- a save's leftover, a run folder's two descriptions, a folder of the user's ----
+    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (  # a save's moves done
+        (c.run / common.META).write_text("{not json"),
+        (c.run / sscl.PENDING / "1_Pooling").mkdir(parents=True))),
+    *[row for method, flag, key, value, words in AGREE for row in (
+        ("eval_sts", RUN_EVAL[method], ["two files are of different runs", *words],
+         lambda c, m=method, k=key, v=value: edit_args(RUN_DIR[m](c) / sscl.CKPT, **{k: v})),
+        *[(method, lambda c, m=method, f=flag: RUN_RESUME[m](c) + f,
+           ["two files are of different runs", *words],
+           lambda c, m=method, k=key, v=value: edit_args(RUN_DIR[m](c) / sscl.CKPT, **{k: v}))
+          ] * bool(flag))],
+    ("eval_sts", RUN_EVAL["bellm"], ["two files are of different runs", "base_checksum"],
+     lambda c: edit_state(c.brun / sscl.CKPT, base_checksum=1.5)),
+    ("bellm", RUN_RESUME["bellm"], ["two files are of different runs", "base_checksum"],
+     lambda c: edit_state(c.brun / sscl.CKPT, base_checksum=1.5)),
+    ("eval_sts", RUN_EVAL["sscl"], ["was not written by sscl.py"],
+     lambda c: edit_state(c.srun / sscl.CKPT, method="jtcse")),
+    ("eval_sts", RUN_EVAL["jtcse"], ["no sentemb.json", "saved no best model yet"],
+     lambda c: (c.jrun / common.META).unlink()),
+    *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--output-dir", c.mine),
+       ["README.md", f"which {m}.py did not write", "new or empty --output-dir"],
+       lambda c: setattr(c, "mine", foreign(c))) for m in ("sscl", "jtcse", "bellm")],
+    ("bellm", lambda c: BL(c, "--output-dir", c.mine), ["adapter_config.json and 1 more",
+                                                            "did not write"],
+     lambda c: (setattr(c, "mine", foreign(c, "notes.txt")),
+                (c.mine / "adapter_config.json").write_text("{}"))),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.brun), ["already holds a run of bellm.py",
+                                                         "pass another --output-dir"], None),
+    ("jtcse", lambda c: JT(c, "--output-dir", c.srun), ["already holds a run of sscl.py"], None),
+    # ---- a run folder passed where a model folder is read: says what it is ----
+    ("eval_sts", lambda c: EB(c, "--pooler", "last"), ["is a bellm.py run", "drop --pooler last"],
+     None),
+    ("sscl_analysis", lambda c: ["--model", c.brun, "--data-dir", c.sts],
+     ["is a bellm.py run (a LoRA adapter", "not a model folder"], None),
+    ("sscl_analysis", lambda c: ["--model", c.jrun, "--data-dir", c.sts],
+     ["is a jtcse.py run (a twin", "tower_a"], None),
     # ---- every value of every JSON file of a run folder, edited: eval_sts.py and --resume ----
     *[row for method, name, key, value, words in JSON_VALUES for row in (
         ("eval_sts", RUN_EVAL[method], words,
@@ -4003,6 +4018,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
         prep(c)
     folders = (c.run, c.bert, c.llama, c.jt, c.srun, c.jrun, c.brun, c.plain,
                *run_templates.values())
+    mine = sorted(os.listdir(c.tmp / "mine")) if (c.tmp / "mine").is_dir() else None
     snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
                         if p.is_file() and p.name != sscl.LOCK}
     before = snapshot()
@@ -4016,6 +4032,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     assert code == 2 and len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
     assert snapshot() == before
+    assert mine is None or sorted(os.listdir(c.tmp / "mine")) == mine  # not even a .lock
 
 
 @pytest.mark.slow

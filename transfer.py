@@ -449,3 +449,8 @@ def format_transfer(results):
     accs = [results[t]["acc"] for t in names] + [sum(results[t]["acc"] for t in names) / len(names)]
     return (" ".join(f"{'SST' if t == 'SST2' else t:>7}" for t in names + ["Avg."]) + "\n"
             + " ".join(f"{a:7.2f}" for a in accs))
+
+
+if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone
+    common.die("transfer.py is a module: its tasks run with python eval_sts.py --model MODEL "
+               "--tasks transfer (or probing, or --align-uniform)")
