@@ -221,6 +221,7 @@ STEPS = _typed(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1")
 SEED = _typed(int, lambda v: 0 <= v < 2**32, "an integer in 0..2**32-1")
 POS_FLOAT = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 PROB = _typed(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+FRACTION = _typed(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 def parse(p):

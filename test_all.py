@@ -4969,3 +4969,60 @@ def test_cuda_torchrun_nccl_trains_two_steps_and_resumes(script, bert_dir, train
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"step\s+(\d+)\s+loss", again.stdout) == ["3"]
     assert torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")["step"] == 3
+
+
+# ---------------------------------------------------------------- bench/: command lines ---------
+# (script, arguments with one bad value, words of its error line): each is refused when parsed,
+# before a model, a tokenizer or a data file is read, so the paths here need not exist
+BENCH_BAD = [
+    ("paper_scale.py", ["--mfu", "0"], ["--mfu", "'0' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--mfu", "150"], ["--mfu", "'150' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--fraction", "0"], ["--fraction", "'0' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--fraction", "2"], ["--fraction", "'2' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--measure", "SSCL", "--rows", "0"], ["--rows", "an integer >= 1"]),
+    ("bellm_memory.py", ["M", "--batch-size", "0"], ["--batch-size", "an integer >= 1"]),
+    ("bellm_memory.py", ["M", "--prompt-tokens", "-1"], ["--prompt-tokens", "an integer >= 0"]),
+    ("ddp_overhead.py", ["--steps", "0"], ["--steps", "an integer >= 1"]),
+    ("ddp_overhead.py", ["--scripts", "sscl,simcse"],
+     ["--scripts", "'simcse' is not one of sscl, jtcse, bellm"]),
+    ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
+    ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
+    ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
+    ("bellm_files.py", ["csts-synthetic", "nli.csv", "200", "100"],
+     ["LAST (100) must be greater than FIRST (200)"]),
+    ("bellm_files.py", ["flickr", "d.json"], ["invalid choice: 'flickr'"]),
+    ("bellm_speed.py", ["--bf61"], ["unrecognized arguments: --bf61"]),
+    ("bellm_step_memory.py", ["--grad-ckpts"], ["unrecognized arguments: --grad-ckpts"]),
+    ("bellm_sweep.py", ["M", "P", "K1"], ["K0", "invalid choice: 'K1'"]),
+    ("bellm_zeroshot.py", ["1.5:parallel"], ["SPEC", "'1.5' is not an integer >= 0"]),
+    ("bellm_zeroshot.py", ["0:causal"], ["SPEC", "MODE parallel or sequential"]),
+    ("jtcse_baselines.py", ["TOWER_I"], ["required: TOWER_II"]),
+    ("jtcse_cost.py", ["jtcse", "-1"], ["num_cael", "'-1' is not an integer >= 0"]),
+    ("jtcse_cost.py", ["sscl"], ["mode", "invalid choice: 'sscl'"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,args,words", BENCH_BAD,
+                         ids=[f"{s}-{'_'.join(a)}" for s, a, _ in BENCH_BAD])
+def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words):
+    """A bad number or word on a bench script's command line: exit code 2, argparse's usage and
+    one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output."""
+    proc = run(f"bench/{script}", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr
+    assert all(w in errors[0] for w in words), errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+def test_bench_scripts_print_their_help(script):
+    """--help of each bench script exits 0 with its usage; paper_scale.py's shows each typed
+    flag's range and keeps its child-process flags (--measure, --rows) hidden."""
+    proc = run(f"bench/{script}", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+    if script == "paper_scale.py":  # (argparse wraps the help to the terminal's width)
+        assert " ".join(proc.stdout.split()).count("[a fraction in (0, 1]]") == 2, proc.stdout
+        assert "--measure" not in proc.stdout and "--rows" not in proc.stdout, proc.stdout

@@ -10,6 +10,7 @@ stdout (docs/bellm.md, "Retrieval" and "C-STS").
   # rows FIRST..LAST of the triplet csv
   python bench/bellm_files.py csts-synthetic snli_devtest.csv 0 200 > csts_synth_train.csv
 """
+import argparse
 import csv
 import json
 import os
@@ -20,13 +21,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
 
-what, args = sys.argv[1], sys.argv[2:]
-if what == "flickr30k":  # Karpathy's: {"images": [{"split", "imgid", "sentences": [{"raw"}]}]}
-    for img in json.loads(common.read_text(args[0]))["images"]:
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+sub = p.add_subparsers(dest="what", required=True)
+flickr = sub.add_parser("flickr30k", help="group_id<TAB>caption of Karpathy's test split")
+flickr.add_argument("json", metavar="JSON", help="Karpathy's dataset_flickr30k.json")
+sub.add_parser("stsb-groups", help="group_id<TAB>sentence: STS-B test's sentences joined by "
+               "pairs with gold >= 4 (NOT flickr30k)")
+csts = sub.add_parser("csts-synthetic", help="NLI triplets in C-STS's csv format, under made-up "
+                      "conditions (NOT C-STS)")
+csts.add_argument("csv", metavar="CSV", help="triplet csv (SimCSE's NLI format)")
+csts.add_argument("first", metavar="FIRST", type=common.NONNEG_INT,
+                  help="the first triplet row taken (0: the row after the header)")
+csts.add_argument("last", metavar="LAST", type=common.NONNEG_INT,
+                  help="the row after the last one taken (0 200: 200 triplets)")
+for q in (p, flickr, csts):
+    common.show_ranges(q)
+args = p.parse_args()  # (`a` names a sentence below)
+if args.what == "csts-synthetic" and args.last <= args.first:  # else an empty file, silently
+    csts.error(f"LAST ({args.last}) must be greater than FIRST ({args.first})")
+if args.what == "flickr30k":  # Karpathy's: {"images": [{"split", "imgid", "sentences": [{"raw"}]}]}
+    for img in json.loads(common.read_text(args.json))["images"]:
         if img["split"] == "test":
             for s in img["sentences"]:  # the first caption listed is the query
                 print(f"{img['imgid']}\t{' '.join(s['raw'].split())}")
-elif what == "stsb-groups":  # union-find over STS-B test sentences linked by gold >= 4
+elif args.what == "stsb-groups":  # union-find over STS-B test sentences linked by gold >= 4
     pairs = common.load_sts(common.senteval_dir(None), "STS-B")["test"]
     parent = {}
 
@@ -45,13 +64,11 @@ elif what == "stsb-groups":  # union-find over STS-B test sentences linked by go
     for g, (_, sents) in enumerate(groups.items()):
         for s in sents:
             print(f"{g}\t{s}")
-elif what == "csts-synthetic":  # premise/entailment high, premise/contradiction low
-    rows = bellm.read_csv(args[0])[1][int(args[1]):int(args[2])]
+elif args.what == "csts-synthetic":  # premise/entailment high, premise/contradiction low
+    rows = bellm.read_csv(args.csv)[1][args.first:args.last]
     conditions = ["the main action", "the people involved", "the place"]
     w = csv.writer(sys.stdout, lineterminator=os.linesep)
     w.writerow(["sentence1", "sentence2", "condition", "label"])
     for i, (premise, entailment, contradiction) in enumerate(rows):
         w.writerow([premise, entailment, conditions[i % 3], 5 - i % 2])
         w.writerow([premise, contradiction, conditions[(i + 1) % 3], 1 + i % 2])
-else:
-    sys.exit(__doc__)

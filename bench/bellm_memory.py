@@ -17,15 +17,17 @@ from transformers import AutoConfig, AutoModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
+import common  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("model", help="hub name or folder with a config.json")
-p.add_argument("--batch-size", type=int, default=64, help="triplets per GPU")
-p.add_argument("--max-len", type=int, default=64, help="as bellm.py --max-len")
-p.add_argument("--prompt-tokens", type=int, default=11,
+p.add_argument("--batch-size", type=common.POS_INT, default=64, help="triplets per GPU")
+p.add_argument("--max-len", type=common.POS_INT, default=64, help="as bellm.py --max-len")
+p.add_argument("--prompt-tokens", type=common.NONNEG_INT, default=11,
                help="tokens of the prompt without the sentence (LLaMA-2's tokenizer: 11 with <s>)")
-p.add_argument("--lora-r", type=int, default=32)
+p.add_argument("--lora-r", type=common.POS_INT, default=32, help="as bellm.py --lora-r")
 p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+common.show_ranges(p)
 a = p.parse_args()
 cfg = AutoConfig.from_pretrained(a.model)
 with torch.device("meta"):

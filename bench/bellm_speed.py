@@ -9,6 +9,7 @@ Median of 5 timed steps per K after one warm-up step each.
   (SMOLLM=model name or folder, NLI=triplet csv; defaults: HuggingFaceTB/SmolLM2-135M-Instruct,
   snli_devtest.csv)
 """
+import argparse
 import csv
 import os
 import statistics
@@ -23,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
 
-bf16 = "--bf16" in sys.argv
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py --bf16")
+common.show_ranges(p)
+bf16 = p.parse_args().bf16
 dev = torch.device("cpu")
 tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1,
                               "convert", dev)

@@ -10,6 +10,7 @@ next to bellm.py's estimate.
   (SMOLLM=model name or folder, NLI=triplet csv; defaults: HuggingFaceTB/SmolLM2-135M-Instruct,
   snli_devtest.csv)
 """
+import argparse
 import csv
 import os
 import resource
@@ -23,8 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
 
-ckpt, bf16 = "--grad-ckpt" in sys.argv, "--bf16" in sys.argv
-dtype = torch.bfloat16 if "--bf16-weights" in sys.argv else torch.float32
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+p.add_argument("--bf16-weights", action="store_true", help="the base model's weights in bfloat16 "
+               "(as bellm.py --dtype bfloat16)")
+p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py --bf16")
+common.show_ranges(p)
+a = p.parse_args()
+ckpt, bf16 = a.grad_ckpt, a.bf16
+dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
 tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1,
                               "convert", dev, dtype)

@@ -1,12 +1,24 @@
 """Zero-shot STS-B dev of bellm.py's encoder for K = 0,1,2,4 (parallel and sequential, convert) plus
 the degradation curve (k = 1..n), sharing one causal pass per batch. Checks on the first batch that
-every config equals bellm.forward (the function load_encoder/eval_sts.py use)."""
-import sys, time
+every config equals bellm.forward (the function load_encoder/eval_sts.py use).
+
+  python bench/bellm_sweep.py MODEL [PROMPT] [K0]
+"""
+import argparse, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import torch, common, bellm
+
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("model", metavar="MODEL", help="a decoder LLM: hub name or folder")
+p.add_argument("prompt", metavar="PROMPT", nargs="?", default=bellm.PROMPT,
+               help="with {sentence} (default: bellm.py's)")
+p.add_argument("only", metavar="K0", nargs="?", choices=["K0"], help="the K = 0 row only")
+common.show_ranges(p)
+a = p.parse_args()
 dev = torch.device("cpu")
-M, PROMPT = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else bellm.PROMPT
+M, PROMPT = a.model, a.prompt
 tok, dec = bellm.load_decoder(M, 0, "convert", dev)
 dec.eval()
 n, KS = len(dec.layers), (1, 2, 4)
@@ -54,7 +66,7 @@ def encoder(i):
 t = time.time()
 data = common.senteval_dir(None)
 for i, nm in enumerate(names):
-    if len(sys.argv) > 3 and not nm == "K0":
+    if a.only and not nm == "K0":
         break
     r = common.evaluate(encoder(i), data, ["STS-B"], "dev")["STS-B"]
     print(f"{nm:>6}  STS-B dev {r:.2f}   ({time.time() - t:.0f}s, prompt {PROMPT!r})", flush=True)

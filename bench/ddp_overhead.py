@@ -24,13 +24,29 @@ import transformers
 from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
 MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
 SMOLLM = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
 WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
+SCRIPTS = ("sscl", "jtcse", "bellm")
+
+
+def scripts(s):
+    """--scripts: a comma list of SCRIPTS, checked before the models are built."""
+    if bad := [x for x in s.split(",") if x not in SCRIPTS]:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(SCRIPTS)}")
+    return s.split(",")
+
+
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--steps", type=int, default=20)
-p.add_argument("--scripts", default="sscl,jtcse,bellm")
+p.add_argument("--steps", type=common.POS_INT, default=20, help="training steps of each run "
+               "(default 20)")
+p.add_argument("--scripts", type=scripts, default=",".join(SCRIPTS),
+               help="the scripts to run, comma-separated (default: all three)")
+common.show_ranges(p)
 a = p.parse_args()
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()
@@ -47,7 +63,7 @@ LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_
                        num_key_value_heads=2)).save_pretrained(tmp / "llama")
 llama_tok.save_pretrained(tmp / "llama")
 
-common = ["--max-steps", a.steps, "--log-steps", a.steps,
+shared = ["--max-steps", a.steps, "--log-steps", a.steps,  # every run has them
           "--eval-steps", 10 * a.steps, "--no-final-eval"]
 runs = {  # script: (arguments, global batch, unit)
     "sscl": (["--model", tmp / "bert_a", "--train", WIKI, "--layer", 2,
@@ -63,7 +79,7 @@ def throughput(script, nproc, threads, batch):
     args, _, unit = runs[script]
     cmd = [sys.executable,
            *(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []),
-           str(ROOT / f"{script}.py"), *map(str, args + common), "--batch-size", str(batch),
+           str(ROOT / f"{script}.py"), *map(str, args + shared), "--batch-size", str(batch),
            "--output-dir", str(tmp / f"{script}_{nproc}_{threads}")]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error"}
@@ -75,7 +91,7 @@ def throughput(script, nproc, threads, batch):
 
 print(f"{'script':6} {'global batch':>12} {'1 proc x 1 thread':>18} {'1 proc x 2 threads':>19} "
       f"{'2 procs x 1 thread (DDP)':>25} {'DDP / 1x2':>9}")
-for script in a.scripts.split(","):
+for script in a.scripts:
     batch, unit = runs[script][1], runs[script][2]
     one1, one2 = throughput(script, 1, 1, batch), throughput(script, 1, 2, batch)
     two = throughput(script, 2, 1, batch // 2)

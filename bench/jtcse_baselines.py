@@ -1,17 +1,27 @@
 """Tower I, tower II and the untrained twin (CLS(I) + CLS(II)) on STS-B dev and the 7 test tasks.
 Each tower encodes every distinct sentence once (jtcse.make_encode, no truncation); the twin's
 embedding is the sum of the two cached CLS vectors, which is what jtcse.make_encode([A, B]) computes
-batch by batch."""
-import sys, time
+batch by batch.
+
+  python bench/jtcse_baselines.py TOWER_I TOWER_II
+"""
+import argparse, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common, jtcse
 from transformers import AutoTokenizer, BertModel
 
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("tower_i", metavar="TOWER_I", help="a BERT-like model: hub name or folder "
+               "(jtcse.py --model-a; its tokenizer serves both towers)")
+p.add_argument("tower_ii", metavar="TOWER_II", help="the second tower (jtcse.py --model-b)")
+common.show_ranges(p)
+a = p.parse_args()
 torch.set_grad_enabled(False)
 data = common.senteval_dir(None)
-names = sys.argv[1:3]
+names = [a.tower_i, a.tower_ii]
 tok = AutoTokenizer.from_pretrained(names[0])
 sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).values()
                 for r in rs for s in r[:2]}

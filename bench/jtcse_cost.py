@@ -4,7 +4,7 @@ same text.
 Usage: [MINILM=..] [WIKI=..] python bench/jtcse_cost.py simcse|jtcse [num_cael] [tower_b].
 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
 Memory: peak RSS (ru_maxrss) of the process after the steps minus RSS after loading the model(s)."""
-import os, resource, sys, time
+import argparse, os, resource, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -15,10 +15,20 @@ def rss_mb():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
-mode = sys.argv[1]
-A = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("mode", choices=["simcse", "jtcse"], help="SimCSE's step (sscl.py --layer 0) or "
+               "JTCSE's (the twin)")
+p.add_argument("num_cael", nargs="?", type=common.NONNEG_INT, help="jtcse: cross-attention "
+               "layers (jtcse.py --num-cael; default: every 2nd layer)")
 # tower II: a MiniLM trained by sscl.py
-B = sys.argv[3] if len(sys.argv) > 3 else "runs/sscl_minilm"
+p.add_argument("tower_b", nargs="?", default="runs/sscl_minilm",
+               help="jtcse: tower II (jtcse.py --model-b; default runs/sscl_minilm)")
+common.show_ranges(p)
+a = p.parse_args()
+mode = a.mode
+A = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
+B = a.tower_b
 # the README's wiki1m head
 sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:5 * 64]
 common.seed_everything(42)
@@ -29,8 +39,7 @@ if mode == "simcse":
         z, _ = model(batch, [])
         return sscl.sscl_loss(z[:n], z[n:], [], 0.05)
 else:
-    model = jtcse.Twin([BertModel.from_pretrained(A), BertModel.from_pretrained(B)],
-                       int(sys.argv[2]))
+    model = jtcse.Twin([BertModel.from_pretrained(A), BertModel.from_pretrained(B)], a.num_cael)
     def step_loss(batch, n):
         h, hP, c = model(batch)
         return jtcse.jtcse_loss(h, hP, c, 1, 0.05)[0]

@@ -32,19 +32,36 @@ import common  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
+
+def costs(s):
+    """--costs: GROUP_COST values, each an integer >= 0 (common.length_groups' cost)."""
+    return [common.NONNEG_INT(c) for c in s.split(",")]
+
+
+costs.range = "integers >= 0"  # for show_ranges
+
+
+def frozen(s):
+    """--frozen: dtypes the frozen Linears can have (another would run silently as float32)."""
+    if bad := [f for f in s.split(",") if f not in ("float32", "bfloat16")]:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not float32 or bfloat16")
+    return s.split(",")
+
+
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("method", choices=["sscl", "jtcse", "bellm"])
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
-p.add_argument("--costs", default=str(common.GROUP_COST),
+p.add_argument("--costs", type=costs, default=str(common.GROUP_COST),
                help="GROUP_COST values to compare, comma-separated")
-p.add_argument("--reps", type=int, default=5)
+p.add_argument("--reps", type=common.POS_INT, default=5, help="timed rounds (default 5)")
 p.add_argument("--attn", default="eager",
                help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
                     "(bellm.py uses eager on CPU)")
-p.add_argument("--frozen", default="float32",
+p.add_argument("--frozen", type=frozen, default="float32",
                help="bellm: dtype(s) of the frozen base Linears to compare; with --bf16, "
                     "bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead "
                     "of at every pass")
+common.show_ranges(p)
 a = p.parse_args()
 common.seed_everything(42)
 dev = torch.device("cpu")
@@ -56,7 +73,7 @@ if a.method == "bellm":
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                            target_modules="all-linear"))
     models = {f: model if i == 0 else copy.deepcopy(model)
-              for i, f in enumerate(a.frozen.split(","))}
+              for i, f in enumerate(a.frozen)}
     forwards = {}
     for f, m in models.items():  # f: the dtype of the frozen base Linears
         if f == "bfloat16":
@@ -101,7 +118,7 @@ lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn.split(",") if a.method == "bellm" else [None]
 configs = [(c, at, f) for f in forwards for at in attns
-           for c in [None] + [int(c) for c in a.costs.split(",")]]
+           for c in [None] + a.costs]
 slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
          sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c))
          for c, _, _ in configs}

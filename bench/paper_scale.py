@@ -290,22 +290,25 @@ def main():
     p.add_argument("--no-time", action="store_true", help="count and estimate only; no real step")
     p.add_argument("--steps", type=common.POS_INT, default=2,
                    help="timed steps after a first one (default 2)")
-    p.add_argument("--fraction", type=float, help="of the paper's rows a step and GPU, for the "
-                   "measured steps (default: 1 on CUDA, 0.125 on a CPU)")
+    p.add_argument("--fraction", type=common.FRACTION, help="of the paper's rows a step and GPU, "
+                   "for the measured steps (default: 1 on CUDA, 0.125 on a CPU)")
     p.add_argument("--bellm-layers", type=common.POS_INT, default=2,
                    help="layers of LLaMA-2-7B in BeLLM's measured slice (default 2: one causal, "
                    "the bidirectional one)")
-    p.add_argument("--mfu", type=float, default=0.4,
+    p.add_argument("--mfu", type=common.FRACTION, default=0.4,
                    help="assumed fraction of the GPUs' dense BF16 peak (default 0.4)")
-    p.add_argument("--measure", help=argparse.SUPPRESS)  # the child process of one measurement
-    p.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    common.show_ranges(p)
+    # the child process of one measurement; added after show_ranges, which would append a range
+    # to --rows's hidden help (argparse.SUPPRESS) and so show it in --help
+    p.add_argument("--measure", choices=list(RUNS), help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=common.POS_INT, help=argparse.SUPPRESS)
     a = p.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
     if a.measure:
         return measure(a.measure, a.rows, a.steps, a.bellm_layers)
     cuda = torch.cuda.is_available()
-    fraction = a.fraction or (1.0 if cuda else 0.125)
+    fraction = a.fraction if a.fraction is not None else 1.0 if cuda else 0.125
     here = device_name()
     print(f"torch {torch.__version__}; measured steps on: {here}")
     print(f"GPU-hours = FLOPs of the epoch / (peak x {a.mfu:.0%}); dense BF16 peaks: A100 312, "
