@@ -176,35 +176,114 @@ class BeLLM(torch.nn.Module):
         return last_token(forward(self.dec, input_ids, attention_mask, *self.bi), attention_mask)
 
 
+# ---------------------------------------------------------------- the prompt (§3.3) ------------
+def fill(prompt, sentence, condition=None):
+    """The prompted text (§3.3); str.replace leaves braces inside a sentence alone."""
+    return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
+
+
+def prompted(tok, cfg, sentences, conditions=None):
+    """Sentences -> prompted texts; max_len applies to the sentence, cut before it enters the
+    prompt, so the prompt's end (`is:"`, read by the pooled last token) is never cut.
+    -> texts, their token limit."""
+    def cut(s):
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        return s if len(ids) <= cfg["max_len"] else tok.decode(ids[:cfg["max_len"]])
+    conditions = conditions or [None] * len(sentences)
+    texts = [fill(cfg["prompt"], cut(s), c) for s, c in zip(sentences, conditions)]
+    return texts, cfg["max_len"] + len(tok(fill(cfg["prompt"], "", ""))["input_ids"]) + 8
+
+
 # ---------------------------------------------------------------- one training step -------------
 def embed(model, batch):
     """The model on a tokenised batch: (b, H)."""
     return model(batch["input_ids"], batch["attention_mask"])
 
 
-def train_step(model, tok, rows, kind, a, world, device):
-    """One micro-batch of B rows on this rank -> (the loss over the global batch of world·B rows,
-    its real tokens); gradients accumulated. NLI: eq. 6 over (anchor, entailment, contradiction);
-    C-STS: cosent_loss over pairs, each sentence under its condition."""
+def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=64, bf16=False,
+               world=1, accum=1, gather=lambda z: z):
+    """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
+    accumulated. kind "nli": rows (anchor, entailment, contradiction), eq. 6; "csts": rows
+    (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
+    condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
+    through embed), or that run in length groups (the same outputs); prompt: with {sentence} (and
+    {condition}); max_len: the tokens of a sentence; bf16: autocast. torchrun: gather(z) = every
+    rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over the
+    ranks; accum micro-batches a step)."""
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
-    cfg = {"prompt": a.prompt, "max_len": a.max_len}
-    batch = common.tokenize(tok, *prompted(tok, cfg, texts, conditions), device)
-    with common.autocast(device, a.bf16):  # (B·3, H) or (B·2, H), in length groups
-        h = common.run_batch(functools.partial(embed, model), batch, a.length_grouping).float()
+    texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit,
+                      return_tensors="pt").to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        h = model(batch).float()  # (B·3, H) or (B·2, H)
     h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
-    cols = [common.gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
+    cols = [gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
     if kind == "nli":
-        loss = bellm_loss(*cols, a.temp)  # eq. 6 over the global batch
+        loss = bellm_loss(*cols, temp)  # eq. 6 over the global batch
     else:
-        labels = common.gather(torch.tensor([r[3] for r in rows], device=device))
-        loss = cosent_loss(*cols, labels)
+        loss = cosent_loss(*cols, gather(torch.tensor([r[3] for r in rows], device=device)))
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
-    (loss * world / a.grad_accum).backward()
+    (loss * world / accum).backward()
     return loss, int(batch["attention_mask"].sum())
 
 
-# ---------------------------------------------------------------- load, encode, data ------------
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
+def finite(text):
+    """float(text), refusing nan and inf as ValueError."""
+    if not math.isfinite(v := float(text)):
+        raise ValueError(text)
+    return v
+
+
+def read_csv(path):
+    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
+    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
+    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
+    cols = set(reader.fieldnames or [])
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        has = ",".join(sorted(cols)) or "no header"
+        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
+                   f"sentence2,condition,label (C-STS); it has {has}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
+                       "delete the row")
+        try:
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
+        except ValueError:
+            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
+                       "C-STS labels are 1-5")
+    if not rows:
+        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
+
+
+# ---------------------------------------------------------------- the model, its run folder -----
 def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
     bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
@@ -251,21 +330,27 @@ def cast_frozen_linears(dec, dtype=torch.bfloat16):
             m.to(dtype)
 
 
-def fill(prompt, sentence, condition=None):
-    """The prompted text (§3.3); str.replace leaves braces inside a sentence alone."""
-    return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
+def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=False):
+    """LoRA on every Linear of the decoder (peft; AutoModel has no LM head), in place. grad_ckpt:
+    gradient checkpointing (with bf16 weights, LLaMA-2-7B fits one 80 GB GPU); autocast: bf16
+    autocast will run, so the frozen Linears are cast once (cast_frozen_linears). -> the peft
+    model (its save_pretrained writes the adapter)"""
+    from peft import LoraConfig, get_peft_model
+    if grad_ckpt:
+        dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = get_peft_model(dec, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                          target_modules="all-linear"))
+    if autocast:
+        cast_frozen_linears(dec)
+    return lora
 
 
-def prompted(tok, cfg, sentences, conditions=None):
-    """Sentences -> prompted texts; max_len applies to the sentence, cut before it enters the
-    prompt, so the prompt's end (`is:"`, read by the pooled last token) is never cut.
-    -> texts, their token limit."""
-    def cut(s):
-        ids = tok(s, add_special_tokens=False)["input_ids"]
-        return s if len(ids) <= cfg["max_len"] else tok.decode(ids[:cfg["max_len"]])
-    conditions = conditions or [None] * len(sentences)
-    texts = [fill(cfg["prompt"], cut(s), c) for s, c in zip(sentences, conditions)]
-    return texts, cfg["max_len"] + len(tok(fill(cfg["prompt"], "", ""))["input_ids"]) + 8
+def prompt_tokens(tokenizer, dec, prompt, max_len, name):
+    """The tokens of the prompt around a sentence, once --max-len is known to fit the model's
+    positions with them."""
+    n = len(tokenizer(fill(prompt, "", ""))["input_ids"])
+    common.check_max_len(max_len, dec.config, name, extra=n)
+    return n
 
 
 def make_encode(dec, tok, cfg, device, cpu_bf16=False):
@@ -331,7 +416,6 @@ LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias
               "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
               "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
               "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
-RECOPY = "copy the whole run folder again, or train again"
 
 
 def check_run(run_dir, meta):
@@ -415,61 +499,6 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
-# ---------------------------------------------------------------- the data loader ---------------
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
-
-
-def finite(text):
-    """float(text), refusing nan and inf as ValueError."""
-    if not math.isfinite(v := float(text)):
-        raise ValueError(text)
-    return v
-
-
-def read_csv(path):
-    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
-    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
-    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
-    reader = csv.DictReader(io.StringIO(text))
-    cols = set(reader.fieldnames or [])
-    if {"sent0", "sent1", "hard_neg"} <= cols:
-        kind, need = "nli", ("sent0", "sent1", "hard_neg")
-    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
-        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
-    else:
-        has = ",".join(sorted(cols)) or "no header"
-        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-                   f"sentence2,condition,label (C-STS); it has {has}")
-    rows = []
-    for r in reader:
-        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
-            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                       "delete the row")
-        try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
-                        if kind == "csts" else tuple(r[c] for c in need))
-        except ValueError:
-            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                       "C-STS labels are 1-5")
-    if not rows:
-        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
-    return kind, rows
-
-
 # ---------------------------------------------------------------- memory (the start-up line) ----
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
     """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
@@ -486,11 +515,11 @@ def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
     return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
 
 
-def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
-    """The start-up line: a step's memory, estimated (docs/operations.md)."""
-    s = 2 if dtype == torch.bfloat16 or a.bf16 or device.type == "cuda" else 4  # bytes, mostly
-    n = sum(q.numel() for q in params)
-    est = [memory_estimate(dec, n, s, texts * longest, longest, a.lora_r, c) for c in (0, 1)]
+def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
+    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: bf16 weights or
+    autocast (2 bytes a value, mostly)."""
+    s, n = 2 if bf16 else 4, sum(q.numel() for q in params)
+    est = [memory_estimate(dec, n, s, texts * longest, longest, r, c) for c in (0, 1)]
     per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
     w, o, act = est[grad_ckpt]
     return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
@@ -499,21 +528,190 @@ def memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device):
             f"{w + o + act:.2f} GiB in all")
 
 
+# ---------------------------------------------------------------- argument checks ---------------
+def check_prompt(prompt, conditional):
+    if "{sentence}" not in prompt:
+        common.die(f"--prompt '{prompt}' has no {{sentence}}: write where the sentence goes, e.g. "
+                   f"'{PROMPT}'")
+    if ("{condition}" in prompt) != conditional:
+        common.die("--prompt has {condition} but the data has no condition column"
+                   if not conditional else "C-STS data needs a --prompt with {condition}, e.g. "
+                   f"'{CSTS_PROMPT}'")
+
+
+def check_tasks(spec):
+    """--tasks 'STS12,STS-B' -> ['STS12', 'STS-B']; an unknown name stops with one line."""
+    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    if unknown := [t for t in tasks if t not in common.TASKS]:
+        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
+    return tasks
+
+
+def check_args(a, world):
+    """Every check of the command line that stops training (one error line, exit 2), flags that
+    would do nothing included. -> the tasks of the final table"""
+    tasks = check_tasks(a.tasks)
+    if a.batch_size * world < 2:
+        common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
+    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
+        common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
+    if not a.bi_layers and (odd := [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
+                                    ("bi_mode", "bi_strategy")
+                                    if getattr(a, k) != p.get_default(k)]):
+        common.die(f"--bi-layers 0 makes no layer bidirectional, so {' and '.join(odd)} would do "
+                   "nothing: drop them, or pass --bi-layers 1 or more")
+    if not a.final_eval and a.tasks != p.get_default("tasks"):
+        common.die("--tasks picks the final table's tasks, and --no-final-eval prints none: drop "
+                   "one of them")
+    return tasks
+
+
+def check_data(a, kind, csts_dev):
+    """What the training data asks of the flags: a --prompt with {condition} exactly for C-STS
+    data or a --csts dev file; --temp only where eq. 6 reads it (NLI)."""
+    check_prompt(a.prompt, kind == "csts" or csts_dev)
+    if kind == "csts" and a.temp != p.get_default("temp"):
+        common.die("--temp is eq. 6's temperature, and C-STS rows train with cosent_loss, which "
+                   "has none: drop --temp")
+
+
+# ---------------------------------------------------------------- main --------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = start()
+    tasks = check_args(a, world)
+
+    # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
+    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
+    check_data(a, kind, csts_dev is not None)
+    data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
+    metric = "csts_dev" if csts_dev else "stsb_dev"
+    per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
+    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder, locked; --resume: its training state, trained as this command says
+    out = a.output_dir
+    new_run, lock = open_run(out, [a.model], a.resume, rank, world)  # lock: held till exit
+    state = read_resume(out, a, device)  # None: a new run
+    if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
+        return log(complete(state["step"], len(steps), out))
+    curve = resumed_curve(out, state["step"]) if state and rank == 0 else []
+    lr = a.lr or (state["args"]["lr"] if state else 2e-4)  # the paper's, or the resumed run's
+
+    # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
+    common.seed_everything(a.seed)  # the same added layers, LoRA and dropout stream on every rank
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
+    longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
+    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt,
+                    a.bf16 or device.type == "cuda")
+    raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+    model = ddp(raw_model, world)  # DDP: the LoRA weights' gradients averaged over the ranks
+    forward = common.in_length_groups(functools.partial(embed, model), a.length_grouping)
+    meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
+                bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
+                max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
+                lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
+                base_checksum=base_checksum(dec))  # sentemb.json: how it encodes
+    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
+
+    # the optimiser: AdamW with linear decay (the authors' HF Trainer)
+    params = [q for q in raw_model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / len(steps))
+    step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
+        (0, -math.inf)
+    check_base(meta["base_checksum"], state and state.get("base_checksum"), a.model, CKPT)
+    log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
+        f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
+        f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
+        f"{common.device_line(world, device, a.bf16)}")
+    log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
+                    dtype == torch.bfloat16 or a.bf16 or device.type == "cuda", grad_ckpt))
+
+    handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    raw_model.train()
+    clock, tokens = (time.perf_counter(), step), 0  # tokens: real ones since the last log line
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows per rank
+            optimizer.zero_grad(set_to_none=True)
+            for ids, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
+                                           world):
+                with no_sync(model, last):
+                    loss, n = train_step(forward, tokenizer, [rows[i] for i in ids], kind, a.prompt,
+                                         device, a.temp, a.max_len, a.bf16 or device.type == "cuda",
+                                         world, a.grad_accum, common.gather)
+                tokens += n
+                check_loss(loss, step, lr, out)
+            optimizer.step()
+            scheduler.step()
+            if step % a.log_steps == 0 or step == len(steps):
+                dt, n = time.perf_counter() - clock[0], summed(tokens, world, device)  # all ranks'
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+                    f"rows/s {per_step * (step - clock[1]) / dt:.2f}  tok/s {n / dt:.0f}")
+                clock, tokens = (time.perf_counter(), step), 0
+        halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
+        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
+            dev = dev_eval(raw_model, dev_score, encode, data, csts_dev) if evaluate else None
+            state = training_state(raw_model, optimizer, scheduler, a, lr, step,
+                                   base_checksum=meta["base_checksum"])
+            curve, best = save_step(out, curve, step, metric, dev, best, state, meta,
+                                    lora.save_pretrained, new_run, log)
+            new_run = None
+        if evaluate or halt:
+            clock = saved(world, step)
+        if halt:
+            break
+
+    log(peak_memory(device, world))
+    if STOP["signum"]:  # saved at this step: exit 128 + the signal's number
+        sys.exit(stopped(step, out, log))
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        final_table(out, data, tasks, device, a.bf16, best)
+    restore_signals(handlers)
+
+
 # ---------------------------------------------------------------- the harness -------------------
-# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
-# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
-# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
-# instant leaves the old version or the new one. One process at a time writes a folder (flock on
-# .lock).
-CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
-                                       ".best.pending", ".lock")
-METHOD = "bellm"  # this script: sentemb.json's and checkpoint.pt's "method"
-STATE_KEYS = ("trainable", "opt", "sched", "rng", "args", "step", "best")  # checkpoint.pt
-# settings --resume may change; any other difference is refused
+# What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
+# table (test_all.py holds them equal); a reader who copies the method leaves it behind.
+METHOD = "bellm"  # this script: the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
              "data_dir", "output_dir", "bf16", "quiet", "length_grouping", "tasks", "eval_first",
-             "grad_ckpt"}
+             "grad_ckpt"}  # --resume may change
+# ---- (the table ends here)
+# A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
+# for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power
+# cut at any instant leaves the old version or the new one. One process at a time writes a folder
+# (flock on .lock).
+CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
+                                       ".best.pending", ".lock")
+RECOPY = "copy the whole run folder again, or train again"
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+
+
+def start():
+    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
+    log (print on rank 0, flushed; nothing on the other ranks)."""
+    STOP.update(signum=0, now=False, writes=0)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
+    return rank, world, device, log
+
+
+def catch_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step, saved; a second one, or one
+    after training, exits at once. -> the handlers replaced (restore_signals puts them back)."""
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def on_signal(signum, frame):
@@ -525,34 +723,325 @@ def on_signal(signum, frame):
              "once)\n".encode())
 
 
-def pause():
-    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
-    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
-    STOP["writes"] += 1
-    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+def restore_signals(handlers):
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
-def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+def stop_requested(world, device):
+    """Whether a signal asked training to stop; with torchrun, a signal on any rank stops every rank
+    at the same step."""
+    if world > 1:
+        t = torch.tensor(STOP["signum"], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        STOP["signum"] = int(t)
+    return bool(STOP["signum"])
 
 
-def save_failed(what, e, out_dir, new_run):
-    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
-    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
-        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
-    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
-    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
-        for name in set(os.listdir(out_dir)) - new_run[0]:
-            p = os.path.join(out_dir, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        if new_run[1]:
-            os.rmdir(out_dir)
-    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
-               "what was saved before is kept, and --resume continues from it")
+def summed(x, world, device):
+    """A number summed over the ranks (torchrun), as a float."""
+    t = torch.tensor(float(x), device=device)
+    if world > 1:
+        torch.distributed.all_reduce(t)
+    return t.item()
+
+
+def ddp(model, world):
+    """The model as training runs it: wrapped by DDP under torchrun (gradients averaged over the
+    ranks), itself on one process."""
+    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+
+def micro_batches(rows, batch_size, grad_accum, rank, world):
+    """One optimisation step's rows (every rank's micro-batches) -> this rank's grad_accum
+    micro-batches, each as (rows, whether it is the step's last: DDP all-reduces after it)."""
+    return [(rows[(k * world + rank) * batch_size:][:batch_size], k == grad_accum - 1)
+            for k in range(grad_accum)]
+
+
+def no_sync(model, last):
+    """DDP all-reduces the gradients only after a step's last micro-batch."""
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def check_loss(loss, step, lr, out_dir):
+    """The NaN guard, before the optimiser step: the weights saved are still good."""
+    if not torch.isfinite(loss):
+        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
+                   f"{lr:g}; --resume --lr ...) or check the data; the run in {out_dir} is kept")
+
+
+def dev_eval(model, score, *args):
+    """score(*args) with the model in eval mode (no dropout), then back in training mode."""
+    model.eval()
+    try:
+        return score(*args)
+    finally:
+        model.train()
+
+
+def open_run(out_dir, inputs, resume, rank, world):
+    """The run folder, on rank 0: never one of the input models; with --resume a run of this script
+    with its checkpoint, else new, empty or left by a run that saved nothing; writable; locked for
+    as long as the lock returned is open; a save that a kill cut short completed. -> (the folder's
+    entries before this run and whether it made the folder: a first save that fails restores
+    them; None with --resume), the lock"""
+    new_run, lock = None, None
+    if rank == 0:
+        for name in inputs:
+            if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
+                common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
+                           "overwrite its weights; pass another --output-dir")
+        if not resume:  # before anything is written into it
+            check_new_run(out_dir)
+            new_run = (set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set(),
+                       not os.path.isdir(out_dir))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, ".write_test"), "w").close()
+            os.remove(os.path.join(out_dir, ".write_test"))
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable "
+                       "--output-dir")
+        lock = take_lock(out_dir)
+        finish_save(out_dir)
+        if not resume:  # again, now that a save cut short is completed
+            check_new_run(out_dir)
+        elif not os.path.isfile(os.path.join(out_dir, CKPT)):
+            common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
+                       "run")
+    if world > 1:
+        torch.distributed.barrier()
+    return new_run, lock
+
+
+def take_lock(out_dir):
+    """An exclusive lock on OUT_DIR/.lock (holding this process's pid), which the kernel drops when
+    the file is closed or the process ends, however it ends. -> the open lock file"""
+    try:
+        lock = open(os.path.join(out_dir, LOCK), "a+")
+    except OSError as e:  # e.g. a folder of that name
+        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
+                   "holds the pid of the run that writes the folder) and run again")
+    try:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no lock
+        pass
+    except OSError:
+        common.die(f"'{out_dir}' is in use by another training run (pid "
+                   f"{open(os.path.join(out_dir, LOCK)).read().strip() or '?'}): wait for it to "
+                   "end, or pass another --output-dir")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def check_new_run(out_dir):
+    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
+    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
+    if not os.path.isdir(out_dir):
+        return
+    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
+                                                CURVE + ".tmp"})
+    if common.META in found or CKPT in found:
+        method = method_in(out_dir)
+        what = f"a run of {method}.py" if method else "a run"
+        common.die(f"'{out_dir}' already holds {what}: pass "
+                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
+                   "new or empty --output-dir")
+
+
+def method_in(run_dir):
+    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
+    neither says)."""
+    with contextlib.suppress(Exception):
+        with open(os.path.join(run_dir, common.META)) as f:
+            return json.load(f)["method"]
+    with contextlib.suppress(Exception):
+        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
+                          mmap=True)["method"]
+
+
+def read_resume(out_dir, a, device):
+    """--resume: the checkpoint of a run of this script trained with this command's settings (a
+    flag the run predates had its default; those in RESUMABLE may change), and, once it has saved
+    a best model, that model whole and described as trained (check_run, check_agree). -> its
+    training state; None for a new run"""
+    if not a.resume:
+        return None
+    state = read_checkpoint(out_dir, "--resume", "start again without --resume in another "
+                            "--output-dir", device)
+    now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+           for k, v in vars(a).items()}
+    old = state["args"]  # with the defaults of flags the run predates
+    if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                   and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+            " (its default: the run predates the flag)" * (k in state["predates"]))
+        common.die("--resume: the run was started with "
+                   f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                   f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the run's own "
+                   "settings")
+    if state["best"] > -float("inf"):
+        if (meta := read_meta(out_dir)) is None:
+            common.die(f"--resume: {os.path.join(out_dir, common.META)} is missing, but the run "
+                       f"has saved a best model: {RECOPY}")
+        check_run(out_dir, meta)
+        check_agree(out_dir, state, meta)
+    return state
+
+
+def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
+    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
+    the defaults of the flags the run predates (their names: state["predates"]), its trained
+    weights under "model" (older runs: "encoder", "trainable"); one line when it is damaged or
+    another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
+    path = os.path.join(run_dir, CKPT)
+    try:
+        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
+    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
+        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
+    for old in ("encoder", "trainable"):  # the key of the trained weights in older checkpoints
+        if old in state and "model" not in state:
+            state["model"] = state.pop(old)
+    ok = {"model": lambda v: isinstance(v, (dict, list)),
+          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0,
+          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
+    if bad := [k for k in ("model", "opt", "rng", "args", "step", "best")
+               if k not in state or not ok.get(k, lambda v: True)(state[k])]:
+        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
+                   f"the training state {METHOD}.py writes): {fix}")
+    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
+    state["predates"] = [k for k in defaults if k not in state["args"]]
+    state["args"] = {**defaults, **state["args"]}
+    return state
+
+
+def check_agree(run_dir, state, meta):
+    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
+    are of one run: every setting both hold is the same (described: the values a checkpoint's
+    flags give sentemb.json), or one line naming both files."""
+    for key, want in described(state).items():
+        if key in meta and want is not None and meta[key] != want:
+            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
+                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
+                       f"are of different runs; {RECOPY}")
+
+
+def resumed_curve(out_dir, step):
+    """The dev curve up to the resumed step: a kill may have cut the save after a step's curve, so
+    the entries after it go (they are evaluated again)."""
+    entries = read_curve(out_dir)
+    curve = [e for e in entries if e["step"] <= step]
+    if len(curve) < len(entries):
+        write_curve(out_dir, curve)
+    return curve
+
+
+def complete(step, steps, out_dir):
+    """--resume of a run with nothing left to train (exit 0, the folder untouched): what to do."""
+    return (f"the run is complete (step {step} of {steps}): nothing to train in '{out_dir}'; "
+            f"evaluate it with eval_sts.py --model {out_dir}, or pass a larger --max-steps or "
+            "--epochs with --resume to train on")
+
+
+def training_state(model, optimizer, scheduler, a, lr, step, **extra):
+    """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
+    frozen ones, which come from the model files), the optimiser and schedule, the flags, the
+    random-number states, the step, and extra (the method's own: values, random-number generators);
+    save_step adds the best dev score so far."""
+    return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+                      if v.requires_grad},
+            "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
+            "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+                        for k, v in vars(a).items()}, "lr": lr},
+            "step": step, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+            **{k: v.get_state() if isinstance(v, torch.Generator) else v for k, v in extra.items()}}
+
+
+def restore(state, model, optimizer, scheduler, lr, log, **generators):
+    """--resume: the trained weights, optimiser, schedule and random-number states of the saved
+    step (generators: the method's own, as training_state saved them); a new --lr applies from
+    that step on (logged). -> (step, best dev score so far)"""
+    trained = [k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad]
+    try:
+        saved = state["model"]
+        if isinstance(saved, list):  # bellm.py's older checkpoints: the trained tensors in order
+            saved = dict(zip(trained, saved, strict=True))
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        if unexpected or set(missing) & set(trained):
+            raise KeyError((unexpected or sorted(set(missing) & set(trained)))[0])
+        optimizer.load_state_dict(state["opt"])
+        if "sched" in state:  # (jtcse.py's older checkpoints: none, a constant rate)
+            scheduler.load_state_dict(state["sched"])
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
+                   f"({type(e).__name__}): pass the --output-dir of a run of this model and "
+                   "settings")
+    torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
+    random.setstate(state["rng"][1])
+    np.random.set_state(state["rng"][2])
+    for k, g in generators.items():
+        g.set_state(state[k].cpu())
+    if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+        for g in optimizer.param_groups:
+            g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
+    return state["step"], state["best"]
+
+
+def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_run, log):
+    """Rank 0, after an evaluation (dev: its score) or at a stop between evaluations (dev None):
+    dev.jsonl with the step's score; then the training state, with a new best dev score the model
+    too (write(folder) saves it; meta: its sentemb.json, with the step and its score) as one save
+    (save_best), else alone. Weights no longer finite are never saved. A save that fails is one
+    line (a new run leaves its folder as it found it). -> (the dev curve, the best score so far)"""
+    new_best, best = dev is not None and dev > best, max(best, -math.inf if dev is None else dev)
+    if dev is not None:
+        curve = curve + [{"step": step, "metric": metric, "score": dev}]
+        try:  # dev.jsonl, rewritten whole before the save of that step
+            write_curve(out_dir, curve)
+        except OSError as e:
+            save_failed(os.path.join(out_dir, CURVE), e, out_dir, new_run)
+    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+                   "step: resume from it with a lower --lr (--resume --lr ...)")
+    state = {**state, "best": best}
+    try:
+        if new_best:
+            save_best(out_dir, write, state, {**meta, "step": step, metric: dev})
+        else:  # the training state alone, replaced whole
+            common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f), pause)
+    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+        save_failed(f"the best model in {out_dir}" if new_best else os.path.join(out_dir, CKPT),
+                    e, out_dir, new_run)
+    if dev is not None:
+        log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})")
+    return curve, best
+
+
+def saved(world, step):
+    """Every rank waits for rank 0's save; the clock of the throughput restarts after it."""
+    if world > 1:
+        torch.distributed.barrier()
+    return time.perf_counter(), step
+
+
+def stopped(step, out_dir, log):
+    """Training stopped by a signal, saved at this step: what to do. -> the exit code, 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM)"""
+    log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state is "
+        f"in {os.path.join(out_dir, CKPT)}; run the same command with --resume to continue")
+    return 128 + STOP["signum"]
 
 
 def save_best(out_dir, write, state, meta):
@@ -579,12 +1068,6 @@ def save_best(out_dir, write, state, meta):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finish_save(out_dir)
-
-
-def write_curve(out_dir, curve):
-    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
-    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def finish_save(out_dir):
@@ -617,337 +1100,40 @@ def finish_save(out_dir):
         pause()
 
 
-def check_new_run(out_dir):
-    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
-    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
-    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
-                                                CURVE + ".tmp"})
-    if common.META in found or CKPT in found:
-        method = method_in(out_dir)
-        what = f"a run of {method}.py" if method else "a run"
-        common.die(f"'{out_dir}' already holds {what}: pass "
-                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-    if found:
-        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
-        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
-                   "new or empty --output-dir")
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run, and whether the run made it
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
 
 
-def method_in(run_dir):
-    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
-    neither says)."""
-    with contextlib.suppress(Exception):
-        with open(os.path.join(run_dir, common.META)) as f:
-            return json.load(f)["method"]
-    with contextlib.suppress(Exception):
-        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
-                          mmap=True)["method"]
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
 
 
-def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
-    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
-    the defaults of the flags the run predates (their names: state["predates"]); one line when it
-    is damaged or another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
-    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
-        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
-    ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0,
-          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
-    if bad := [k for k in STATE_KEYS if k not in state or not ok.get(k, lambda v: True)(state[k])]:
-        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
-                   f"the training state {METHOD}.py writes): {fix}")
-    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
-    state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
-    return state
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 
-def check_agree(run_dir, state, meta):
-    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
-    are of one run: every setting both hold is the same (described: the values a checkpoint's
-    flags give sentemb.json), or one line naming both files."""
-    for key, want in described(state).items():
-        if key in meta and want is not None and meta[key] != want:
-            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
-                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
-                       f"are of different runs; {RECOPY}")
-
-
-# ---------------------------------------------------------------- main --------------------------
-def main():
-    a = common.parse(p)
-    STOP.update(signum=0, now=False, writes=0)
-    rank, world, device = 0, 1, common.pick_device()
-    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-    log = print if rank == 0 else lambda *_, **__: None
-    tasks = check_args(a, world)
-
-    # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = read_csv(a.csts)[1] if a.csts else None
-    check_prompt(a.prompt, kind == "csts" or csts_dev is not None)
-    data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
-    metric = "csts_dev" if csts_dev else "stsb_dev"
-    per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
-    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
-    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
-    out, state, lock = a.output_dir, None, None
-    ckpt = os.path.join(out, CKPT)
-    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
-                                     not os.path.isdir(out))  # restored if the first save fails
-    if rank == 0:
-        if os.path.isdir(a.model) and os.path.isdir(out) and os.path.samefile(a.model, out):
-            common.die(f"--output-dir '{out}' is the input model '{a.model}': training would "
-                       "overwrite its weights; pass another --output-dir")
-        if not a.resume and os.path.isdir(out):  # before anything is written into it
-            check_new_run(out)
-        try:
-            os.makedirs(out, exist_ok=True)
-            open(os.path.join(out, ".write_test"), "w").close()
-            os.remove(os.path.join(out, ".write_test"))
-        except OSError as e:
-            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
-                       "--output-dir")
-        try:
-            lock = open(os.path.join(out, LOCK), "a+")
-        except OSError as e:  # e.g. a folder of that name
-            common.die(f"cannot open {os.path.join(out, LOCK)} ({e.strerror}): delete it (it only "
-                       "holds the pid of the run that writes the folder) and run again")
-        try:
-            import fcntl  # the kernel drops the lock when the process ends, however it ends
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # Windows: no lock
-            pass
-        except OSError:
-            common.die(f"'{out}' is in use by another training run (pid "
-                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
-                       "end, or pass another --output-dir")
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        finish_save(out)
-        if not a.resume:  # again, now that a save cut short is completed
-            check_new_run(out)
-        elif not os.path.isfile(ckpt):
-            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
-    if world > 1:
-        torch.distributed.barrier()
-
-    # --resume: the state of the same script, with the same settings (a flag the run predates had
-    # its default), and, once it has saved a best model, that model whole
-    step, best, curve = 0, -float("inf"), []
-    if a.resume:
-        state = read_checkpoint(out, "--resume", "start again without --resume in another "
-                                "--output-dir", device)
-        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-               for k, v in vars(a).items()}
-        old = state["args"]  # with the defaults of flags the run predates
-        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
-                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
-                " (its default: the run predates the flag)" * (k in state["predates"]))
-            common.die("--resume: the run was started with "
-                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
-                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
-                       "run's own settings")
-        if state["best"] > -float("inf"):
-            if (meta := read_meta(out)) is None:
-                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
-                           f"has saved a best model: {RECOPY}")
-            check_run(out, meta)
-            check_agree(out, state, meta)
-        step, best = state["step"], state["best"]
-        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
-            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
-                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
-                "--max-steps or --epochs with --resume to train on", flush=True)
-            sys.exit(0)
-        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
-            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
-            curve = [e for e in entries if e["step"] <= step]
-            if len(curve) < len(entries):
-                write_curve(out, curve)
-    lr = a.lr or (state["args"]["lr"] if state else 2e-4)  # the paper's, or the resumed run's
-
-    # the model: the decoder patched (forward), LoRA on every Linear (peft)
-    from peft import LoraConfig, get_peft_model
-    common.seed_everything(a.seed)  # the same added layers, LoRA and dropout stream on every rank
-    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    tok, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
-    checksum = base_checksum(dec)  # recorded: the adapter goes with this base only
-    prompt_len = len(tok(fill(a.prompt, "", ""))["input_ids"])
-    common.check_max_len(a.max_len, dec.config, a.model, extra=prompt_len)
-    longest = a.max_len + prompt_len  # a prompted training text, at most
-    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    if grad_ckpt:  # with bf16 weights, LLaMA-2-7B fits one 80 GB GPU (docs/operations.md)
-        dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
-                      target_modules="all-linear")  # every Linear; AutoModel has no LM head
-    model = get_peft_model(dec, lora)
-    if a.bf16 or device.type == "cuda":  # autocast on: the frozen Linears cast once
-        cast_frozen_linears(dec)
-    net = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
-    if world > 1:  # DDP: gradients averaged over the ranks (the LoRA weights only)
-        net = torch.nn.parallel.DistributedDataParallel(net)
-    meta = dict(base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
-                bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
-                max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
-                lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
-                base_checksum=checksum)
-    encode = make_encode(dec, tok, meta, device, a.bf16)
-
-    # the optimiser: AdamW with linear decay (the authors' HF Trainer)
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
-    if state:  # the LoRA weights, optimiser, schedule and RNGs of the saved step
-        try:
-            if len(params) != len(state["trainable"]):
-                raise ValueError(f"{len(state['trainable'])} saved tensors, {len(params)} here")
-            for q, v in zip(params, state["trainable"]):
-                q.data.copy_(v)
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
-            common.die(f"--resume: the checkpoint does not fit '{a.model}' with these LoRA "
-                       f"settings ({type(e).__name__}): pass the --output-dir of a run of this "
-                       "model and settings")
-        check_base(checksum, state.get("base_checksum"), a.model, "the checkpoint")
-        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
-        random.setstate(state["rng"][1])
-        np.random.set_state(state["rng"][2])
-        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            for g in opt.param_groups:
-                g["initial_lr"], g["lr"] = lr, lr * sched.lr_lambdas[0](sched.last_epoch)
-            sched.base_lrs = [lr] * len(opt.param_groups)
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
-    log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
-        f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
-        f"{len(steps)} steps of {per_step} rows, lr {lr:g}, {world} process(es), device "
-        f"{device}{bf16}", flush=True)
-    texts = a.batch_size * (3 if kind == "nli" else 2)  # a micro-batch
-    log(memory_line(dec, params, a, texts, longest, dtype, grad_ckpt, device), flush=True)
-
-    model.train()
-    clock, tokens = (time.perf_counter(), step), 0  # tokens: real ones since the last log line
-    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
-            opt.zero_grad(set_to_none=True)
-            for k in range(a.grad_accum):
-                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
-                batch = [rows[i] for i in steps[step - 1][start:start + a.batch_size]]
-                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
-                with contextlib.nullcontext() if sync else net.no_sync():
-                    loss, n_tok = train_step(net, tok, batch, kind, a, world, device)
-                tokens += n_tok
-                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
-                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
-                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
-                               f"in {out} is kept")
-            opt.step()
-            sched.step()
-            if step % a.log_steps == 0 or step == len(steps):
-                dt = time.perf_counter() - clock[0]
-                n = torch.tensor(float(tokens), device=device)
-                if world > 1:
-                    torch.distributed.all_reduce(n)
-                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                    f"rows/s {per_step * (step - clock[1]) / dt:.2f}  tok/s {n.item() / dt:.0f}",
-                    flush=True)
-                clock, tokens = (time.perf_counter(), step), 0
-        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
-            t = torch.tensor(STOP["signum"], device=device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            STOP["signum"] = int(t)
-        halt = bool(STOP["signum"])
-        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
-            dev = None
-            if evaluate:  # on rank 0, in eval mode
-                model.eval()
-                dev = dev_score(encode, data, csts_dev)
-                model.train()
-                curve.append({"step": step, "metric": metric, "score": dev})
-                try:  # dev.jsonl, rewritten whole before the save of that step
-                    write_curve(out, curve)
-                except OSError as e:
-                    save_failed(os.path.join(out, CURVE), e, out, new_run)
-            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
-            if not all(bool(torch.isfinite(q).all()) for q in params):
-                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
-                           "good step: resume from it with a lower --lr (--resume --lr ...)")
-            state = {"trainable": [q.detach().clone() for q in params], "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "base_checksum": checksum, "method": "bellm",
-                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
-                                 else v for k, v in vars(a).items()}, "lr": lr},
-                     "step": step, "best": best,
-                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
-            try:  # with a new best dev score the model too, as one save (save_best)
-                if new_best:
-                    save_best(out, model.save_pretrained, state,
-                              {"method": "bellm", **meta, "step": step, metric: dev})
-                else:  # the training state alone, replaced whole
-                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
-            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
-            new_run = None
-            if dev is not None:
-                log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})", flush=True)
-        if (evaluate or halt) and world > 1:
-            torch.distributed.barrier()
-        if evaluate or halt:
-            clock = (time.perf_counter(), step)
-        if halt:
-            break
-
-    cuda = device.type == "cuda"
-    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
-        f"{', rank 0' if world > 1 else ''})", flush=True)
-    if STOP["signum"]:
-        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
-            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
-        sys.exit(128 + STOP["signum"])
-    STOP["now"] = True  # training has ended: a signal now exits at once
-    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        check_run(out, saved := read_meta(out))
-        encode = load_encoder(out, saved, device)
-        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
-        with common.autocast(device, a.bf16):
-            print(common.format_table(common.evaluate(encode, data, tasks)))
-    for s, h in old_handlers.items():
-        signal.signal(s, h)
-
-
-def read_meta(run_dir):
-    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
-    path = os.path.join(run_dir, common.META)
-    if not os.path.isfile(path):
-        return None
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("method") != "bellm":
-        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
-        common.die(f"{path} is not a run description of bellm.py ({said}): re-save the run, or "
-                   "delete the file to load the folder as a plain model")
-    return meta
+def write_curve(out_dir, curve):
+    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
+    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def read_curve(run_dir):
@@ -969,34 +1155,41 @@ def read_curve(run_dir):
     return entries
 
 
-# ---------------------------------------------------------------- argument checks ---------------
-def check_prompt(prompt, conditional):
-    if "{sentence}" not in prompt:
-        common.die(f"--prompt '{prompt}' has no {{sentence}}: write where the sentence goes, e.g. "
-                   f"'{PROMPT}'")
-    if ("{condition}" in prompt) != conditional:
-        common.die("--prompt has {condition} but the data has no condition column"
-                   if not conditional else "C-STS data needs a --prompt with {condition}, e.g. "
-                   f"'{CSTS_PROMPT}'")
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not
+    this script's."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != METHOD:
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of {METHOD}.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
 
 
-def check_tasks(spec):
-    """--tasks 'STS12,STS-B' -> ['STS12', 'STS-B']; an unknown name stops with one line."""
-    tasks = [t.strip() for t in spec.split(",") if t.strip()]
-    if unknown := [t for t in tasks if t not in common.TASKS]:
-        common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
-    return tasks
+def peak_memory(device, world):
+    """The peak memory line: the GPU's allocations (CUDA), else the process's largest RSS."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        how = "torch.cuda.max_memory_allocated"
+    else:
+        gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"  # KiB
+    return f"peak memory {gib:.2f} GiB ({how}{', rank 0' if world > 1 else ''})"
 
 
-def check_args(a, world):
-    """Every check of the command line that stops training (one error line, exit 2). -> the tasks
-    of the final table."""
-    tasks = check_tasks(a.tasks)
-    if a.batch_size * world < 2:
-        common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
-        common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
-    return tasks
+def final_table(out_dir, data, tasks, device, bf16, best):
+    """The best checkpoint on the test sets, loaded as eval_sts.py loads it."""
+    meta = read_meta(out_dir)
+    check_run(out_dir, meta)
+    encode = load_encoder(out_dir, meta, device)
+    print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+    with common.autocast(device, bf16):
+        print(common.format_table(common.evaluate(encode, data, tasks)))
 
 
 if __name__ == "__main__":

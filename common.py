@@ -95,6 +95,12 @@ def bf16_note(device):
             "fp32")
 
 
+def device_line(world, device, bf16=False):
+    """The start-up line's end: '1 process(es), device cpu', and with --bf16 what autocast does
+    there (bf16_note)."""
+    return f"{world} process(es), device {device}" + (f" ({bf16_note(device)})" if bf16 else "")
+
+
 def autocast(device, cpu_bf16=False):
     """bf16 autocast on CUDA; on CPU plain fp32, unless cpu_bf16 (--bf16: for CPUs with bf16
     instructions)."""
@@ -227,6 +233,8 @@ FRACTION = _typed(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 def parse(p):
     """The command line; --quiet silences our progress bars, Hugging Face's are always off."""
     a = p.parse_args()
+    if getattr(a, "max_steps", -1) != -1 and a.epochs != p.get_default("epochs"):
+        die("--max-steps sets the run's length, so --epochs would do nothing: drop one of them")
     global QUIET
     QUIET = a.quiet
     import transformers
@@ -569,6 +577,14 @@ def by_length(forward, batch, cost=GROUP_COST):
 def run_batch(forward, batch, grouped=True):
     """forward(batch), in length groups when grouped (by_length): the same outputs either way."""
     return by_length(forward, batch) if grouped else forward(batch)
+
+
+def in_length_groups(forward, grouped=True):
+    """forward(batch, ...) as a function computed in length groups (by_length): the same outputs,
+    for the cost of the real tokens. grouped=False: forward itself."""
+    if not grouped:
+        return forward
+    return lambda batch, *args, **kw: by_length(lambda b: forward(b, *args, **kw), batch)
 
 
 @torch.no_grad()

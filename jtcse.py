@@ -123,6 +123,16 @@ def drop_layernorm(tower, n):
     return tower
 
 
+def cls(encoder, batch):
+    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
+    return encoder(**batch).last_hidden_state[:, 0]
+
+
+def additive_mask(attention_mask, dtype):
+    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
 # ---------------------------------------------------------------- the loss ----------------------
 def nce(z, z_pos, temp):
     """eq. 11: z, z_pos: (B, H). -log e^{cos(z_i, z_i⁺)/τ} / Σ_j e^{cos(z_i, z_j⁺)/τ}, mean over i.
@@ -213,30 +223,60 @@ class Twin(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- one training step -------------
-def train_step(model, tokenizer, sentences, R, a, world, device, teacher=None):
-    """One micro-batch of B sentences on this rank -> (the loss over the global batch of world·B,
-    its terms); gradients accumulated. Twin: eq. 15; JTCSE D: MSE to the teacher's embedding."""
-    batch = common.tokenize(tokenizer, sentences, a.max_len, device)  # (B, L)
+def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, objective="paper",
+               skip=(), tmc_on_h=False, bf16=False, teacher=None, world=1, accum=1,
+               gather=lambda z: z):
+    """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
+    accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
+    model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H); either
+    may run in length groups (the same outputs). R: eq. 12's direction; objective "authors": their
+    code's losses (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h:
+    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); bf16: autocast; teacher: encode(list[str])
+    -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H);
+    the gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step)."""
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
+                      return_tensors="pt").to(device)  # (B, L)
     B, terms = len(sentences), {}
-    with common.autocast(device, a.bf16):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
-            z = common.run_batch(functools.partial(cls, model), batch, a.length_grouping)
-            loss = F.mse_loss(common.gather(z.float()), common.gather(target))
+            loss = F.mse_loss(gather(model(batch).float()), gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
-            two = {k: torch.cat([v, v]) for k, v in batch.items()}
-            outs = common.run_batch(model, two, a.length_grouping)  # h, hP, c: per tower (2B, H)
-            # (2·world·B, H) per tower; NOTE(authors' code): one GPU only (detail 13)
-            h, hP, c = ([gather_views(z, B) for z in zs] if zs else None for zs in outs)
-            skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
-            loss, terms = jtcse_loss(h, h if a.drop_layernorm else hP, c, R, a.temp, a.objective,
-                                     skip)  # --drop-layernorm, Fig. 8: h in eq. 13
+            outs = model({k: torch.cat([v, v]) for k, v in batch.items()})  # h, hP, c: (2B, H)
+            # per tower (2·world·B, H): [view 1 of every rank; view 2 of every rank]
+            # NOTE(authors' code): one GPU only (detail 13)
+            h, hP, c = ([torch.cat([gather(z[:B]), gather(z[B:])]) for z in zs] if zs else None
+                        for zs in outs)
+            loss, terms = jtcse_loss(h, h if tmc_on_h else hP, c, R, temp, objective, skip)
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
-    (loss * world / a.grad_accum).backward()
+    (loss * world / accum).backward()
     return loss, terms
 
 
-# ---------------------------------------------------------------- encode, save, load ------------
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
+def sts_sentences(data, task, split):
+    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
+    text)."""
+    return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
+
+
+# ---------------------------------------------------------------- the run folder --------------
 def make_encode(towers, tokenizer, max_len, device):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
@@ -285,7 +325,6 @@ META_OPTIONAL = {  # keys that older runs may lack
     "teacher": lambda v: v is None or isinstance(v, str) or isinstance(v, list) and all(
         isinstance(x, str) for x in v)}
 RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-RECOPY = "copy the whole run folder again, or train again"
 
 
 def check_run(run_dir, meta):
@@ -377,22 +416,6 @@ def load_towers(names):
     return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
-def cls(encoder, batch):
-    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
-    return encoder(**batch).last_hidden_state[:, 0]
-
-
-def additive_mask(attention_mask, dtype):
-    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-
-
-def gather_views(z, B):
-    """(2B, H) rows [view 1; view 2] on each rank -> (2·world·B, H) rows [view 1 of every rank;
-    view 2 of every rank]."""
-    return torch.cat([common.gather(z[:B]), common.gather(z[B:])])
-
-
 # ---------------------------------------------------------------- JTCSE D: the teacher ----------
 def teacher_run(name):
     """A --distill teacher's run description, checked by the script that wrote it: (check_run,
@@ -464,43 +487,174 @@ def check_teacher(name):
         common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
-# ---------------------------------------------------------------- the data loader ---------------
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
+# ---------------------------------------------------------------- argument checks ---------------
+def check_args(a, world):
+    """Every check that stops training (one error line, exit 2), flags that would do nothing
+    included. -> eq. 15's terms left out (Table X: --no-nce, --no-icnce, --no-ictm)"""
+    skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
+    if a.batch_size * world < 2 and not a.distill:
+        common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
+    twin = [f for f, on in (("--model-b", a.model_b != p.get_default("model_b")),
+                            ("--num-cael", a.num_cael is not None),
+                            ("--temp", a.temp != p.get_default("temp")),
+                            ("--objective", a.objective != p.get_default("objective")),
+                            ("--drop-layernorm", a.drop_layernorm),
+                            *[(f"--no-{t}", 1) for t in skip]) if on]
+    if a.distill and twin:
+        common.die(f"--distill trains one plain tower (--model-a) with MSE: drop {', '.join(twin)} "
+                   "(they set up the twin)")
+    if len(skip) == 3:
+        common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
+    if a.num_cael is not None and "icnce" in skip:
+        common.die("--num-cael sets the cross stream, which only L_ICNCE reads: drop --num-cael or "
+                   "--no-icnce")
+    if a.temp != p.get_default("temp") and {"nce", "icnce"} <= set(skip):
+        common.die("--temp is the InfoNCE temperature, and --no-nce --no-icnce leave no InfoNCE: "
+                   "drop --temp")
+    for t in a.distill or []:  # a missing or damaged teacher stops here
+        check_teacher(t)
+    towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
+    check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
+    return skip
 
 
-def sts_sentences(data, task, split):
-    """The distinct sentences of one STS task's split (jtcse.py adds SICK's to its training
-    text)."""
-    return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
+# ---------------------------------------------------------------- main --------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = start()
+    skip = check_args(a, world)  # eq. 15's terms left out (Table X)
+
+    # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
+    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
+    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
+        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder, locked; --resume: its training state, trained as this command says
+    out, inputs = a.output_dir, [a.model_a, a.model_b, *(a.distill or [])]
+    new_run, lock = open_run(out, inputs, a.resume, rank, world)  # lock: held till exit
+    state = read_resume(out, a, device)  # None: a new run
+    if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
+        return log(complete(state["step"], len(steps), out))
+    curve = resumed_curve(out, state["step"]) if state and rank == 0 else []
+    lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)  # --lr
+
+    # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
+    common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
+    r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
+    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
+    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
+    towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
+    raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
+    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
+        if a.distill else None  # it encodes the text the student reads (cut to --max-len)
+    for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
+        tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
+    model = ddp(raw_model, world)
+    forward = common.in_length_groups(functools.partial(cls, model) if a.distill else model,
+                                      a.length_grouping)  # JTCSE D: the student's CLS
+    eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
+    encode = make_encode(towers, tokenizer, eval_len, device)
+    meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
+                objective=None if a.distill else a.objective,
+                num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
+                drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
+
+    # the optimiser; NOTE(authors' code): AdamW at a constant learning rate, no warm-up
+    params = [q for q in raw_model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
+    step, best = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen) \
+        if state else (0, -math.inf)
+    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
+        f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
+    log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
+        f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+
+    handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    raw_model.train()
+    clock = (time.perf_counter(), step)
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
+            R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
+            optimizer.zero_grad(set_to_none=True)
+            for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
+                                            world):
+                with no_sync(model, last):
+                    loss, terms = train_step(forward, tokenizer, [sentences[i] for i in rows], R,
+                                             device, a.temp, a.max_len, a.objective, skip,
+                                             a.drop_layernorm > 0, a.bf16 or device.type == "cuda",
+                                             teacher, world, a.grad_accum, common.gather)
+                check_loss(loss, step, lr, out)
+            optimizer.step()
+            scheduler.step()
+            if step % a.log_steps == 0 or step == len(steps):
+                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
+                parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}"
+                    + ("" if a.distill else f"  R {R}") + f"  sent/s {rate:.2f}")
+                clock = (time.perf_counter(), step)
+        halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
+        evaluate = step % a.eval_steps == 0 or step == len(steps)
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
+            dev = dev_eval(raw_model, common.stsb_dev, encode, data) if evaluate else None
+            state = training_state(raw_model, optimizer, scheduler, a, lr, step, r_gen=r_gen)
+            curve, best = save_step(out, curve, step, "stsb_dev", dev, best, state, meta,
+                                    functools.partial(save_model, towers, names, tokenizer,
+                                                      eval_len), new_run, log)
+            new_run = None
+        if evaluate or halt:
+            clock = saved(world, step)
+        if halt:
+            break
+
+    log(peak_memory(device, world))
+    if STOP["signum"]:  # saved at this step: exit 128 + the signal's number
+        sys.exit(stopped(step, out, log))
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        final_table(out, data, common.TASKS, device, a.bf16, best)
+    restore_signals(handlers)
 
 
 # ---------------------------------------------------------------- the harness -------------------
-# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
-# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
-# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
-# instant leaves the old version or the new one. One process at a time writes a folder (flock on
-# .lock).
+# What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
+# table (test_all.py holds them equal); a reader who copies the method leaves it behind.
+METHOD = "jtcse"  # this script: the "method" of its sentemb.json and checkpoint.pt
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}  # --resume may change
+# ---- (the table ends here)
+# A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
+# for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power
+# cut at any instant leaves the old version or the new one. One process at a time writes a folder
+# (flock on .lock).
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
-METHOD = "jtcse"  # this script: sentemb.json's and checkpoint.pt's "method"
-STATE_KEYS = ("model", "opt", "r_gen", "rng", "args", "step", "best")  # checkpoint.pt
-# settings --resume may change; any other difference is refused
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}
+RECOPY = "copy the whole run folder again, or train again"
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+
+
+def start():
+    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
+    log (print on rank 0, flushed; nothing on the other ranks)."""
+    STOP.update(signum=0, now=False, writes=0)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
+    return rank, world, device, log
+
+
+def catch_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step, saved; a second one, or one
+    after training, exits at once. -> the handlers replaced (restore_signals puts them back)."""
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def on_signal(signum, frame):
@@ -512,34 +666,325 @@ def on_signal(signum, frame):
              "once)\n".encode())
 
 
-def pause():
-    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
-    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
-    STOP["writes"] += 1
-    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+def restore_signals(handlers):
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
-def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+def stop_requested(world, device):
+    """Whether a signal asked training to stop; with torchrun, a signal on any rank stops every rank
+    at the same step."""
+    if world > 1:
+        t = torch.tensor(STOP["signum"], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        STOP["signum"] = int(t)
+    return bool(STOP["signum"])
 
 
-def save_failed(what, e, out_dir, new_run):
-    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
-    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
-        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
-    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
-    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
-        for name in set(os.listdir(out_dir)) - new_run[0]:
-            p = os.path.join(out_dir, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        if new_run[1]:
-            os.rmdir(out_dir)
-    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
-               "what was saved before is kept, and --resume continues from it")
+def summed(x, world, device):
+    """A number summed over the ranks (torchrun), as a float."""
+    t = torch.tensor(float(x), device=device)
+    if world > 1:
+        torch.distributed.all_reduce(t)
+    return t.item()
+
+
+def ddp(model, world):
+    """The model as training runs it: wrapped by DDP under torchrun (gradients averaged over the
+    ranks), itself on one process."""
+    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+
+def micro_batches(rows, batch_size, grad_accum, rank, world):
+    """One optimisation step's rows (every rank's micro-batches) -> this rank's grad_accum
+    micro-batches, each as (rows, whether it is the step's last: DDP all-reduces after it)."""
+    return [(rows[(k * world + rank) * batch_size:][:batch_size], k == grad_accum - 1)
+            for k in range(grad_accum)]
+
+
+def no_sync(model, last):
+    """DDP all-reduces the gradients only after a step's last micro-batch."""
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def check_loss(loss, step, lr, out_dir):
+    """The NaN guard, before the optimiser step: the weights saved are still good."""
+    if not torch.isfinite(loss):
+        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
+                   f"{lr:g}; --resume --lr ...) or check the data; the run in {out_dir} is kept")
+
+
+def dev_eval(model, score, *args):
+    """score(*args) with the model in eval mode (no dropout), then back in training mode."""
+    model.eval()
+    try:
+        return score(*args)
+    finally:
+        model.train()
+
+
+def open_run(out_dir, inputs, resume, rank, world):
+    """The run folder, on rank 0: never one of the input models; with --resume a run of this script
+    with its checkpoint, else new, empty or left by a run that saved nothing; writable; locked for
+    as long as the lock returned is open; a save that a kill cut short completed. -> (the folder's
+    entries before this run and whether it made the folder: a first save that fails restores
+    them; None with --resume), the lock"""
+    new_run, lock = None, None
+    if rank == 0:
+        for name in inputs:
+            if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
+                common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
+                           "overwrite its weights; pass another --output-dir")
+        if not resume:  # before anything is written into it
+            check_new_run(out_dir)
+            new_run = (set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set(),
+                       not os.path.isdir(out_dir))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, ".write_test"), "w").close()
+            os.remove(os.path.join(out_dir, ".write_test"))
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable "
+                       "--output-dir")
+        lock = take_lock(out_dir)
+        finish_save(out_dir)
+        if not resume:  # again, now that a save cut short is completed
+            check_new_run(out_dir)
+        elif not os.path.isfile(os.path.join(out_dir, CKPT)):
+            common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
+                       "run")
+    if world > 1:
+        torch.distributed.barrier()
+    return new_run, lock
+
+
+def take_lock(out_dir):
+    """An exclusive lock on OUT_DIR/.lock (holding this process's pid), which the kernel drops when
+    the file is closed or the process ends, however it ends. -> the open lock file"""
+    try:
+        lock = open(os.path.join(out_dir, LOCK), "a+")
+    except OSError as e:  # e.g. a folder of that name
+        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
+                   "holds the pid of the run that writes the folder) and run again")
+    try:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no lock
+        pass
+    except OSError:
+        common.die(f"'{out_dir}' is in use by another training run (pid "
+                   f"{open(os.path.join(out_dir, LOCK)).read().strip() or '?'}): wait for it to "
+                   "end, or pass another --output-dir")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def check_new_run(out_dir):
+    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
+    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
+    if not os.path.isdir(out_dir):
+        return
+    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
+                                                CURVE + ".tmp"})
+    if common.META in found or CKPT in found:
+        method = method_in(out_dir)
+        what = f"a run of {method}.py" if method else "a run"
+        common.die(f"'{out_dir}' already holds {what}: pass "
+                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
+                   "new or empty --output-dir")
+
+
+def method_in(run_dir):
+    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
+    neither says)."""
+    with contextlib.suppress(Exception):
+        with open(os.path.join(run_dir, common.META)) as f:
+            return json.load(f)["method"]
+    with contextlib.suppress(Exception):
+        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
+                          mmap=True)["method"]
+
+
+def read_resume(out_dir, a, device):
+    """--resume: the checkpoint of a run of this script trained with this command's settings (a
+    flag the run predates had its default; those in RESUMABLE may change), and, once it has saved
+    a best model, that model whole and described as trained (check_run, check_agree). -> its
+    training state; None for a new run"""
+    if not a.resume:
+        return None
+    state = read_checkpoint(out_dir, "--resume", "start again without --resume in another "
+                            "--output-dir", device)
+    now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+           for k, v in vars(a).items()}
+    old = state["args"]  # with the defaults of flags the run predates
+    if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                   and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+            " (its default: the run predates the flag)" * (k in state["predates"]))
+        common.die("--resume: the run was started with "
+                   f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                   f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the run's own "
+                   "settings")
+    if state["best"] > -float("inf"):
+        if (meta := read_meta(out_dir)) is None:
+            common.die(f"--resume: {os.path.join(out_dir, common.META)} is missing, but the run "
+                       f"has saved a best model: {RECOPY}")
+        check_run(out_dir, meta)
+        check_agree(out_dir, state, meta)
+    return state
+
+
+def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
+    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
+    the defaults of the flags the run predates (their names: state["predates"]), its trained
+    weights under "model" (older runs: "encoder", "trainable"); one line when it is damaged or
+    another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
+    path = os.path.join(run_dir, CKPT)
+    try:
+        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
+    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
+        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
+    for old in ("encoder", "trainable"):  # the key of the trained weights in older checkpoints
+        if old in state and "model" not in state:
+            state["model"] = state.pop(old)
+    ok = {"model": lambda v: isinstance(v, (dict, list)),
+          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0,
+          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
+    if bad := [k for k in ("model", "opt", "rng", "args", "step", "best")
+               if k not in state or not ok.get(k, lambda v: True)(state[k])]:
+        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
+                   f"the training state {METHOD}.py writes): {fix}")
+    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
+    state["predates"] = [k for k in defaults if k not in state["args"]]
+    state["args"] = {**defaults, **state["args"]}
+    return state
+
+
+def check_agree(run_dir, state, meta):
+    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
+    are of one run: every setting both hold is the same (described: the values a checkpoint's
+    flags give sentemb.json), or one line naming both files."""
+    for key, want in described(state).items():
+        if key in meta and want is not None and meta[key] != want:
+            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
+                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
+                       f"are of different runs; {RECOPY}")
+
+
+def resumed_curve(out_dir, step):
+    """The dev curve up to the resumed step: a kill may have cut the save after a step's curve, so
+    the entries after it go (they are evaluated again)."""
+    entries = read_curve(out_dir)
+    curve = [e for e in entries if e["step"] <= step]
+    if len(curve) < len(entries):
+        write_curve(out_dir, curve)
+    return curve
+
+
+def complete(step, steps, out_dir):
+    """--resume of a run with nothing left to train (exit 0, the folder untouched): what to do."""
+    return (f"the run is complete (step {step} of {steps}): nothing to train in '{out_dir}'; "
+            f"evaluate it with eval_sts.py --model {out_dir}, or pass a larger --max-steps or "
+            "--epochs with --resume to train on")
+
+
+def training_state(model, optimizer, scheduler, a, lr, step, **extra):
+    """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
+    frozen ones, which come from the model files), the optimiser and schedule, the flags, the
+    random-number states, the step, and extra (the method's own: values, random-number generators);
+    save_step adds the best dev score so far."""
+    return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+                      if v.requires_grad},
+            "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
+            "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+                        for k, v in vars(a).items()}, "lr": lr},
+            "step": step, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+            **{k: v.get_state() if isinstance(v, torch.Generator) else v for k, v in extra.items()}}
+
+
+def restore(state, model, optimizer, scheduler, lr, log, **generators):
+    """--resume: the trained weights, optimiser, schedule and random-number states of the saved
+    step (generators: the method's own, as training_state saved them); a new --lr applies from
+    that step on (logged). -> (step, best dev score so far)"""
+    trained = [k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad]
+    try:
+        saved = state["model"]
+        if isinstance(saved, list):  # bellm.py's older checkpoints: the trained tensors in order
+            saved = dict(zip(trained, saved, strict=True))
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        if unexpected or set(missing) & set(trained):
+            raise KeyError((unexpected or sorted(set(missing) & set(trained)))[0])
+        optimizer.load_state_dict(state["opt"])
+        if "sched" in state:  # (jtcse.py's older checkpoints: none, a constant rate)
+            scheduler.load_state_dict(state["sched"])
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
+                   f"({type(e).__name__}): pass the --output-dir of a run of this model and "
+                   "settings")
+    torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
+    random.setstate(state["rng"][1])
+    np.random.set_state(state["rng"][2])
+    for k, g in generators.items():
+        g.set_state(state[k].cpu())
+    if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+        for g in optimizer.param_groups:
+            g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
+    return state["step"], state["best"]
+
+
+def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_run, log):
+    """Rank 0, after an evaluation (dev: its score) or at a stop between evaluations (dev None):
+    dev.jsonl with the step's score; then the training state, with a new best dev score the model
+    too (write(folder) saves it; meta: its sentemb.json, with the step and its score) as one save
+    (save_best), else alone. Weights no longer finite are never saved. A save that fails is one
+    line (a new run leaves its folder as it found it). -> (the dev curve, the best score so far)"""
+    new_best, best = dev is not None and dev > best, max(best, -math.inf if dev is None else dev)
+    if dev is not None:
+        curve = curve + [{"step": step, "metric": metric, "score": dev}]
+        try:  # dev.jsonl, rewritten whole before the save of that step
+            write_curve(out_dir, curve)
+        except OSError as e:
+            save_failed(os.path.join(out_dir, CURVE), e, out_dir, new_run)
+    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+                   "step: resume from it with a lower --lr (--resume --lr ...)")
+    state = {**state, "best": best}
+    try:
+        if new_best:
+            save_best(out_dir, write, state, {**meta, "step": step, metric: dev})
+        else:  # the training state alone, replaced whole
+            common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f), pause)
+    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+        save_failed(f"the best model in {out_dir}" if new_best else os.path.join(out_dir, CKPT),
+                    e, out_dir, new_run)
+    if dev is not None:
+        log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})")
+    return curve, best
+
+
+def saved(world, step):
+    """Every rank waits for rank 0's save; the clock of the throughput restarts after it."""
+    if world > 1:
+        torch.distributed.barrier()
+    return time.perf_counter(), step
+
+
+def stopped(step, out_dir, log):
+    """Training stopped by a signal, saved at this step: what to do. -> the exit code, 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM)"""
+    log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state is "
+        f"in {os.path.join(out_dir, CKPT)}; run the same command with --resume to continue")
+    return 128 + STOP["signum"]
 
 
 def save_best(out_dir, write, state, meta):
@@ -566,12 +1011,6 @@ def save_best(out_dir, write, state, meta):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finish_save(out_dir)
-
-
-def write_curve(out_dir, curve):
-    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
-    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def finish_save(out_dir):
@@ -604,322 +1043,40 @@ def finish_save(out_dir):
         pause()
 
 
-def check_new_run(out_dir):
-    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
-    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
-    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
-                                                CURVE + ".tmp"})
-    if common.META in found or CKPT in found:
-        method = method_in(out_dir)
-        what = f"a run of {method}.py" if method else "a run"
-        common.die(f"'{out_dir}' already holds {what}: pass "
-                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-    if found:
-        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
-        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
-                   "new or empty --output-dir")
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run, and whether the run made it
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
 
 
-def method_in(run_dir):
-    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
-    neither says)."""
-    with contextlib.suppress(Exception):
-        with open(os.path.join(run_dir, common.META)) as f:
-            return json.load(f)["method"]
-    with contextlib.suppress(Exception):
-        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
-                          mmap=True)["method"]
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
 
 
-def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
-    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
-    the defaults of the flags the run predates (their names: state["predates"]); one line when it
-    is damaged or another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
-    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
-        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
-    ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0,
-          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
-    if bad := [k for k in STATE_KEYS if k not in state or not ok.get(k, lambda v: True)(state[k])]:
-        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
-                   f"the training state {METHOD}.py writes): {fix}")
-    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
-    state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
-    return state
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 
-def check_agree(run_dir, state, meta):
-    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
-    are of one run: every setting both hold is the same (described: the values a checkpoint's
-    flags give sentemb.json), or one line naming both files."""
-    for key, want in described(state).items():
-        if key in meta and want is not None and meta[key] != want:
-            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
-                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
-                       f"are of different runs; {RECOPY}")
-
-
-# ---------------------------------------------------------------- main --------------------------
-def main():
-    a = common.parse(p)
-    STOP.update(signum=0, now=False, writes=0)
-    rank, world, device = 0, 1, common.pick_device()
-    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-    log = print if rank == 0 else lambda *_, **__: None
-    check_args(a, world)
-
-    # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
-    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
-    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
-    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
-    out, state, lock = a.output_dir, None, None
-    ckpt = os.path.join(out, CKPT)
-    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
-                                     not os.path.isdir(out))  # restored if the first save fails
-    if rank == 0:
-        for m in [a.model_a, a.model_b, *(a.distill or [])]:
-            if os.path.isdir(m) and os.path.isdir(out) and os.path.samefile(m, out):
-                common.die(f"--output-dir '{out}' is the input model '{m}': training would "
-                           "overwrite its weights; pass another --output-dir")
-        if not a.resume and os.path.isdir(out):  # before anything is written into it
-            check_new_run(out)
-        try:
-            os.makedirs(out, exist_ok=True)
-            open(os.path.join(out, ".write_test"), "w").close()
-            os.remove(os.path.join(out, ".write_test"))
-        except OSError as e:
-            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
-                       "--output-dir")
-        try:
-            lock = open(os.path.join(out, LOCK), "a+")
-        except OSError as e:  # e.g. a folder of that name
-            common.die(f"cannot open {os.path.join(out, LOCK)} ({e.strerror}): delete it (it only "
-                       "holds the pid of the run that writes the folder) and run again")
-        try:
-            import fcntl  # the kernel drops the lock when the process ends, however it ends
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # Windows: no lock
-            pass
-        except OSError:
-            common.die(f"'{out}' is in use by another training run (pid "
-                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
-                       "end, or pass another --output-dir")
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        finish_save(out)
-        if not a.resume:  # again, now that a save cut short is completed
-            check_new_run(out)
-        elif not os.path.isfile(ckpt):
-            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
-    if world > 1:
-        torch.distributed.barrier()
-
-    # --resume: the state of the same script, with the same settings (a flag the run predates had
-    # its default), and, once it has saved a best model, that model whole
-    step, best, curve = 0, -float("inf"), []
-    if a.resume:
-        state = read_checkpoint(out, "--resume", "start again without --resume in another "
-                                "--output-dir", device)
-        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-               for k, v in vars(a).items()}
-        old = state["args"]  # with the defaults of flags the run predates
-        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
-                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
-                " (its default: the run predates the flag)" * (k in state["predates"]))
-            common.die("--resume: the run was started with "
-                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
-                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
-                       "run's own settings")
-        if state["best"] > -float("inf"):
-            if (meta := read_meta(out)) is None:
-                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
-                           f"has saved a best model: {RECOPY}")
-            check_run(out, meta)
-            check_agree(out, state, meta)
-        step, best = state["step"], state["best"]
-        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
-            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
-                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
-                "--max-steps or --epochs with --resume to train on", flush=True)
-            sys.exit(0)
-        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
-            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
-            curve = [e for e in entries if e["step"] <= step]
-            if len(curve) < len(entries):
-                write_curve(out, curve)
-    # the paper's rate (the authors' supplementary for JTCSE D), or the resumed run's
-    lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)
-
-    # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
-    common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
-    r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
-    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
-    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
-    towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
-    net, teacher = towers[0] if a.distill else Twin(towers, a.num_cael), None
-    if a.distill:  # the teacher encodes the text the student reads (cut to --max-len); it is
-        teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)
-    for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
-        tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
-    model = net.to(device)
-    if world > 1:  # DDP: gradients averaged over the ranks
-        model = torch.nn.parallel.DistributedDataParallel(net)
-    eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = make_encode(towers, tokenizer, eval_len, device)
-
-    # the optimiser; NOTE(authors' code): AdamW at a constant learning rate, no warm-up
-    params = [q for q in net.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
-    if state:  # the weights, optimiser and RNGs of the saved step
-        try:
-            net.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            r_gen.set_state(state["r_gen"].cpu())  # a CPU generator
-        except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-            common.die(f"--resume: the checkpoint does not fit these towers ({type(e).__name__}): "
-                       "pass the --output-dir of a run of this model and settings")
-        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
-        random.setstate(state["rng"][1])
-        np.random.set_state(state["rng"][2])
-        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            for g in opt.param_groups:
-                g["initial_lr"] = g["lr"] = lr
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
-    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
-        f"towers {a.model_a} + {a.model_b}, CAEL every {net.k or '-'} of {net.n} layers"
-    log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
-        f"of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}{bf16}",
-        flush=True)
-
-    net.train()
-    clock = (time.perf_counter(), step)
-    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
-            R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
-            opt.zero_grad(set_to_none=True)
-            for k in range(a.grad_accum):
-                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
-                sents = [sentences[i] for i in steps[step - 1][start:start + a.batch_size]]
-                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    loss, terms = train_step(model, tokenizer, sents, R, a, world, device,
-                                             teacher)
-                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
-                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
-                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
-                               f"in {out} is kept")
-            opt.step()
-            if step % a.log_steps == 0 or step == len(steps):
-                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
-                parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}"
-                    + ("" if a.distill else f"  R {R}") + f"  sent/s {rate:.2f}", flush=True)
-                clock = (time.perf_counter(), step)
-        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
-            t = torch.tensor(STOP["signum"], device=device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            STOP["signum"] = int(t)
-        halt = bool(STOP["signum"])
-        evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
-            dev = None
-            if evaluate:  # on rank 0, in eval mode
-                net.eval()
-                dev = common.stsb_dev(encode, data)
-                net.train()
-                curve.append({"step": step, "metric": "stsb_dev", "score": dev})
-                try:  # dev.jsonl, rewritten whole before the save of that step
-                    write_curve(out, curve)
-                except OSError as e:
-                    save_failed(os.path.join(out, CURVE), e, out, new_run)
-            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
-            if not all(bool(torch.isfinite(q).all()) for q in params):
-                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
-                           "good step: resume from it with a lower --lr (--resume --lr ...)")
-            state = {"model": net.state_dict(), "opt": opt.state_dict(),
-                     "r_gen": r_gen.get_state(), "method": "jtcse",
-                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
-                                 else v for k, v in vars(a).items()}, "lr": lr},
-                     "step": step, "best": best,
-                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
-            try:  # with a new best dev score the model too, as one save (save_best)
-                if new_best:
-                    meta = dict(method="jtcse", towers=names, max_len=eval_len, stsb_dev=dev,
-                                step=step, teacher=a.distill,
-                                objective=None if a.distill else a.objective,
-                                num_cael=None if a.distill else net.n // net.k if net.k else 0,
-                                drop_layernorm=a.drop_layernorm)
-                    save_best(out, functools.partial(save_model, towers, names, tokenizer,
-                                                     eval_len), state, meta)
-                else:  # the training state alone, replaced whole
-                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
-            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
-            new_run = None
-            if dev is not None:
-                log(f"step {step:>5}  stsb_dev {dev:.2f}  (best {best:.2f})", flush=True)
-        if (evaluate or halt) and world > 1:
-            torch.distributed.barrier()
-        if evaluate or halt:
-            clock = (time.perf_counter(), step)
-        if halt:
-            break
-
-    cuda = device.type == "cuda"
-    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
-        f"{', rank 0' if world > 1 else ''})", flush=True)
-    if STOP["signum"]:
-        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
-            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
-        sys.exit(128 + STOP["signum"])
-    STOP["now"] = True  # training has ended: a signal now exits at once
-    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        check_run(out, meta := read_meta(out))
-        encode = load_encoder(out, meta, device)
-        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
-        with common.autocast(device, a.bf16):
-            print(common.format_table(common.evaluate(encode, data, common.TASKS)))
-    for s, h in old_handlers.items():
-        signal.signal(s, h)
-
-
-def read_meta(run_dir):
-    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
-    path = os.path.join(run_dir, common.META)
-    if not os.path.isfile(path):
-        return None
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("method") != "jtcse":
-        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
-        common.die(f"{path} is not a run description of jtcse.py ({said}): re-save the run, or "
-                   "delete the file to load the folder as a plain model")
-    return meta
+def write_curve(out_dir, curve):
+    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
+    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def read_curve(run_dir):
@@ -941,20 +1098,41 @@ def read_curve(run_dir):
     return entries
 
 
-# ---------------------------------------------------------------- argument checks ---------------
-def check_args(a, world):
-    """Every check that stops training (one error line, exit 2)."""
-    if a.batch_size * world < 2 and not a.distill:
-        common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
-    if a.distill and (a.objective != "paper" or a.drop_layernorm):
-        common.die("--distill trains one plain tower with MSE: drop --objective and "
-                   "--drop-layernorm (they set up the twin)")
-    if a.no_nce and a.no_icnce and a.no_ictm:
-        common.die("--no-nce, --no-icnce and --no-ictm together leave no loss: drop one of them")
-    for t in a.distill or []:  # a missing or damaged teacher stops here
-        check_teacher(t)
-    towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
-    check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not
+    this script's."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        meta = json.loads(common.read_text(path))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != METHOD:
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of {METHOD}.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
+
+
+def peak_memory(device, world):
+    """The peak memory line: the GPU's allocations (CUDA), else the process's largest RSS."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        how = "torch.cuda.max_memory_allocated"
+    else:
+        gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"  # KiB
+    return f"peak memory {gib:.2f} GiB ({how}{', rank 0' if world > 1 else ''})"
+
+
+def final_table(out_dir, data, tasks, device, bf16, best):
+    """The best checkpoint on the test sets, loaded as eval_sts.py loads it."""
+    meta = read_meta(out_dir)
+    check_run(out_dir, meta)
+    encode = load_encoder(out_dir, meta, device)
+    print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+    with common.autocast(device, bf16):
+        print(common.format_table(common.evaluate(encode, data, tasks)))
 
 
 if __name__ == "__main__":

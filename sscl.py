@@ -135,32 +135,56 @@ class SentenceEncoder(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- one training step -------------
-def train_step(model, tokenizer, sentences, layers, a, world, device):
-    """One micro-batch of B sentences on this rank: both dropout views in one forward pass, the loss
-    over the global batch (world·B rows), its gradients accumulated. -> the loss."""
-    batch = common.tokenize(tokenizer, sentences, a.max_len, device)  # (B, L)
-    if not a.no_aug:  # two dropout views of every sentence: (2B, L)
+def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=32,
+               objective="paper", no_aug=False, bf16=False, world=1, accum=1, gather=lambda z: z):
+    """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
+    global batch, its gradients accumulated. -> the loss.
+    model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
+    SentenceEncoder, or one run in length groups (the same outputs); layers: the M of eq. 4 ([]:
+    SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
+    SSCL-BERT, Table 2; bf16: autocast. torchrun: gather(z) = every rank's rows (B, D) ->
+    (world·B, D); the gradients × world / accum (DDP averages them over the ranks; accum
+    micro-batches a step)."""
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
+                      return_tensors="pt").to(device)  # (B, L)
+    if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-    with common.autocast(device, a.bf16):  # (2B, D), or (B, D) with --no-aug; per M: the same
-        z, z_layers = common.run_batch(functools.partial(model, layers=layers), batch,
-                                       a.length_grouping)  # in length groups: the same outputs
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with no_aug; per M: the same
     B = len(sentences)  # the loss in fp32, outside autocast
-    h, h_pos = z[:B].float(), (z if a.no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
-    h, h_pos = common.gather(h), common.gather(h_pos)  # (world·B, D): the global batch
-    # NOTE(authors' code): docs/sscl.md details 2, 3, 5, which --objective authors switches
-    if a.objective == "paper":  # view 1's layer-M vectors (the anchor's pass), all ranks
-        negs = [common.gather(zm[:B].float()) for zm in z_layers]  # per M: (world·B, D)
-        loss = sscl_loss(h, h_pos, negs, a.temp)
+    h, h_pos = z[:B].float(), (z if no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
+    h, h_pos = gather(h), gather(h_pos)  # (world·B, D): the global batch
+    # NOTE(authors' code): docs/sscl.md details 2, 3, 5, which objective "authors" switches
+    if objective == "paper":  # view 1's layer-M vectors (the anchor's pass), all ranks
+        negs = [gather(zm[:B].float()) for zm in z_layers]  # per M: (world·B, D)
+        loss = sscl_loss(h, h_pos, negs, temp)
     else:  # both views' layer-M vectors, this rank's only; averaged with SimCSE's loss
         negs = [v.float() for zm in z_layers for v in (zm[:B], zm[B:])]  # per M: 2 × (B, D)
-        loss = sscl_loss_authors(h, h_pos, negs, a.temp)
+        loss = sscl_loss_authors(h, h_pos, negs, temp)
     # DDP averages gradients over ranks, each holding the global loss: × world (the authors'
     # Trainer does not scale by world, which AdamW cancels up to its eps)
-    (loss * world / a.grad_accum).backward()
+    (loss * world / accum).backward()
     return loss
 
 
-# ---------------------------------------------------------------- encode, save, load ------------
+# ---------------------------------------------------------------- the data loader ---------------
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
+    takes."""
+    if n < per_step:
+        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
+# ---------------------------------------------------------------- the run folder --------------
 def make_encode(encoder, tokenizer, max_len, device):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
     return common.encoder(lambda batch: encoder(batch)[0], tokenizer, max_len, device)
@@ -208,9 +232,6 @@ META_OPTIONAL = {
     "num_layers": lambda v: type(v) is int and v >= 1, "step": lambda v: type(v) is int and v >= 0,
     **{k: lambda v: v is None or type(v) in (int, float) for k in ("stsb_dev", "transfer_dev")}}
 RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-RECOPY = "copy the whole run folder again, or train again"
-
-
 def check_run(run_dir, meta):
     """A run folder of this script is the model its files describe, or one line naming the file and
     the value: sentemb.json's keys of their types; the model files whole, the weights those of
@@ -275,6 +296,7 @@ def load_encoder(run_dir, meta, device):
     return make_encode(encoder.to(device).eval(), tokenizer, meta["max_len"], device)
 
 
+# ---------------------------------------------------------------- argument checks ---------------
 def select_on(name, data):
     """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
     stsb: STS-B dev (the paper's); transfer: the mean dev accuracy x 100 of SentEval's 7 transfer
@@ -307,37 +329,156 @@ def check_encoder(name, max_len, flag="--model", num_layers=None):
     return config
 
 
-# ---------------------------------------------------------------- the data loader ---------------
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
+def check_args(a, world):
+    """Every check that stops training (one error line, exit 2). -> the layers M."""
+    if a.batch_size * world < 2:
+        common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
+    if a.objective == "authors" and a.no_aug:
+        common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
+                   "dropout views): use it with --objective paper")
+    config = check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
+    return parse_layers(a.layer, config.num_hidden_layers)
+
+
+def parse_layers(spec, n):
+    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE); n: the model's layers. NOTE(authors'
+    code): their `--hard_negative_layers N` = the top N ('10,11' for 2); docs/sscl.md, detail 4."""
+    try:
+        layers = sorted({int(x) for x in spec.split(",")})
+    except ValueError:
+        common.die(f"--layer '{spec}' is not a comma-separated list of integers: e.g. --layer 11 "
+                   "or --layer 10,11")
+    if layers != [0] and any(not 1 <= m <= n - 1 for m in layers):
+        common.die(f"--layer {spec}: this model has {n} layers, so M must be in 1..{n - 1} "
+                   "(or --layer 0 for plain SimCSE)")
+    return [m for m in layers if m]
+
+
+# ---------------------------------------------------------------- main --------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = start()
+    layers = check_args(a, world)
+
+    # data: every step's sentences drawn from the seed; the STS files read once, now
+    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
+    metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
+    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder, locked; --resume: its training state, trained as this command says
+    out = a.output_dir
+    new_run, lock = open_run(out, [a.model], a.resume, rank, world)  # lock: held till exit
+    state = read_resume(out, a, device)  # None: a new run
+    if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
+        return log(complete(state["step"], len(steps), out))
+    curve = resumed_curve(out, state["step"]) if state and rank == 0 else []
+    lr = a.lr or (state["args"]["lr"] if state else 3e-5)  # the paper's, or the resumed run's
+
+    # the model: BERT (its first --num-layers, Table 1) and SimCSE's pooling
+    common.seed_everything(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
+    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
+    bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
+    raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
+    model = ddp(raw_model, world)
+    forward = common.in_length_groups(model, a.length_grouping)  # the same outputs, faster
+    eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
+    encode = make_encode(raw_model, tokenizer, eval_len, device)
+    meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
+                layers=layers, objective=a.objective, select_on=a.select_on,
+                num_layers=bert.config.num_hidden_layers)  # sentemb.json: how it encodes
+
+    # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up
+    params = [q for q in raw_model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / len(steps))
+    step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
+        (0, -math.inf)
+    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
+        f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
+        f"lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+
+    handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    raw_model.train()
+    clock = (time.perf_counter(), step)
+    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
+            optimizer.zero_grad(set_to_none=True)
+            for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
+                                            world):
+                with no_sync(model, last):
+                    loss = train_step(forward, tokenizer, [sentences[i] for i in rows], layers,
+                                      device, a.temp, a.max_len, a.objective, a.no_aug,
+                                      a.bf16 or device.type == "cuda", world, a.grad_accum,
+                                      common.gather)
+                check_loss(loss, step, lr, out)
+            optimizer.step()
+            scheduler.step()
+            if step % a.log_steps == 0 or step == len(steps):
+                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
+                log(f"step {step:>5}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+                    f"sent/s {rate:.2f}")
+                clock = (time.perf_counter(), step)
+        halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
+        evaluate = step % a.eval_steps == 0 or step == len(steps)
+        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
+            dev = dev_eval(raw_model, dev_score, encode, data) if evaluate else None
+            state = training_state(raw_model, optimizer, scheduler, a, lr, step)
+            curve, best = save_step(out, curve, step, metric, dev, best, state, meta,
+                                    functools.partial(save_model, raw_model, tokenizer, eval_len),
+                                    new_run, log)
+            new_run = None
+        if evaluate or halt:
+            clock = saved(world, step)
+        if halt:
+            break
+
+    log(peak_memory(device, world))
+    if STOP["signum"]:  # saved at this step: exit 128 + the signal's number
+        sys.exit(stopped(step, out, log))
+    STOP["now"] = True  # training has ended: a signal now exits at once
+    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        final_table(out, data, common.TASKS, device, a.bf16, best)
+    restore_signals(handlers)
 
 
 # ---------------------------------------------------------------- the harness -------------------
-# What a run needs to lose nothing; a reader who copies the method leaves it behind. A run folder
-# holds the best model (HF files + sentemb.json), checkpoint.pt (the training state, --resume) and
-# dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power cut at any
-# instant leaves the old version or the new one. One process at a time writes a folder (flock on
-# .lock).
+# What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
+# table (test_all.py holds them equal); a reader who copies the method leaves it behind.
+METHOD = "sscl"  # this script: the "method" of its sentemb.json and checkpoint.pt
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}  # --resume may change
+# ---- (the table ends here)
+# A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
+# for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power
+# cut at any instant leaves the old version or the new one. One process at a time writes a folder
+# (flock on .lock).
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
-METHOD = "sscl"  # this script: sentemb.json's and checkpoint.pt's "method"
-STATE_KEYS = ("encoder", "opt", "sched", "rng", "args", "step", "best")  # checkpoint.pt
-# settings --resume may change; any other difference is refused
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}
+RECOPY = "copy the whole run folder again, or train again"
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+
+
+def start():
+    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
+    log (print on rank 0, flushed; nothing on the other ranks)."""
+    STOP.update(signum=0, now=False, writes=0)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
+    return rank, world, device, log
+
+
+def catch_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step, saved; a second one, or one
+    after training, exits at once. -> the handlers replaced (restore_signals puts them back)."""
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def on_signal(signum, frame):
@@ -349,34 +490,325 @@ def on_signal(signum, frame):
              "once)\n".encode())
 
 
-def pause():
-    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
-    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
-    STOP["writes"] += 1
-    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+def restore_signals(handlers):
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
-def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+def stop_requested(world, device):
+    """Whether a signal asked training to stop; with torchrun, a signal on any rank stops every rank
+    at the same step."""
+    if world > 1:
+        t = torch.tensor(STOP["signum"], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        STOP["signum"] = int(t)
+    return bool(STOP["signum"])
 
 
-def save_failed(what, e, out_dir, new_run):
-    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
-    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
-        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
-    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
-    if new_run:  # new_run: the folder's entries before the run (None: the run made the folder)
-        for name in set(os.listdir(out_dir)) - new_run[0]:
-            p = os.path.join(out_dir, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        if new_run[1]:
-            os.rmdir(out_dir)
-    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
-               "what was saved before is kept, and --resume continues from it")
+def summed(x, world, device):
+    """A number summed over the ranks (torchrun), as a float."""
+    t = torch.tensor(float(x), device=device)
+    if world > 1:
+        torch.distributed.all_reduce(t)
+    return t.item()
+
+
+def ddp(model, world):
+    """The model as training runs it: wrapped by DDP under torchrun (gradients averaged over the
+    ranks), itself on one process."""
+    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+
+def micro_batches(rows, batch_size, grad_accum, rank, world):
+    """One optimisation step's rows (every rank's micro-batches) -> this rank's grad_accum
+    micro-batches, each as (rows, whether it is the step's last: DDP all-reduces after it)."""
+    return [(rows[(k * world + rank) * batch_size:][:batch_size], k == grad_accum - 1)
+            for k in range(grad_accum)]
+
+
+def no_sync(model, last):
+    """DDP all-reduces the gradients only after a step's last micro-batch."""
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def check_loss(loss, step, lr, out_dir):
+    """The NaN guard, before the optimiser step: the weights saved are still good."""
+    if not torch.isfinite(loss):
+        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
+                   f"{lr:g}; --resume --lr ...) or check the data; the run in {out_dir} is kept")
+
+
+def dev_eval(model, score, *args):
+    """score(*args) with the model in eval mode (no dropout), then back in training mode."""
+    model.eval()
+    try:
+        return score(*args)
+    finally:
+        model.train()
+
+
+def open_run(out_dir, inputs, resume, rank, world):
+    """The run folder, on rank 0: never one of the input models; with --resume a run of this script
+    with its checkpoint, else new, empty or left by a run that saved nothing; writable; locked for
+    as long as the lock returned is open; a save that a kill cut short completed. -> (the folder's
+    entries before this run and whether it made the folder: a first save that fails restores
+    them; None with --resume), the lock"""
+    new_run, lock = None, None
+    if rank == 0:
+        for name in inputs:
+            if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
+                common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
+                           "overwrite its weights; pass another --output-dir")
+        if not resume:  # before anything is written into it
+            check_new_run(out_dir)
+            new_run = (set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set(),
+                       not os.path.isdir(out_dir))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, ".write_test"), "w").close()
+            os.remove(os.path.join(out_dir, ".write_test"))
+        except OSError as e:
+            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable "
+                       "--output-dir")
+        lock = take_lock(out_dir)
+        finish_save(out_dir)
+        if not resume:  # again, now that a save cut short is completed
+            check_new_run(out_dir)
+        elif not os.path.isfile(os.path.join(out_dir, CKPT)):
+            common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
+                       "run")
+    if world > 1:
+        torch.distributed.barrier()
+    return new_run, lock
+
+
+def take_lock(out_dir):
+    """An exclusive lock on OUT_DIR/.lock (holding this process's pid), which the kernel drops when
+    the file is closed or the process ends, however it ends. -> the open lock file"""
+    try:
+        lock = open(os.path.join(out_dir, LOCK), "a+")
+    except OSError as e:  # e.g. a folder of that name
+        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
+                   "holds the pid of the run that writes the folder) and run again")
+    try:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no lock
+        pass
+    except OSError:
+        common.die(f"'{out_dir}' is in use by another training run (pid "
+                   f"{open(os.path.join(out_dir, LOCK)).read().strip() or '?'}): wait for it to "
+                   "end, or pass another --output-dir")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def check_new_run(out_dir):
+    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
+    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
+    if not os.path.isdir(out_dir):
+        return
+    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
+                                                CURVE + ".tmp"})
+    if common.META in found or CKPT in found:
+        method = method_in(out_dir)
+        what = f"a run of {method}.py" if method else "a run"
+        common.die(f"'{out_dir}' already holds {what}: pass "
+                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
+                   "new or empty --output-dir")
+
+
+def method_in(run_dir):
+    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
+    neither says)."""
+    with contextlib.suppress(Exception):
+        with open(os.path.join(run_dir, common.META)) as f:
+            return json.load(f)["method"]
+    with contextlib.suppress(Exception):
+        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
+                          mmap=True)["method"]
+
+
+def read_resume(out_dir, a, device):
+    """--resume: the checkpoint of a run of this script trained with this command's settings (a
+    flag the run predates had its default; those in RESUMABLE may change), and, once it has saved
+    a best model, that model whole and described as trained (check_run, check_agree). -> its
+    training state; None for a new run"""
+    if not a.resume:
+        return None
+    state = read_checkpoint(out_dir, "--resume", "start again without --resume in another "
+                            "--output-dir", device)
+    now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+           for k, v in vars(a).items()}
+    old = state["args"]  # with the defaults of flags the run predates
+    if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
+                   and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+        flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
+            " (its default: the run predates the flag)" * (k in state["predates"]))
+        common.die("--resume: the run was started with "
+                   f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
+                   f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the run's own "
+                   "settings")
+    if state["best"] > -float("inf"):
+        if (meta := read_meta(out_dir)) is None:
+            common.die(f"--resume: {os.path.join(out_dir, common.META)} is missing, but the run "
+                       f"has saved a best model: {RECOPY}")
+        check_run(out_dir, meta)
+        check_agree(out_dir, state, meta)
+    return state
+
+
+def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
+    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
+    the defaults of the flags the run predates (their names: state["predates"]), its trained
+    weights under "model" (older runs: "encoder", "trainable"); one line when it is damaged or
+    another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
+    path = os.path.join(run_dir, CKPT)
+    try:
+        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
+    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
+        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
+    for old in ("encoder", "trainable"):  # the key of the trained weights in older checkpoints
+        if old in state and "model" not in state:
+            state["model"] = state.pop(old)
+    ok = {"model": lambda v: isinstance(v, (dict, list)),
+          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0,
+          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
+    if bad := [k for k in ("model", "opt", "rng", "args", "step", "best")
+               if k not in state or not ok.get(k, lambda v: True)(state[k])]:
+        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
+                   f"the training state {METHOD}.py writes): {fix}")
+    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
+    state["predates"] = [k for k in defaults if k not in state["args"]]
+    state["args"] = {**defaults, **state["args"]}
+    return state
+
+
+def check_agree(run_dir, state, meta):
+    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
+    are of one run: every setting both hold is the same (described: the values a checkpoint's
+    flags give sentemb.json), or one line naming both files."""
+    for key, want in described(state).items():
+        if key in meta and want is not None and meta[key] != want:
+            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
+                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
+                       f"are of different runs; {RECOPY}")
+
+
+def resumed_curve(out_dir, step):
+    """The dev curve up to the resumed step: a kill may have cut the save after a step's curve, so
+    the entries after it go (they are evaluated again)."""
+    entries = read_curve(out_dir)
+    curve = [e for e in entries if e["step"] <= step]
+    if len(curve) < len(entries):
+        write_curve(out_dir, curve)
+    return curve
+
+
+def complete(step, steps, out_dir):
+    """--resume of a run with nothing left to train (exit 0, the folder untouched): what to do."""
+    return (f"the run is complete (step {step} of {steps}): nothing to train in '{out_dir}'; "
+            f"evaluate it with eval_sts.py --model {out_dir}, or pass a larger --max-steps or "
+            "--epochs with --resume to train on")
+
+
+def training_state(model, optimizer, scheduler, a, lr, step, **extra):
+    """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
+    frozen ones, which come from the model files), the optimiser and schedule, the flags, the
+    random-number states, the step, and extra (the method's own: values, random-number generators);
+    save_step adds the best dev score so far."""
+    return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+                      if v.requires_grad},
+            "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
+            "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+                        for k, v in vars(a).items()}, "lr": lr},
+            "step": step, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+            **{k: v.get_state() if isinstance(v, torch.Generator) else v for k, v in extra.items()}}
+
+
+def restore(state, model, optimizer, scheduler, lr, log, **generators):
+    """--resume: the trained weights, optimiser, schedule and random-number states of the saved
+    step (generators: the method's own, as training_state saved them); a new --lr applies from
+    that step on (logged). -> (step, best dev score so far)"""
+    trained = [k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad]
+    try:
+        saved = state["model"]
+        if isinstance(saved, list):  # bellm.py's older checkpoints: the trained tensors in order
+            saved = dict(zip(trained, saved, strict=True))
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        if unexpected or set(missing) & set(trained):
+            raise KeyError((unexpected or sorted(set(missing) & set(trained)))[0])
+        optimizer.load_state_dict(state["opt"])
+        if "sched" in state:  # (jtcse.py's older checkpoints: none, a constant rate)
+            scheduler.load_state_dict(state["sched"])
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
+                   f"({type(e).__name__}): pass the --output-dir of a run of this model and "
+                   "settings")
+    torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
+    random.setstate(state["rng"][1])
+    np.random.set_state(state["rng"][2])
+    for k, g in generators.items():
+        g.set_state(state[k].cpu())
+    if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+        for g in optimizer.param_groups:
+            g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
+    return state["step"], state["best"]
+
+
+def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_run, log):
+    """Rank 0, after an evaluation (dev: its score) or at a stop between evaluations (dev None):
+    dev.jsonl with the step's score; then the training state, with a new best dev score the model
+    too (write(folder) saves it; meta: its sentemb.json, with the step and its score) as one save
+    (save_best), else alone. Weights no longer finite are never saved. A save that fails is one
+    line (a new run leaves its folder as it found it). -> (the dev curve, the best score so far)"""
+    new_best, best = dev is not None and dev > best, max(best, -math.inf if dev is None else dev)
+    if dev is not None:
+        curve = curve + [{"step": step, "metric": metric, "score": dev}]
+        try:  # dev.jsonl, rewritten whole before the save of that step
+            write_curve(out_dir, curve)
+        except OSError as e:
+            save_failed(os.path.join(out_dir, CURVE), e, out_dir, new_run)
+    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+                   "step: resume from it with a lower --lr (--resume --lr ...)")
+    state = {**state, "best": best}
+    try:
+        if new_best:
+            save_best(out_dir, write, state, {**meta, "step": step, metric: dev})
+        else:  # the training state alone, replaced whole
+            common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f), pause)
+    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+        save_failed(f"the best model in {out_dir}" if new_best else os.path.join(out_dir, CKPT),
+                    e, out_dir, new_run)
+    if dev is not None:
+        log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})")
+    return curve, best
+
+
+def saved(world, step):
+    """Every rank waits for rank 0's save; the clock of the throughput restarts after it."""
+    if world > 1:
+        torch.distributed.barrier()
+    return time.perf_counter(), step
+
+
+def stopped(step, out_dir, log):
+    """Training stopped by a signal, saved at this step: what to do. -> the exit code, 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM)"""
+    log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state is "
+        f"in {os.path.join(out_dir, CKPT)}; run the same command with --resume to continue")
+    return 128 + STOP["signum"]
 
 
 def save_best(out_dir, write, state, meta):
@@ -403,12 +835,6 @@ def save_best(out_dir, write, state, meta):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finish_save(out_dir)
-
-
-def write_curve(out_dir, curve):
-    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
-    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def finish_save(out_dir):
@@ -441,309 +867,40 @@ def finish_save(out_dir):
         pause()
 
 
-def check_new_run(out_dir):
-    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
-    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
-    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
-                                                CURVE + ".tmp"})
-    if common.META in found or CKPT in found:
-        method = method_in(out_dir)
-        what = f"a run of {method}.py" if method else "a run"
-        common.die(f"'{out_dir}' already holds {what}: pass "
-                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-    if found:
-        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
-        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
-                   "new or empty --output-dir")
+def save_failed(what, e, out_dir, new_run):
+    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    if new_run:  # new_run: the folder's entries before the run, and whether the run made it
+        for name in set(os.listdir(out_dir)) - new_run[0]:
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if new_run[1]:
+            os.rmdir(out_dir)
+    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
+               "what was saved before is kept, and --resume continues from it")
 
 
-def method_in(run_dir):
-    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
-    neither says)."""
-    with contextlib.suppress(Exception):
-        with open(os.path.join(run_dir, common.META)) as f:
-            return json.load(f)["method"]
-    with contextlib.suppress(Exception):
-        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
-                          mmap=True)["method"]
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
 
 
-def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
-    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
-    the defaults of the flags the run predates (their names: state["predates"]); one line when it
-    is damaged or another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
-    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
-        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
-    ok = {"args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0,
-          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
-    if bad := [k for k in STATE_KEYS if k not in state or not ok.get(k, lambda v: True)(state[k])]:
-        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
-                   f"the training state {METHOD}.py writes): {fix}")
-    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
-    state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
-    return state
+def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 
-def check_agree(run_dir, state, meta):
-    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
-    are of one run: every setting both hold is the same (described: the values a checkpoint's
-    flags give sentemb.json), or one line naming both files."""
-    for key, want in described(state).items():
-        if key in meta and want is not None and meta[key] != want:
-            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
-                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
-                       f"are of different runs; {RECOPY}")
-
-
-# ---------------------------------------------------------------- main --------------------------
-def main():
-    a = common.parse(p)
-    STOP.update(signum=0, now=False, writes=0)
-    rank, world, device = 0, 1, common.pick_device()
-    if "RANK" in os.environ:  # torchrun: one process per GPU (NCCL), or per CPU process (gloo)
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-    log = print if rank == 0 else lambda *_, **__: None
-    layers = check_args(a, world)
-
-    # data: every step's sentences drawn from the seed; the STS files read once, now
-    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
-    metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder, on rank 0: never an input model; writable; locked; an interrupted save
-    # completed; a folder holding a run needs --resume, --resume needs its checkpoint
-    out, state, lock = a.output_dir, None, None
-    ckpt = os.path.join(out, CKPT)
-    new_run = None if a.resume else (set(os.listdir(out)) if os.path.isdir(out) else set(),
-                                     not os.path.isdir(out))  # restored if the first save fails
-    if rank == 0:
-        if os.path.isdir(a.model) and os.path.isdir(out) and os.path.samefile(a.model, out):
-            common.die(f"--output-dir '{out}' is the input model '{a.model}': training would "
-                       "overwrite its weights; pass another --output-dir")
-        if not a.resume and os.path.isdir(out):  # before anything is written into it
-            check_new_run(out)
-        try:
-            os.makedirs(out, exist_ok=True)
-            open(os.path.join(out, ".write_test"), "w").close()
-            os.remove(os.path.join(out, ".write_test"))
-        except OSError as e:
-            common.die(f"cannot write to output folder '{out}' ({e.strerror}): pass a writable "
-                       "--output-dir")
-        try:
-            lock = open(os.path.join(out, LOCK), "a+")
-        except OSError as e:  # e.g. a folder of that name
-            common.die(f"cannot open {os.path.join(out, LOCK)} ({e.strerror}): delete it (it only "
-                       "holds the pid of the run that writes the folder) and run again")
-        try:
-            import fcntl  # the kernel drops the lock when the process ends, however it ends
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # Windows: no lock
-            pass
-        except OSError:
-            common.die(f"'{out}' is in use by another training run (pid "
-                       f"{open(os.path.join(out, LOCK)).read().strip() or '?'}): wait for it to "
-                       "end, or pass another --output-dir")
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        finish_save(out)
-        if not a.resume:  # again, now that a save cut short is completed
-            check_new_run(out)
-        elif not os.path.isfile(ckpt):
-            common.die(f"--resume: no {ckpt}; drop --resume to start a new run")
-    if world > 1:
-        torch.distributed.barrier()
-
-    # --resume: the state of the same script, with the same settings (a flag the run predates had
-    # its default), and, once it has saved a best model, that model whole
-    step, best, curve = 0, -float("inf"), []
-    if a.resume:
-        state = read_checkpoint(out, "--resume", "start again without --resume in another "
-                                "--output-dir", device)
-        now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-               for k, v in vars(a).items()}
-        old = state["args"]  # with the defaults of flags the run predates
-        if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
-                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-            flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
-                " (its default: the run predates the flag)" * (k in state["predates"]))
-            common.die("--resume: the run was started with "
-                       f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
-                       f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the "
-                       "run's own settings")
-        if state["best"] > -float("inf"):
-            if (meta := read_meta(out)) is None:
-                common.die(f"--resume: {os.path.join(out, common.META)} is missing, but the run "
-                           f"has saved a best model: {RECOPY}")
-            check_run(out, meta)
-            check_agree(out, state, meta)
-        step, best = state["step"], state["best"]
-        if step >= len(steps):  # nothing is wrong and nothing is left to do: exit 0, untouched
-            log(f"the run is complete (step {step} of {len(steps)}): nothing to train in "
-                f"'{out}'; evaluate it with eval_sts.py --model {out}, or pass a larger "
-                "--max-steps or --epochs with --resume to train on", flush=True)
-            sys.exit(0)
-        if rank == 0:  # the dev curve up to the resumed step (a kill may have cut the save after
-            entries = read_curve(out)  # a step's curve: those after it go, and are evaluated again)
-            curve = [e for e in entries if e["step"] <= step]
-            if len(curve) < len(entries):
-                write_curve(out, curve)
-    lr = a.lr or (state["args"]["lr"] if state else 3e-5)  # the paper's, or the resumed run's
-
-    common.seed_everything(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
-    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
-    bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)  # Table 1: cut
-    encoder = SentenceEncoder(bert, a.pooler, a.proj_dim)
-    model = encoder.to(device)
-    if world > 1:  # DDP: gradients averaged over the ranks
-        model = torch.nn.parallel.DistributedDataParallel(encoder)
-    eval_len = common.positions(encoder.bert.config)  # evaluation does not truncate (SimCSE)
-    encode = make_encode(encoder, tokenizer, eval_len, device)
-
-    # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up
-    params = [q for q in encoder.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, fused=True)  # fused: one kernel for all parameters
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / len(steps))
-    if state:  # the weights, optimiser, schedule and RNGs of the saved step
-        try:
-            encoder.load_state_dict(state["encoder"])
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
-            common.die(f"--resume: the checkpoint does not fit '{a.model}' ({type(e).__name__}): "
-                       "pass the --output-dir of a run of this model and settings")
-        torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
-        random.setstate(state["rng"][1])
-        np.random.set_state(state["rng"][2])
-        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            for g in opt.param_groups:
-                g["initial_lr"], g["lr"] = lr, lr * sched.lr_lambdas[0](sched.last_epoch)
-            sched.base_lrs = [lr] * len(opt.param_groups)
-            log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {step} on")
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    bf16 = f" ({common.bf16_note(device)})" if a.bf16 else ""
-    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
-        f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
-        f"lr {lr:g}, {world} process(es), device {device}{bf16}", flush=True)
-
-    encoder.train()
-    clock = (time.perf_counter(), step)
-    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
-            opt.zero_grad(set_to_none=True)
-            for k in range(a.grad_accum):
-                start = (k * world + rank) * a.batch_size  # this rank's rows of micro-batch k
-                sents = [sentences[i] for i in steps[step - 1][start:start + a.batch_size]]
-                sync = world == 1 or k == a.grad_accum - 1  # all-reduce once, after the last
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    loss = train_step(model, tokenizer, sents, layers, a, world, device)
-                if not torch.isfinite(loss):  # the NaN guard: the weights are still good
-                    common.die(f"loss became {loss.item()} at step {step}: resume with a lower "
-                               f"--lr (now {lr:g}; --resume --lr ...) or check the data; the run "
-                               f"in {out} is kept")
-            opt.step()
-            sched.step()
-            if step % a.log_steps == 0 or step == len(steps):
-                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
-                log(f"step {step:>5}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                    f"sent/s {rate:.2f}", flush=True)
-                clock = (time.perf_counter(), step)
-        if world > 1:  # a signal on any rank: every rank leaves the loop at this step
-            t = torch.tensor(STOP["signum"], device=device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            STOP["signum"] = int(t)
-        halt = bool(STOP["signum"])
-        evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model too
-            dev = None
-            if evaluate:  # on rank 0, in eval mode
-                encoder.eval()
-                dev = dev_score(encode, data)
-                encoder.train()
-                curve.append({"step": step, "metric": metric, "score": dev})
-                try:  # dev.jsonl, rewritten whole before the save of that step
-                    write_curve(out, curve)
-                except OSError as e:
-                    save_failed(os.path.join(out, CURVE), e, out, new_run)
-            new_best, best = dev is not None and dev > best, max(best, dev or -float("inf"))
-            if not all(bool(torch.isfinite(q).all()) for q in params):
-                common.die(f"the weights are no longer finite: not saved; {out} holds the last "
-                           "good step: resume from it with a lower --lr (--resume --lr ...)")
-            state = {"encoder": encoder.state_dict(), "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "method": "sscl",
-                     "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v)
-                                 else v for k, v in vars(a).items()}, "lr": lr},
-                     "step": step, "best": best,
-                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
-            try:  # with a new best dev score the model too, as one save (save_best)
-                if new_best:
-                    meta = dict(method="sscl", pooler=a.pooler, proj_dim=a.proj_dim,
-                                max_len=eval_len, layers=layers, objective=a.objective,
-                                select_on=a.select_on, num_layers=bert.config.num_hidden_layers,
-                                step=step, **{metric: dev})
-                    save_best(out, functools.partial(save_model, encoder, tokenizer, eval_len),
-                              state, meta)
-                else:  # the training state alone, replaced whole
-                    common.write_whole(ckpt, lambda f: torch.save(state, f), pause)
-            except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-                save_failed(f"the best model in {out}" if new_best else ckpt, e, out, new_run)
-            new_run = None
-            if dev is not None:
-                log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})", flush=True)
-        if (evaluate or halt) and world > 1:
-            torch.distributed.barrier()
-        if evaluate or halt:
-            clock = (time.perf_counter(), step)
-        if halt:
-            break
-
-    cuda = device.type == "cuda"
-    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-    log(f"peak memory {gib:.2f} GiB ({'torch.cuda.max_memory_allocated' if cuda else 'ru_maxrss'}"
-        f"{', rank 0' if world > 1 else ''})", flush=True)
-    if STOP["signum"]:
-        log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state "
-            f"is in {ckpt}; run the same command with --resume to continue", flush=True)
-        sys.exit(128 + STOP["signum"])
-    STOP["now"] = True  # training has ended: a signal now exits at once
-    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        check_run(out, meta := read_meta(out))
-        encode = load_encoder(out, meta, device)
-        print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
-        with common.autocast(device, a.bf16):
-            print(common.format_table(common.evaluate(encode, data, common.TASKS)))
-    for s, h in old_handlers.items():
-        signal.signal(s, h)
-
-
-def read_meta(run_dir):
-    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not."""
-    path = os.path.join(run_dir, common.META)
-    if not os.path.isfile(path):
-        return None
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("method") != "sscl":
-        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
-        common.die(f"{path} is not a run description of sscl.py ({said}): re-save the run, or "
-                   "delete the file to load the folder as a plain model")
-    return meta
+def write_curve(out_dir, curve):
+    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
+    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
+    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
 
 
 def read_curve(run_dir):
@@ -765,30 +922,41 @@ def read_curve(run_dir):
     return entries
 
 
-# ---------------------------------------------------------------- argument checks ---------------
-def check_args(a, world):
-    """Every check that stops training (one error line, exit 2). -> the layers M."""
-    if a.batch_size * world < 2:
-        common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
-    if a.objective == "authors" and a.no_aug:
-        common.die("--no-aug has no counterpart in the authors' code (it always encodes two "
-                   "dropout views): use it with --objective paper")
-    config = check_encoder(a.model, a.max_len, num_layers=a.num_layers)  # BERT-like
-    return parse_layers(a.layer, config.num_hidden_layers)
-
-
-def parse_layers(spec, n):
-    """'11' -> [11]; '10,11' -> [10, 11]; '0' -> [] (SimCSE); n: the model's layers. NOTE(authors'
-    code): their `--hard_negative_layers N` = the top N ('10,11' for 2); docs/sscl.md, detail 4."""
+def read_meta(run_dir):
+    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not
+    this script's."""
+    path = os.path.join(run_dir, common.META)
+    if not os.path.isfile(path):
+        return None
     try:
-        layers = sorted({int(x) for x in spec.split(",")})
+        meta = json.loads(common.read_text(path))
     except ValueError:
-        common.die(f"--layer '{spec}' is not a comma-separated list of integers: e.g. --layer 11 "
-                   "or --layer 10,11")
-    if layers != [0] and any(not 1 <= m <= n - 1 for m in layers):
-        common.die(f"--layer {spec}: this model has {n} layers, so M must be in 1..{n - 1} "
-                   "(or --layer 0 for plain SimCSE)")
-    return [m for m in layers if m]
+        meta = None
+    if not isinstance(meta, dict) or meta.get("method") != METHOD:
+        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
+        common.die(f"{path} is not a run description of {METHOD}.py ({said}): re-save the run, or "
+                   "delete the file to load the folder as a plain model")
+    return meta
+
+
+def peak_memory(device, world):
+    """The peak memory line: the GPU's allocations (CUDA), else the process's largest RSS."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        how = "torch.cuda.max_memory_allocated"
+    else:
+        gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"  # KiB
+    return f"peak memory {gib:.2f} GiB ({how}{', rank 0' if world > 1 else ''})"
+
+
+def final_table(out_dir, data, tasks, device, bf16, best):
+    """The best checkpoint on the test sets, loaded as eval_sts.py loads it."""
+    meta = read_meta(out_dir)
+    check_run(out_dir, meta)
+    encode = load_encoder(out_dir, meta, device)
+    print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
+    with common.autocast(device, bf16):
+        print(common.format_table(common.evaluate(encode, data, tasks)))
 
 
 if __name__ == "__main__":

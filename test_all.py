@@ -10,6 +10,7 @@ import collections
 import copy
 import csv
 import errno
+import functools
 import io
 import itertools
 import json
@@ -1562,7 +1563,9 @@ def test_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_wide_dir
             bert_wide_dir)
 
     def step(copy, rows, world):
-        return sscl.train_step(copy[0], copy[1], rows, layers, a, world, torch.device("cpu"))
+        return sscl.train_step(common.in_length_groups(copy[0]), copy[1], rows, layers,
+                               torch.device("cpu"), a.temp, a.max_len, world=world,
+                               gather=common.gather)
 
     rng = random.Random(0)
     assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
@@ -1581,8 +1584,8 @@ def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, 
     assert len(losses(one.stdout)) == 3
     for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
         assert float(x) == pytest.approx(float(y), abs=2e-4)
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["encoder"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["encoder"]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
 
@@ -2416,8 +2419,11 @@ def test_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_
         return towers[0].train(), tok, teacher
 
     def step(copy, rows, world):
-        return jtcse.train_step(copy[0], copy[1], rows, 1, a, world, torch.device("cpu"),
-                                *copy[2:])[0]
+        model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
+        return jtcse.train_step(common.in_length_groups(model), copy[1], rows, 1,
+                                torch.device("cpu"), a.temp, a.max_len, a.objective,
+                                teacher=(copy[2:] or [None])[0], world=world,
+                                gather=common.gather)[0]
 
     assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
                                                          enumerate(jt_WORDS[:8])])
@@ -2822,11 +2828,11 @@ def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
     assert (len(loss(one.stdout)) == 2
             and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["trainable"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["trainable"]
-    assert len(w1) == len(w2) > 0
-    for x, y in zip(w1, w2):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    assert w1.keys() == w2.keys() and len(w1) > 0
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["nli", "csts"])
@@ -2844,7 +2850,9 @@ def test_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp
         return bellm.BeLLM(dec, 1, "parallel", "convert").train(), tok
 
     def step(copy, rows, world):
-        return bellm.train_step(copy[0], copy[1], rows, kind, a, world, cpu)[0]
+        return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, copy[0])),
+                                copy[1], rows, kind, a.prompt, cpu, a.temp, a.max_len,
+                                world=world, gather=common.gather)[0]
 
     rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
             (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
@@ -3090,7 +3098,7 @@ def kill_runs(c):
     return {
         "sscl": (sscl, lambda out: sscl_args(c.bert, c.train, c.sts, out, "--no-final-eval",
                                              "--proj-dim", 8, steps=3, eval_steps=1),
-                 c.sts, "encoder"),
+                 c.sts, "model"),
         "jtcse": (jtcse, lambda out: ["--model-a", c.bert, "--model-b", c.bert_b, "--train",
                                       c.train, "--data-dir", c.sts, "--output-dir", out,
                                       "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
@@ -3101,7 +3109,7 @@ def kill_runs(c):
                                       "--output-dir", out, "--batch-size", 4, "--max-steps", 3,
                                       "--eval-steps", 1, "--log-steps", 1, "--lora-r", 4,
                                       "--lr", "3e-2", "--no-final-eval"],
-                  c.bl_sts, "trainable")}
+                  c.bl_sts, "model")}
 
 
 KILL_STATES = {  # what a kill leaves in a run folder, by the first of these files present
@@ -3806,7 +3814,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: cut(c.plain / "model.safetensors", 0.9)),
     ("sscl", lambda c: SSCL(c, "--model", c.plain), ["tokenizer.json", "damaged"],
      lambda c: cut(c.plain / "tokenizer.json")),
-    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "encoder"],
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.srun / sscl.CKPT, "sscl")),  # a valid torch file of another structure
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
      lambda c: torch.save({**torch.load(c.srun / sscl.CKPT, weights_only=False), "step": "2"},
@@ -3852,7 +3860,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         cut(c.plain / "tokenizer.json"))),
     ("jtcse", lambda c: JT(c, "--distill", c.jrun), ["tower_b/model.safetensors", "is missing"],
      lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
-    ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "r_gen"],
+    ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.jrun / sscl.CKPT, "jtcse")),
     # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
     (JA, lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
@@ -3891,7 +3899,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sentence1,sentence2,condition,label\na,b,c,nan\n"),
                            "--prompt", "In {condition}, {sentence} means:"),
      ["line 2", "not a number"], None),
-    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "trainable"],
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.brun / sscl.CKPT, "bellm")),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
      lambda c: cut(c.brun / "adapter_model.safetensors")),
@@ -4782,8 +4790,10 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
         triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
 
         def step(m, dev, a):
-            return bellm.train_step(bellm.BeLLM(m, 1, "parallel", "convert"), tok, triplets, "nli",
-                                    a, 1, dev)[0]
+            net = bellm.BeLLM(m, 1, "parallel", "convert")
+            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
+                                    tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
+                                    bf16=a.bf16 or dev.type == "cuda")[0]
 
         def encode(m, dev):
             return bellm.make_encode(m, tok, cfg, dev)(SENTS)
@@ -4795,7 +4805,8 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
         args = [sscl.p.parse_args(["--max-len", "16", *x]) for x in ([], ["--bf16"])]
 
         def step(m, dev, a):
-            return sscl.train_step(m, tok, rows, [2], a, 1, dev)
+            return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
+                                   max_len=a.max_len, bf16=a.bf16)
 
         def encode(m, dev):
             return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
@@ -4808,9 +4819,12 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
 
         def step(m, dev, a):
             if method == "jtcse":
-                return jtcse.train_step(m, tok, rows, 1, a, 1, dev)[0]
+                return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
+                                        max_len=a.max_len, bf16=a.bf16)[0]
             teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
-            return jtcse.train_step(m[0], tok, rows, 1, a, 1, dev, teacher)[0]
+            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
+                                    tok, rows, 1, dev, max_len=a.max_len, bf16=a.bf16,
+                                    teacher=teacher)[0]
 
         def encode(m, dev):
             return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
@@ -4851,7 +4865,7 @@ def test_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
     gpu = copy.deepcopy(enc).to(GPU)
     sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
-                    sscl.p.parse_args(["--max-len", "16"]), 1, torch.device("cpu"))
+                    torch.device("cpu"), max_len=16)
     pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
     for qg, qc in zip(pg, pc, strict=True):
         qg.grad = qc.grad.to(GPU)

@@ -56,6 +56,7 @@ The papers' settings, and where they come from (each script's flag help gives th
   python bench/paper_scale.py --fraction 1 --steps 5           # a GPU: the papers' own steps
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -141,11 +142,15 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             a = sscl.p.parse_args(bf16)
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
             m = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers)
-            return enc, lambda n: sscl.train_step(enc, tokenizer(False), texts(n), m, a, 1, run)
+            return enc, lambda n: sscl.train_step(
+                common.in_length_groups(enc), tokenizer(False), texts(n), m, run, a.temp,
+                a.max_len, bf16=gpu)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
-            return twin, lambda n: jtcse.train_step(twin, tokenizer(False), texts(n), 1, a, 1, run)
+            return twin, lambda n: jtcse.train_step(
+                common.in_length_groups(twin), tokenizer(False), texts(n), 1, run, a.temp,
+                a.max_len, bf16=gpu)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
             student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
@@ -153,7 +158,8 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
                                         tokenizer(False), a.max_len, run)
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                student, tokenizer(False), texts(n), 1, a, 1, run, teacher)[0]
+                common.in_length_groups(functools.partial(jtcse.cls, student)), tokenizer(False),
+                texts(n), 1, run, max_len=a.max_len, bf16=gpu, teacher=teacher)[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
         a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])
         cfg = LlamaConfig(**{**llama, "num_hidden_layers": layers or llama["num_hidden_layers"]})
@@ -171,7 +177,9 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
         net = bellm.BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
         tok = tokenizer(True)
         rows = lambda n: list(zip(texts(n), texts(n, n), texts(n, 2 * n)))  # noqa: E731
-        return lora, lambda n: bellm.train_step(net, tok, rows(n), "nli", a, 1, run)[0]
+        return lora, lambda n: bellm.train_step(
+            common.in_length_groups(functools.partial(bellm.embed, net)), tok, rows(n), "nli",
+            a.prompt, run, a.temp, a.max_len, bf16=gpu)[0]
 
 
 def fake(module):
