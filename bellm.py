@@ -102,7 +102,7 @@ p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: sele
 common.show_ranges(p)
 
 
-# ---------------------------------------------------------------- the loss ----------------------
+# ---------------------------------------------------------------- the loss ------------------------
 def bellm_loss(h, h_pos, h_neg, temp):
     """eq. 6: -log e^{cos(h_i,h_i+)/t} / Σ_j (e^{cos(h_i,h_j+)/t} + e^{cos(h_i,h_j-)/t});
     h, h_pos, h_neg: (B, H)."""
@@ -121,7 +121,7 @@ def cosent_loss(u, v, labels, scale=20.0):
     return torch.logsumexp(torch.cat([diff.new_zeros(1), diff]), 0)
 
 
-# ---------------------------------------------------------------- the model patch ---------------
+# ---------------------------------------------------------------- the model patch -----------------
 def attn_mask(attention_mask, causal, dtype):
     """(b, L) 1 = real token -> (b, 1, L, L) additive mask, 0 where query i may read key j."""
     L = attention_mask.shape[1]
@@ -176,7 +176,7 @@ class BeLLM(torch.nn.Module):
         return last_token(forward(self.dec, input_ids, attention_mask, *self.bi), attention_mask)
 
 
-# ---------------------------------------------------------------- the prompt (§3.3) ------------
+# ---------------------------------------------------------------- the prompt (§3.3) ---------------
 def fill(prompt, sentence, condition=None):
     """The prompted text (§3.3); str.replace leaves braces inside a sentence alone."""
     return prompt.replace("{sentence}", sentence).replace("{condition}", condition or "")
@@ -194,7 +194,7 @@ def prompted(tok, cfg, sentences, conditions=None):
     return texts, cfg["max_len"] + len(tok(fill(cfg["prompt"], "", ""))["input_ids"]) + 8
 
 
-# ---------------------------------------------------------------- one training step -------------
+# ---------------------------------------------------------------- one training step ---------------
 def embed(model, batch):
     """The model on a tokenised batch: (b, H)."""
     return model(batch["input_ids"], batch["attention_mask"])
@@ -228,7 +228,7 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     return loss, int(batch["attention_mask"].sum())
 
 
-# ---------------------------------------------------------------- the data loader ---------------
+# ---------------------------------------------------------------- the data loader -----------------
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
@@ -283,7 +283,7 @@ def read_csv(path):
     return kind, rows
 
 
-# ---------------------------------------------------------------- the model, its run folder -----
+# ---------------------------------------------------------------- the model, its run folder -------
 def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
     bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
@@ -424,11 +424,7 @@ def check_run(run_dir, meta):
     the base model's limits; adapter_config.json as bellm.py trains (eval_sts.py and --resume
     call it). That the adapter's weights fit the base is checked when it loads (load_adapter)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the bellm.py run in '{run_dir}'"
-    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
-            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
-                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
-                   "the file to load the folder as a plain model")
+    check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for rel in ("adapter_config.json", "adapter_model.safetensors"):
         common.check_file(run_dir, rel, where, RECOPY)
     from transformers import AutoConfig
@@ -499,7 +495,7 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
-# ---------------------------------------------------------------- memory (the start-up line) ----
+# ---------------------------------------------------------------- memory (the start-up line) ------
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
     """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
     moments in fp32, activations kept for the backward). Activations, bytes a token a layer
@@ -528,7 +524,7 @@ def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
             f"{w + o + act:.2f} GiB in all")
 
 
-# ---------------------------------------------------------------- argument checks ---------------
+# ---------------------------------------------------------------- argument checks -----------------
 def check_prompt(prompt, conditional):
     if "{sentence}" not in prompt:
         common.die(f"--prompt '{prompt}' has no {{sentence}}: write where the sentence goes, e.g. "
@@ -575,7 +571,7 @@ def check_data(a, kind, csts_dev):
                    "has none: drop --temp")
 
 
-# ---------------------------------------------------------------- main --------------------------
+# ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
     rank, world, device, log = start()
@@ -675,7 +671,7 @@ def main():
     restore_signals(handlers)
 
 
-# ---------------------------------------------------------------- the harness -------------------
+# ---------------------------------------------------------------- the harness ---------------------
 # What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "bellm"  # this script: the "method" of its sentemb.json and checkpoint.pt
@@ -1153,6 +1149,16 @@ def read_curve(run_dir):
                        "curve restarting here, or copy the run folder again")
         entries.append(e)
     return entries
+
+
+def check_keys(path, meta, required, optional):
+    """sentemb.json's keys (required, and optional ones older runs lack), each of its type: one
+    line naming those that are not."""
+    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
 
 
 def read_meta(run_dir):

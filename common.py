@@ -1,10 +1,10 @@
-"""What sscl.py, jtcse.py, bellm.py and eval_sts.py share, and no equation of a paper: finding the
-data, reading training files (sentences; NLI triplets or C-STS rows), range-checked argument types,
-loading a model folder (every file checked, one line naming a broken one), tokenisation with
-dynamic padding, the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test;
-Spearman x 100), and the memory estimate of a LoRA step. It imports no module of the project: each
-script needs only this file beside it. Run folders (saving, resuming, locking) are each script's;
-runs.py reads them for the tools.
+"""What sscl.py, jtcse.py and bellm.py share with each other and with the tools (eval_sts.py, the
+analyses, bench/), and no equation of a paper: finding the data and reading training text;
+range-checked argument types; loading a model folder (every file checked, one line naming a broken
+one); tokenisation, length groups and batched encoding; the sentence-transformers files of a saved
+model; the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman
+x 100). It imports no module of the project: each script needs only this file beside it. Run
+folders (saving, resuming, locking) are each script's harness, which eval_sts.py reads them with.
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
@@ -514,6 +514,37 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
     return max_len
 
 
+# ---------------------------------------------------------------- sentence-transformers -------
+def write_st_files(folder, hidden, max_len, pooler, dense=None):
+    """Beside a plain HF model folder, the files that make it a sentence-transformers folder (its
+    classic layout: Transformer -> Pooling (cls or avg) [-> Dense]), so that
+    SentenceTransformer(folder) encodes as our scripts evaluate (no normalisation: cosine needs
+    none). dense: a torch.nn.Linear kept at evaluation (sscl.py --proj-dim)."""
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + [("2_Dense", "Dense")] * bool(dense)
+    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
+                               "type": f"sentence_transformers.models.{kind}"}
+                              for i, (path, kind) in enumerate(modules)],
+             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
+             "1_Pooling/config.json": {"word_embedding_dimension": hidden,
+                                       "pooling_mode_cls_token": pooler == "cls",
+                                       "pooling_mode_mean_tokens": pooler == "avg",
+                                       "pooling_mode_max_tokens": False,
+                                       "pooling_mode_mean_sqrt_len_tokens": False}}
+    if dense is not None:
+        from safetensors.torch import save_file
+        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": dense.out_features,
+                                        "bias": True, "activation_function":
+                                        "torch.nn.modules.linear.Identity"}
+        os.makedirs(os.path.join(folder, "2_Dense"))
+        save_file({f"linear.{k}": v.detach().contiguous().cpu()
+                   for k, v in dense.state_dict().items()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+
+
 # ---------------------------------------------------------------- tokenisation ------------------
 def tokenize(tokenizer, sentences, max_len, device):
     """Dynamic padding to the longest sentence of the batch; longer sentences are truncated."""
@@ -572,11 +603,6 @@ def by_length(forward, batch, cost=GROUP_COST):
             return torch.cat(outs)[inv]
         return type(outs[0])(merge(list(o)) for o in zip(*outs))
     return merge(parts)
-
-
-def run_batch(forward, batch, grouped=True):
-    """forward(batch), in length groups when grouped (by_length): the same outputs either way."""
-    return by_length(forward, batch) if grouped else forward(batch)
 
 
 def in_length_groups(forward, grouped=True):

@@ -89,7 +89,7 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
 common.show_ranges(p)
 
 
-# ---------------------------------------------------------------- the model patch: CAEL ---------
+# ---------------------------------------------------------------- the model patch: CAEL -----------
 def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
     """Encoder layer j of each tower, from the towers' own BertLayer submodules; xs: one (N, L, H)
     input per tower. cael=False: CT = SA·V (eq. 9); cael=True: CACT_I = SA_I·V_II, CACT_II =
@@ -133,7 +133,7 @@ def additive_mask(attention_mask, dtype):
     return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
-# ---------------------------------------------------------------- the loss ----------------------
+# ---------------------------------------------------------------- the loss ------------------------
 def nce(z, z_pos, temp):
     """eq. 11: z, z_pos: (B, H). -log e^{cos(z_i, z_i⁺)/τ} / Σ_j e^{cos(z_i, z_j⁺)/τ}, mean over i.
     Cross-tower (eq. 12): z from one tower's view 1, z_pos from the OTHER tower's view 2."""
@@ -196,7 +196,7 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     return sum(terms.values()), terms  # eq. 15
 
 
-# ---------------------------------------------------------------- the model: the twin -----------
+# ---------------------------------------------------------------- the model: the twin -------------
 class Twin(torch.nn.Module):
     """Towers I and II. forward(batch) -> h: [(N, H)] CLS of each tower's last hidden state (stock
     BertModel), hP: [(N, H)] pooler outputs, c: [(N, H)] CLS of each cross stream (or None)."""
@@ -222,7 +222,7 @@ class Twin(torch.nn.Module):
         return h, hP, [x[:, 0] for x in xs]  # c^O: (N, H) per tower
 
 
-# ---------------------------------------------------------------- one training step -------------
+# ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, objective="paper",
                skip=(), tmc_on_h=False, bf16=False, teacher=None, world=1, accum=1,
                gather=lambda z: z):
@@ -253,7 +253,7 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
     return loss, terms
 
 
-# ---------------------------------------------------------------- the data loader ---------------
+# ---------------------------------------------------------------- the data loader -----------------
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
@@ -276,7 +276,7 @@ def sts_sentences(data, task, split):
     return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
 
 
-# ---------------------------------------------------------------- the run folder --------------
+# ---------------------------------------------------------------- the run folder ------------------
 def make_encode(towers, tokenizer, max_len, device):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
@@ -285,36 +285,19 @@ def make_encode(towers, tokenizer, max_len, device):
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder (its
-    classic layout: Transformer -> Pooling, CLS), so that SentenceTransformer(folder) encodes as we
-    evaluate."""
+    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder
+    (CLS), so that SentenceTransformer(folder) encodes as we evaluate."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
-    if names != ["."]:
-        return
-    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
-                               "type": f"sentence_transformers.models.{kind}"}
-                              for i, (path, kind) in enumerate([("", "Transformer"),
-                                                                ("1_Pooling", "Pooling")])],
-             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
-             "1_Pooling/config.json": {"word_embedding_dimension": towers[0].config.hidden_size,
-                                       "pooling_mode_cls_token": True,
-                                       "pooling_mode_mean_tokens": False,
-                                       "pooling_mode_max_tokens": False,
-                                       "pooling_mode_mean_sqrt_len_tokens": False}}
-    for name, content in files.items():
-        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(content, f, indent=2)
+    if names == ["."]:
+        common.write_st_files(folder, towers[0].config.hidden_size, max_len, "cls")
 
 
-def _tower(t):  # a tower's folder inside the run folder: "." (a distilled tower) or one plain name
-    return isinstance(t, str) and (t == "." or (t not in ("", "..") and os.path.basename(t) == t))
-
-
-META_TYPES = {  # sentemb.json: the keys, and their types
-    "towers": lambda v: isinstance(v, list) and 1 <= len(v) <= 2 and all(map(_tower, v)),
+META_TYPES = {  # sentemb.json: the keys, and their types; a tower: "." (distilled) or a folder
+    "towers": lambda v: isinstance(v, list) and 1 <= len(v) <= 2 and all(
+        isinstance(t, str) and (t == "." or t not in ("", "..") and os.path.basename(t) == t)
+        for t in v),
     "max_len": lambda v: type(v) is int and v >= 1}
 META_OPTIONAL = {  # keys that older runs may lack
     "drop_layernorm": lambda v: type(v) is int and v >= 0,
@@ -333,11 +316,7 @@ def check_run(run_dir, meta):
     its config.json; the towers listed = the tower folders, of one shape and vocabulary; every
     value within the towers' limits (eval_sts.py and --resume call it)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the jtcse.py run in '{run_dir}'"
-    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
-            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
-                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
-                   "the file to load the folder as a plain model")
+    check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for t in meta["towers"]:
         for rel in RUN_FILES:
             common.check_file(run_dir, os.path.normpath(os.path.join(t, rel)), where, RECOPY)
@@ -367,18 +346,16 @@ def load_encoder(run_dir, meta, device):
     return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
 
 
-# ---------------------------------------------------------------- the towers --------------------
+# ---------------------------------------------------------------- the towers ----------------------
 # transformers' classes whose layers and pooler are BERT's code verbatim (transformers 5.23); the
 # embeddings may differ (RoBERTa's position ids), the layers are what eq. 10 patches
 JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
 
 
 def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
-    """JTCSE's towers (and the models its analysis compares layer by layer): encoders with BERT's
-    layers and pooler (JTCSE_TOWERS), of one shape and one vocabulary, since they read one
-    tokenised batch and eq. 10 swaps values between equal layers; a --num-cael that divides their
-    layer count; a --drop-layernorm within it. meta: the sentemb.json these values come from (a run
-    folder's twin), named in the error line instead of the flag."""
+    """JTCSE's towers (and the models its analysis compares): BERT-like encoders with a pooler, of
+    one shape and vocabulary (eq. 10 swaps values between equal layers of one batch); a --num-cael
+    that divides their layers; a --drop-layernorm within them. meta: a run's sentemb.json."""
     from transformers import AutoConfig, AutoTokenizer
     flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
     fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
@@ -408,15 +385,14 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
 
 
 def load_towers(names):
-    """JTCSE's towers: [AutoModel] (BertModel, RobertaModel, ...: every weight from its file; a
-    checkpoint without pooler weights, as roberta-base, gets a fresh pooler for eq. 13, said on
-    stderr) and their tokenizer."""
+    """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base, without pooler
+    weights, gets a fresh pooler for eq. 13, said on stderr), and their tokenizer."""
     from transformers import AutoModel, AutoTokenizer
     towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
     return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
-# ---------------------------------------------------------------- JTCSE D: the teacher ----------
+# ---------------------------------------------------------------- JTCSE D: the teacher ------------
 def teacher_run(name):
     """A --distill teacher's run description, checked by the script that wrote it: (check_run,
     load_encoder, meta) of a JTCSE run (this script) or an SSCL/SimCSE run (sscl.py); None for a
@@ -487,7 +463,7 @@ def check_teacher(name):
         common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
-# ---------------------------------------------------------------- argument checks ---------------
+# ---------------------------------------------------------------- argument checks -----------------
 def check_args(a, world):
     """Every check that stops training (one error line, exit 2), flags that would do nothing
     included. -> eq. 15's terms left out (Table X: --no-nce, --no-icnce, --no-ictm)"""
@@ -518,7 +494,7 @@ def check_args(a, world):
     return skip
 
 
-# ---------------------------------------------------------------- main --------------------------
+# ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
     rank, world, device, log = start()
@@ -619,7 +595,7 @@ def main():
     restore_signals(handlers)
 
 
-# ---------------------------------------------------------------- the harness -------------------
+# ---------------------------------------------------------------- the harness ---------------------
 # What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "jtcse"  # this script: the "method" of its sentemb.json and checkpoint.pt
@@ -1096,6 +1072,16 @@ def read_curve(run_dir):
                        "curve restarting here, or copy the run folder again")
         entries.append(e)
     return entries
+
+
+def check_keys(path, meta, required, optional):
+    """sentemb.json's keys (required, and optional ones older runs lack), each of its type: one
+    line naming those that are not."""
+    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
 
 
 def read_meta(run_dir):

@@ -87,7 +87,7 @@ p.add_argument("--objective", default="paper", choices=["paper", "authors"],
 common.show_ranges(p)
 
 
-# ---------------------------------------------------------------- the loss ----------------------
+# ---------------------------------------------------------------- the loss ------------------------
 def sscl_loss(h, h_pos, h_negs, temp):
     """eq. 4, SimCSE's InfoNCE with SSCL's extra negatives (§3.2). h, h_pos: (B, D) last layer, two
     views; h_negs: list of (B, D), the layer-M representations. Row i's logits are
@@ -103,7 +103,7 @@ def sscl_loss_authors(h, h_pos, h_negs, temp):
     return (sscl_loss(h, h_pos, h_negs, temp) + sscl_loss(h, h_pos, [], temp)) / 2
 
 
-# ---------------------------------------------------------------- the model ---------------------
+# ---------------------------------------------------------------- the model -----------------------
 class SentenceEncoder(torch.nn.Module):
     """BERT + pooling. The MLP head (SimCSE's `MLPLayer`, cls pooling) is used in training only; the
     projection (--proj-dim) is kept at evaluation. BERT's own pooler is unused: frozen."""
@@ -134,7 +134,7 @@ class SentenceEncoder(torch.nn.Module):
                                                          for m in layers]
 
 
-# ---------------------------------------------------------------- one training step -------------
+# ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=32,
                objective="paper", no_aug=False, bf16=False, world=1, accum=1, gather=lambda z: z):
     """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
@@ -167,7 +167,7 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
     return loss
 
 
-# ---------------------------------------------------------------- the data loader ---------------
+# ---------------------------------------------------------------- the data loader -----------------
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
@@ -184,43 +184,22 @@ def step_rows(n, per_step, epochs, max_steps, seed):
     return steps[:total]
 
 
-# ---------------------------------------------------------------- the run folder --------------
+# ---------------------------------------------------------------- the run folder ------------------
 def make_encode(encoder, tokenizer, max_len, device):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
     return common.encoder(lambda batch: encoder(batch)[0], tokenizer, max_len, device)
 
 
 def save_model(encoder, tokenizer, max_len, folder):
-    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (its classic layout:
-    Transformer -> Pooling -> [Dense]), so that SentenceTransformer(folder) encodes as we evaluate
-    (CLS without the training MLP, or the masked mean; no normalisation: cosine needs none)."""
+    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder, so that
+    SentenceTransformer(folder) encodes as we evaluate (CLS without the training MLP, or the masked
+    mean; then the projection)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    hidden, proj = encoder.bert.config.hidden_size, encoder.proj
-    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + [("2_Dense", "Dense")] * bool(proj)
-    files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
-                               "type": f"sentence_transformers.models.{kind}"}
-                              for i, (path, kind) in enumerate(modules)],
-             "sentence_bert_config.json": {"max_seq_length": max_len, "do_lower_case": False},
-             "1_Pooling/config.json": {"word_embedding_dimension": hidden,
-                                       "pooling_mode_cls_token": encoder.pooler == "cls",
-                                       "pooling_mode_mean_tokens": encoder.pooler == "avg",
-                                       "pooling_mode_max_tokens": False,
-                                       "pooling_mode_mean_sqrt_len_tokens": False}}
-    if proj is not None:
-        torch.save(proj.state_dict(), os.path.join(folder, "proj.pt"))
-        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": proj.out_features,
-                                        "bias": True, "activation_function":
-                                        "torch.nn.modules.linear.Identity"}
-        from safetensors.torch import save_file
-        os.makedirs(os.path.join(folder, "2_Dense"))
-        save_file({f"linear.{k}": v.detach().contiguous().cpu()
-                   for k, v in proj.state_dict().items()},
-                  os.path.join(folder, "2_Dense", "model.safetensors"))
-    for name, content in files.items():
-        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(content, f, indent=2)
+    if encoder.proj is not None:
+        torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
+    common.write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler,
+                          encoder.proj)
 
 
 META_TYPES = {  # sentemb.json: the keys (those of older runs may lack are optional) and their types
@@ -237,11 +216,7 @@ def check_run(run_dir, meta):
     the value: sentemb.json's keys of their types; the model files whole, the weights those of
     config.json; every value against the weights (eval_sts.py and --resume call it)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the sscl.py run in '{run_dir}'"
-    if bad := [k for k, ok in META_TYPES.items() if k not in meta or not ok(meta[k])] + [
-            k for k, ok in META_OPTIONAL.items() if k in meta and not ok(meta[k])]:
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
-                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
-                   "the file to load the folder as a plain model")
+    check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for rel in RUN_FILES + ("proj.pt",) * bool(meta["proj_dim"]):
         common.check_file(run_dir, rel, where, RECOPY)
     common.check_weights(run_dir, where, RECOPY)
@@ -296,7 +271,7 @@ def load_encoder(run_dir, meta, device):
     return make_encode(encoder.to(device).eval(), tokenizer, meta["max_len"], device)
 
 
-# ---------------------------------------------------------------- argument checks ---------------
+# ---------------------------------------------------------------- argument checks -----------------
 def select_on(name, data):
     """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
     stsb: STS-B dev (the paper's); transfer: the mean dev accuracy x 100 of SentEval's 7 transfer
@@ -354,7 +329,7 @@ def parse_layers(spec, n):
     return [m for m in layers if m]
 
 
-# ---------------------------------------------------------------- main --------------------------
+# ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
     rank, world, device, log = start()
@@ -443,7 +418,7 @@ def main():
     restore_signals(handlers)
 
 
-# ---------------------------------------------------------------- the harness -------------------
+# ---------------------------------------------------------------- the harness ---------------------
 # What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "sscl"  # this script: the "method" of its sentemb.json and checkpoint.pt
@@ -920,6 +895,16 @@ def read_curve(run_dir):
                        "curve restarting here, or copy the run folder again")
         entries.append(e)
     return entries
+
+
+def check_keys(path, meta, required, optional):
+    """sentemb.json's keys (required, and optional ones older runs lack), each of its type: one
+    line naming those that are not."""
+    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
+        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
+                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
+                   "the file to load the folder as a plain model")
 
 
 def read_meta(run_dir):

@@ -1137,20 +1137,90 @@ def test_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b"}}) is None
 
 
-def test_each_method_page_names_the_lines_of_its_scripts_harness():
-    """docs/<method>.md says which lines of the script are the harness (what a reader who copies the
-    method leaves behind): they must be the script's section "the harness" down to its argument
-    checks, as the file stands."""
-    for script in ("sscl", "jtcse", "bellm"):
-        banners = {m[1]: i for i, line in enumerate(
-            (ROOT / f"{script}.py").read_text().splitlines(), 1)
+HARNESS = "# " + "-" * 64 + " the harness " + "-" * 19
+
+
+def banners(script):
+    """{section title: line number} of a script's banners (# ---- title ----)."""
+    return {m[1]: i for i, line in enumerate((ROOT / f"{script}.py").read_text().splitlines(), 1)
             if (m := re.match(r"# -{64} (.*?) -+$", line))}
-        said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*.*?takes lines\s+1–(\d+)",
-                         (ROOT / "docs" / f"{script}.md").read_text(), re.S)
-        assert said, script
-        first, last, copy = map(int, said.groups())
-        assert (first, last + 1, copy + 1) == (banners["the harness"],
-                                               banners["argument checks"], first), script
+
+
+def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
+    """Each script ends with one harness block: its banner, a table (what differs: METHOD,
+    RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and bellm.py. So any
+    script's harness serves the tools (eval_sts.py reads run folders through sscl.py's)."""
+    rest = {}
+    for script in ("sscl", "jtcse", "bellm"):
+        text = (ROOT / f"{script}.py").read_text()
+        assert text.count(HARNESS) == 1, script
+        table, rest[script] = text.split(HARNESS)[1].split("# ---- (the table ends here)\n")
+        assert len(table.splitlines()) <= 20, script
+        names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
+        assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
+    assert rest["sscl"] == rest["jtcse"] == rest["bellm"]
+
+
+COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
+
+
+def copied_section(script):
+    """The lines docs/<script>.md says to copy for one training step, checked to be the script's
+    sections from its first (the loss or the model patch) to train_step's end, and its harness
+    range: -> (a module of those lines alone, with the imports the page names)"""
+    page = " ".join((ROOT / "docs" / f"{script}.md").read_text().split())  # lines joined
+    lines = (ROOT / f"{script}.py").read_text().splitlines()
+    first, last = map(int, re.search(rf"lines (\d+)–(\d+) of `{script}\.py`", page).groups())
+    b = banners(script)
+    assert (first, last + 1) == (b[COPY_FIRST[script]], b["the data loader"]), script
+    said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*", page, re.I)
+    assert said and tuple(map(int, said.groups())) == (b["the harness"], len(lines)), script
+    head = "import torch\nimport torch.nn.functional as F\n"
+    assert "`import torch` and `import torch.nn.functional as F`" in page, script
+    code = head + "\n".join(lines[first - 1:last]) + "\n"
+    import ast
+    names = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+    assert not names & {"common", "sscl", "jtcse", "bellm"}, script
+    module = type(sys)(f"copied_{script}")
+    exec(compile(code, f"<lines {first}-{last} of {script}.py>", "exec"), module.__dict__)
+    return module
+
+
+def equal_steps(step_a, step_b, models):
+    """Two training steps on two copies of a model: the same loss and gradients."""
+    losses = [step(m) for step, m in zip((step_a, step_b), models)]
+    assert losses[0].item() == losses[1].item()
+    for (n, x), y in zip(models[0].named_parameters(), models[1].parameters()):
+        assert (x.grad is None) == (y.grad is None) and (x.grad is None or torch.equal(x.grad,
+                                                                                       y.grad)), n
+
+
+def test_each_method_section_copied_alone_takes_the_scripts_step(bert_dir, tok_dir, tmp_path):
+    """The lines each method page names (the loss, the model or its patch, train_step), copied into
+    an empty module below `import torch` and `import torch.nn.functional as F`, reading no name of
+    the project: their train_step on a tiny model equals the script's, loss and gradients."""
+    from transformers import AutoTokenizer
+    cpu, rng = torch.device("cpu"), random.Random(0)
+    sents = [sentence(rng) for _ in range(6)]
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    m = copied_section("sscl")
+    models = [mod.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls") for mod in (m, sscl)]
+    torch.manual_seed(0)
+    models[0].load_state_dict(models[1].state_dict())
+    equal_steps(*[lambda enc, mod=mod: (torch.manual_seed(1), mod.train_step(
+        enc, tok, sents, [2], cpu, max_len=16))[1] for mod in (m, sscl)], models)
+    m = copied_section("jtcse")
+    models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2) for mod in (m, jtcse)]
+    equal_steps(*[lambda twin, mod=mod: (torch.manual_seed(1), mod.train_step(
+        twin, tok, sents, 1, cpu, max_len=16))[1][0] for mod in (m, jtcse)], models)
+    m = copied_section("bellm")
+    tok, _ = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
+    models = [mod.BeLLM(bellm.load_decoder(tmp_path / "llama-4", 1, "convert", cpu)[1], 1,
+                        "parallel", "convert") for mod in (m, bellm)]
+    rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
+    equal_steps(*[lambda net, mod=mod: (torch.manual_seed(1), mod.train_step(
+        functools.partial(mod.embed, net), tok, rows, "nli", bellm.PROMPT, cpu, max_len=16))[1][0]
+        for mod in (m, bellm)], models)
 
 
 def copy_run(script, cmd, tmp_path):
@@ -2349,6 +2419,8 @@ def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeyp
     d, _ = jt_env
     base = ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir",
             tmp_path / "out", "--no-add-sick"]
+    if "--distill" in args:  # one tower: no --model-b
+        base = base[:2] + base[4:]
     code, _, err = jt_main(capsys, monkeypatch, *base, *[x.format(d=d) for x in args], ok=False)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and needle in errors[0], err
@@ -3211,6 +3283,56 @@ def test_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
     assert len(saves) >= 2 and all(states[s] for s in KILL_STATES if s != "") and eval_kills, whole
 
 
+def as_before(script, state, c):
+    """A checkpoint as the scripts wrote it before the key "model": sscl.py's whole encoder under
+    "encoder", jtcse.py's whole twin under "model" and no schedule, bellm.py's trained tensors as a
+    list under "trainable"."""
+    old = {k: v for k, v in state.items() if k != "model"}
+    if script == "bellm":
+        return {**old, "trainable": list(state["model"].values())}
+    model = sscl.SentenceEncoder(BertModel.from_pretrained(c.bert), "cls", 8) if script == "sscl" \
+        else jtcse.Twin([BertModel.from_pretrained(d) for d in (c.bert, c.bert_b)])
+    model.load_state_dict(state["model"], strict=False)
+    if script == "sscl":
+        return {**old, "encoder": model.state_dict()}
+    return {**{k: v for k, v in old.items() if k != "sched"}, "model": model.state_dict()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
+        script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
+        monkeypatch):
+    """A run of 3 steps killed once its step 2 is saved (SENTEMB_KILL_AT), its checkpoint.pt
+    rewritten as the scripts wrote it before (older keys): eval_sts.py reads the folder, and
+    --resume ends on the weights, sentemb.json and numbers of the uninterrupted run."""
+    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir,
+                  llama=bl_make_model(tok_dir, tmp_path),
+                  bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
+                  bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
+    m, args, data, key = kill_runs(c)[script]
+    code, whole, err = main_of(m, capsys, monkeypatch, *args(tmp_path / "whole"))
+    assert code == 0, err
+    instants, out = m.STOP["writes"], tmp_path / "old"
+    for k in range(instants, 0, -1):  # the last instant of a save at which step 2's is whole
+        shutil.rmtree(out, ignore_errors=True)
+        assert os.WIFSIGNALED(fork_main(m, args(out), tmp_path / "log",
+                                        {"SENTEMB_KILL_AT": str(k)}))
+        m.finish_save(str(out))
+        if weights(out, "step") == 2:
+            break
+    state = torch.load(out / sscl.CKPT, weights_only=False)
+    torch.save(as_before(script, state, c), out / sscl.CKPT)
+    assert dev_of(out, data, capsys, monkeypatch)[0] == 0
+    code, rest, err = main_of(m, capsys, monkeypatch, *args(out), "--resume")
+    assert code == 0, err
+    assert numbers(rest) == numbers(whole)[-2:] and len(numbers(rest)) == 2  # step 3: loss, dev
+    assert json.loads((out / common.META).read_text()) == json.loads(
+        (tmp_path / "whole" / common.META).read_text())
+    for k, v in weights(tmp_path / "whole", key).items():
+        assert torch.equal(v, weights(out, key)[k]), k
+
+
 def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
                                                               capsys):
     """common.check_weights: a config cut to fewer layers than the file holds, or of another hidden
@@ -3540,7 +3662,8 @@ SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts
                       "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
                       "--max-steps", 2,
                       "--eval-steps", 2, "--no-final-eval", *x]
-JT = lambda c, *x: ["--model-a", c.jt / "a", "--model-b", c.jt / "b", "--train",  # noqa: E731
+JT = lambda c, *x: ["--model-a", c.jt / "a",  # noqa: E731
+                    *(["--model-b", c.jt / "b"] if "--distill" not in x else []), "--train",
                     c.jt / "train.txt",
                     "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
                     "--no-add-sick", "--no-final-eval", *x]
@@ -3942,6 +4065,22 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
          edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
+    # ---- a flag that would do nothing under another is refused, never ignored ----
+    *[("jtcse", lambda c, x=x: JT(c, "--distill", c.jrun, *x), ["--distill", x[0], "twin"], None)
+      for x in (["--model-b", str(Path("other"))], ["--num-cael", "2"], ["--temp", "0.1"],
+                ["--no-nce"])],
+    ("jtcse", lambda c: JT(c, "--num-cael", "2", "--no-icnce"), ["--num-cael", "only L_ICNCE"],
+     None),
+    ("jtcse", lambda c: JT(c, "--temp", "0.1", "--no-nce", "--no-icnce"), ["--temp", "drop"],
+     None),
+    ("bellm", lambda c: BL(c, "--train", c.csv(CSTS_HEAD + b"a,b,c,1\nd,e,f,5\n"), "--prompt",
+                           "{condition}: {sentence}", "--temp", "0.1"),
+     ["--temp", "cosent_loss", "drop --temp"], None),
+    *[("bellm", lambda c, x=x: BL(c, "--bi-layers", "0", *x), ["--bi-layers 0", x[1]], None)
+      for x in (["--bi-mode", "sequential"], ["--bi-strategy", "add"])],
+    ("bellm", lambda c: BL(c, "--tasks", "STS-B"), ["--tasks", "--no-final-eval"], None),
+    *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--epochs", "2"),
+       ["--max-steps", "--epochs would do nothing"], None) for m in ("sscl", "jtcse", "bellm")],
     # ---- a save's leftover, a run folder's two descriptions, a folder of the user's ----
     ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (  # a save's moves done
         (c.run / common.META).write_text("{not json"),
