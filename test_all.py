@@ -47,6 +47,8 @@ import sscl
 import sscl_analysis
 import transfer
 
+
+# ---------------------------------------------------------------- shared helpers and fixtures -----
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
 # SimCSE's senteval.tar, unpacked
@@ -90,7 +92,6 @@ def sentence(rng, n=None):
     return " ".join(rng.choice(WORDS) for _ in range(n or rng.randint(3, 12)))
 
 
-# ---------------------------------------------------------------- fixtures ----------------------
 @pytest.fixture(scope="session")
 def bert_tokenizer_dir(tmp_path_factory):
     """A real WordPiece tokenizer, built offline from a word list."""
@@ -166,7 +167,379 @@ def train_txt(tmp_path_factory):
     return p
 
 
-# ---------------------------------------------------------------- common.py / eval_sts.py -------
+def write_transfer(root, n=40, seed=0):
+    """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns
+    downstream/."""
+    rng = random.Random(seed)
+    d = Path(root) / "downstream"
+    files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"), "CR": ("custrev.pos", "custrev.neg"),
+             "SUBJ": ("subj.objective", "subj.subjective"), "MPQA": ("mpqa.pos", "mpqa.neg")}
+    for task, names in files.items():
+        (d / task).mkdir(parents=True, exist_ok=True)
+        for name in names:  # one empty line per file: SentEval keeps it as a sample
+            (d / task / name).write_text("\n".join([sentence(rng) for _ in range(n)] + [""]) + "\n")
+    (d / "SST" / "binary").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "dev", "test"):
+        (d / "SST" / "binary" / f"sentiment-{split}").write_text(
+            "".join(f"{sentence(rng)}\t{rng.randint(0, 1)}\n" for _ in range(n)))
+    (d / "TREC").mkdir(parents=True, exist_ok=True)
+    for name in ("train_5500.label", "TREC_10.label"):
+        (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n"
+                                               for c in list(transfer.TREC_CLASSES) * (n // 6 + 2)))
+    (d / "MRPC").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n"
+                for i in range(n)]
+        (d / "MRPC" / f"msr_paraphrase_{split}.txt").write_text(
+            "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(rows))
+    return d
+
+
+def write_probing(root, n=(60, 20, 20), seed=0):
+    """SentEval's three probing files of SSCL Table 4 in DIR/downstream/probing, synthetic: lines
+    'split<TAB>label<TAB>sentence', the splits shuffled together. SentLen's label is the bin of the
+    word count (learnable from length_encode); TreeDepth's labels 5..11 sort as strings ('10' <
+    '5'); one line has an extra middle field, trailing blanks and a double space. -> DIR."""
+    rng = random.Random(seed)
+    d = Path(root) / "downstream" / "probing"
+    d.mkdir(parents=True, exist_ok=True)
+    labels = {"sentence_length.txt": None, "tree_depth.txt": [str(i) for i in range(5, 12)],
+              "coordination_inversion.txt": ["O", "I"]}
+    for name, labs in labels.items():
+        lines = []
+        for split, count in zip(("tr", "va", "te"), n):
+            for i in range(count):
+                s = sentence(rng)
+                lab = str((len(s.split()) - 3) // 2) if labs is None else labs[i % len(labs)]
+                lines.append(f"{split}\t{lab}\t{s}")
+        rng.shuffle(lines)
+        split, lab, s = lines[3].split("\t")
+        lines[3] = f"{split}\t{lab}\tmiddle field\t{s.replace(' ', '  ', 1)} \t "
+        (d / name).write_text("\n".join(lines) + "\n")
+    return Path(root)
+
+
+def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
+    return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
+            "--batch-size", 8, "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps,
+            "--max-steps", steps, "--log-steps", 1, *extra]
+
+
+def losses(stdout):
+    return re.findall(r"loss (\S+)", stdout)
+
+
+def curve_of(out):
+    return [json.loads(line) for line in (out / sscl.CURVE).read_text().splitlines()]
+
+
+def torchrun(script, nproc, *args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                           "--nproc_per_node", str(nproc),
+                           "--master_port", str(29500 + random.randint(0, 999)), str(ROOT / script),
+                           *map(str, args)],
+                          capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
+    """Dropout off, so that 2 ranks × B and 1 rank × 2B see the same computation."""
+    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_nodrop"), bert_tokenizer_dir, seed=3))
+
+
+def no_dropout(d):
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(d)
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
+    cfg.save_pretrained(d)
+    return d
+
+
+def main_of(module, capsys, monkeypatch, *args):
+    """module.main() in this process, as from the command line: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
+    capsys.readouterr()
+    try:
+        module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return (code, *capsys.readouterr())
+
+
+def st_python(code):
+    """Run code where sentence-transformers imports: $SENTEMB_ST (CI installs it there with
+    --no-deps, beside the pinned torch) or this Python's own packages; None when it is not installed
+    (a failure in CI)."""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None,
+                                                       [os.environ.get("SENTEMB_ST"), str(ROOT)]))}
+    probe = subprocess.run([sys.executable, "-c", "import sentence_transformers"], env=env,
+                           capture_output=True)
+    if probe.returncode:
+        why = "sentence-transformers is not installed (set SENTEMB_ST to a folder that holds it)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def same_step(params, loss_of):
+    """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each
+    tensor's largest). The models run in float64: in float32 the two orders of summation differ by
+    rounding, which the identical dropout-free views amplify (the positive pair's terms cancel; up
+    to 2.5e-4 of the largest gradient of the projection); in float64 that rounding is ~1e-12, so
+    what is left to fail here is a different computation."""
+    out = []
+    for grouped in (True, False):
+        for q in params:
+            q.grad = None
+        loss = loss_of(grouped)
+        loss.backward()
+        out.append((loss.item(), [q.grad.clone() for q in params if q.grad is not None]))
+    (l1, g1), (l0, g0) = out
+    assert abs(l1 - l0) <= 1e-5 and len(g1) == len(g0) > len(params) / 2
+    for a, b in zip(g1, g0):
+        # (+: the key biases' zero gradients)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12
+
+
+def png_size(path):
+    """(width, height) of a valid PNG, read from its header; fails on anything else."""
+    head = Path(path).read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+# ---- shared: JTCSE's tiny twin (jt_env) and its helpers ----
+jt_WORDS = ("a man is playing a guitar . the cat sits on the mat . two dogs run in the park . "
+            "a woman slices an onion . children play football outside . the sky is blue "
+            "today").split(" . ")
+
+
+def jt_make_tokenizer(path, sentences):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = (normalizers.BertNormalizer(),
+                                         pre_tokenizers.BertPreTokenizer())
+    tok.train_from_iterator(sentences, trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids",
+                                                      "attention_mask"])
+    fast.save_pretrained(path)
+    return fast
+
+
+def jt_tiny_bert(tok, seed, layers=4):
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=128)
+    return BertModel(cfg)
+
+
+JT_DATA = {}  # paths made by jt_env
+
+
+@pytest.fixture(scope="module")
+def jt_env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("jtcse")
+    # the STS data of every jtcse.py run here (SENTEMB_DATA)
+    JT_DATA["sts"] = write_sts(d / "sts", seed=3)
+    jt_train = d / "train.txt"
+    lines = [f"{w} number {i}" for i in range(40) for w in jt_WORDS]
+    jt_train.write_text("\n".join(lines) + "\n")
+    tok = jt_make_tokenizer(d / "tok", lines)
+    for name, seed in (("a", 0), ("b", 1)):
+        m = jt_tiny_bert(tok, seed)
+        m.save_pretrained(d / name), tok.save_pretrained(d / name)
+    other = jt_make_tokenizer(d / "other_tok", ["completely different words here",
+                                                "zebra xylophone quartz"])
+    m = jt_tiny_bert(other, 2)
+    m.save_pretrained(d / "other"), other.save_pretrained(d / "other")
+    (d / "llama").mkdir()
+    (d / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    return d, tok
+
+
+def jtcse_loss_of(h, hP, c, R, a):
+    """jtcse.jtcse_loss with the settings of jtcse.py's flags a, as train_step passes them."""
+    skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
+    return jtcse.jtcse_loss(h, hP, c, R, a.temp, a.objective, skip)
+
+
+def jt_main(capsys, monkeypatch, *args, ok=True):
+    """jtcse.main() in this process (same code path as the command line, without the import
+    cost)."""
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, out, err = main_of(jtcse, capsys, monkeypatch, *args)
+    if ok:
+        assert code == 0, err[-3000:]
+    return code, out, err
+
+
+def jt_train(jt_env, out, capsys, monkeypatch, *extra):
+    d, _ = jt_env
+    return jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b", "--train",
+                   d / "train.txt", "--output-dir", out, "--batch-size", "8", "--max-len", "16",
+                   "--max-steps", "3", "--eval-steps", "2", "--lr", "1e-3", "--no-add-sick",
+                   "--no-final-eval", *extra)[1]
+
+
+def jt_nodrop(jt_env, out):
+    """Towers a and b of jt_env with dropout off, saved under out/a and out/b; -> [BertModel a,
+    b]."""
+    d, _ = jt_env
+    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0) for t in "ab"]
+    for t, m in zip("ab", towers):
+        m.save_pretrained(out / t)
+        PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t)
+    return towers
+
+
+def jt_batch_of(tok, sents):
+    return dict(tok(sents, padding=True, return_tensors="pt"))
+
+
+# ---- shared: BeLLM's tiny decoder (tok_dir) and its helpers ----
+bl_CPU = torch.device("cpu")
+SENTS = ["a man is playing a guitar .", "two dogs run in the park", "the cat sleeps",
+         "a woman cuts an onion .", "kids are playing football outside on a sunny day",
+         "nobody is here", "a plane takes off",
+         "the sun is shining brightly over the quiet sea"]
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer, t.decoder = (pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                  decoders.ByteLevel())
+    t.train_from_iterator(SENTS * 3 + [bellm.PROMPT], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(d)
+    return d
+
+
+def bl_make_model(tok_dir, tmp, family="llama", layers=4):
+    """A tiny random decoder saved with the tokenizer; returns its folder."""
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    cfg_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if family == "llama"
+                          else (Qwen2Config, Qwen2ForCausalLM))
+    cfg = cfg_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    d = tmp / f"{family}-{layers}"
+    model_cls(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def bl_batch(tok, sents, side="right", prompt=bellm.PROMPT):
+    tok.padding_side = side
+    texts, n = bellm.prompted(tok, {"prompt": prompt, "max_len": 64}, sents)
+    return common.tokenize(tok, texts, n, bl_CPU)
+
+
+def bl_real(h, am):  # the real positions of (b, L, H), flattened
+    return h[am.bool()]
+
+
+def bl_sts_dir(tmp):
+    """A synthetic STS folder: STS-B dev and test with 16 pairs each."""
+    d = tmp / "senteval"
+    (d / "SICK").mkdir(parents=True)
+    (d / "STS" / "STSBenchmark").mkdir(parents=True)
+    for split in ("dev", "test"):
+        with open(d / "STS" / "STSBenchmark" / f"sts-{split}.csv", "w") as f:
+            for i in range(16):
+                f.write(f"g\tf\t2012\t{i}\t{i % 5 + 0.5}\t{SENTS[i % 8]}\t"
+                        f"{SENTS[(i * 3 + 1) % 8]}\n")
+    return d
+
+
+def nli_csv(tmp, rows=12, cols=("sent0", "sent1", "hard_neg")):
+    path = tmp / f"nli-{len(cols)}.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for i in range(rows):
+            w.writerow([SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]][:len(cols)])
+    return path
+
+
+# ---- shared: a finished run of each method (run_templates), its commands and files ----
+TPL = Namespace()  # paths of run_templates, for the table's --resume commands (settings must match)
+
+
+@pytest.fixture(scope="module")
+def run_templates(tmp_path_factory, bert_dir, train_txt, sts_dir, jt_env, tok_dir):
+    """A finished run folder of each method, trained once (2 steps; bellm.py 1): sscl.py with
+    --proj-dim 8, a jtcse.py twin, a bellm.py adapter. Probes copy them (c.srun, c.jrun, c.brun)
+    and break one file."""
+    d = tmp_path_factory.mktemp("templates")
+    TPL.__dict__.update(bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=d / "out",
+                        llama=bl_make_model(tok_dir, d), bl_sts=bl_sts_dir(d), nli=nli_csv(d))
+    for script, args in (("sscl.py", SSCL_RUN(TPL, d / "sscl")),
+                         ("bellm.py", BL_RUN(TPL, d / "bellm")),
+                         ("jtcse.py", JT(TPL, "--output-dir", d / "jtcse"))):
+        proc = run(script, *args, env={"SENTEMB_DATA": str(JT_DATA["sts"])})
+        assert proc.returncode == 0, proc.stderr
+    return {m: d / m for m in ("sscl", "jtcse", "bellm")}
+
+
+def edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
+                      "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
+                      "--max-steps", 2,
+                      "--eval-steps", 2, "--no-final-eval", *x]
+JT = lambda c, *x: ["--model-a", c.jt / "a",  # noqa: E731
+                    *(["--model-b", c.jt / "b"] if "--distill" not in x else []), "--train",
+                    c.jt / "train.txt",
+                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+                    "--no-add-sick", "--no-final-eval", *x]
+
+
+# the commands of run_templates, and eval_sts.py on their copies (c.srun, c.jrun, c.brun)
+SSCL_RUN = lambda c, out, *x: SSCL(Namespace(**{**vars(c), "out": out}),  # noqa: E731
+                                   "--proj-dim", 8, *x)
+BL_RUN = lambda c, out, *x: ["--model", TPL.llama, "--train", TPL.nli, "--data-dir",  # noqa: E731
+                             TPL.bl_sts, "--output-dir", out, "--batch-size", 4, "--max-steps", 1,
+                             "--lora-r", 4, "--no-final-eval", *x]
+
+
+MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
+
+
+def files_of(folder):
+    return {p: p.read_bytes() for p in Path(folder).rglob("*")
+            if p.is_file() and p.name != sscl.LOCK}
+
+
+def resume_args(method, out):
+    """The command that made run_templates[method], with --resume, into out."""
+    return {"sscl": lambda: SSCL_RUN(TPL, out, "--resume"),
+            "jtcse": lambda: JT(TPL, "--output-dir", out, "--resume"),
+            "bellm": lambda: BL_RUN(TPL, out, "--resume")}[method]()
+
+
+# ---------------------------------------------------------------- tools: common.py, eval_sts.py,
+# transfer.py, eval_more.py, figures, seeds, bench -------------------------------------------------
 def hashed_encode(sentences):
     """A fixed random vector per sentence: any evaluator bug changes the numbers."""
     return torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(
@@ -174,7 +547,8 @@ def hashed_encode(sentences):
                         for s in sentences])
 
 
-def test_evaluate_equals_scipy_on_pooled_subsets(sts_dir):
+# ---- tools: STS evaluation (common.py, eval_sts.py) ----
+def test_common_evaluate_equals_scipy_on_pooled_subsets(sts_dir):
     from scipy.stats import spearmanr
     data = common.senteval_dir(str(sts_dir))
     results = common.evaluate(hashed_encode, data)
@@ -190,7 +564,7 @@ def test_evaluate_equals_scipy_on_pooled_subsets(sts_dir):
     assert exact == pytest.approx(results, abs=1e-4)
 
 
-def test_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
+def test_common_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
     write_sts(tmp_path, n=14)
     f = tmp_path / "downstream" / "STS" / "STS12-en-test" / "STS.input.MSRpar.txt"
     f.write_text(f.read_text().replace("\t", "  \t ", 1))
@@ -199,7 +573,7 @@ def test_load_sts_drops_unscored_pairs_and_rejoins_whitespace(tmp_path):
     assert all("  " not in s and s == s.strip() for r in rows for s in r[:2])
 
 
-def test_ensemble_is_the_sum_of_its_members_in_any_order(bert_dir, bert_nodrop_dir):
+def test_eval_ensemble_is_the_sum_of_its_members_in_any_order(bert_dir, bert_nodrop_dir):
     """JTCSE's +UC (eval_sts.py --ensemble; jtcse.py --distill A B): each member encoded as
     load_encoder encodes it alone, with its own pooling; one member = that model."""
     cpu, rng = torch.device("cpu"), random.Random(0)
@@ -227,12 +601,12 @@ def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("module,words", [("transfer.py", "--tasks transfer"),
                                           ("eval_more.py", "--mteb"), ("figures.py", "--plot")])
-def test_a_module_run_alone_names_the_command_to_use(module, words):
+def test_tools_a_module_run_alone_names_the_command_to_use(module, words):
     assert_bad_input(run(module, "--help"), f"{module} is a module", words)
 
 
 @pytest.mark.slow
-def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
+def test_eval_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
     write_sts(tmp_path)
     f = tmp_path / "downstream" / "STS" / "STS14-en-test" / "STS.input.images.txt"
     lines = f.read_text().splitlines()
@@ -243,7 +617,7 @@ def test_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_data_folder(bert_dir, tmp_path):
+def test_eval_missing_data_folder(bert_dir, tmp_path):
     proc = run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "nowhere")
     assert_bad_input(proc, "--data-dir", "SENTEMB_DATA")
     write_sts(tmp_path / "partial")
@@ -257,13 +631,13 @@ def test_missing_data_folder(bert_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_unknown_model_offline(sts_dir):
+def test_eval_unknown_model_offline(sts_dir):
     assert_bad_input(run("eval_sts.py", "--model", "no-such-org/no-such-model", "--data-dir",
                          sts_dir), "local model folder")
 
 
 @pytest.mark.slow
-def test_senteval_parity_minilm_avg(tmp_path):
+def test_eval_senteval_parity_minilm_avg(tmp_path):
     """SentEval's own numbers for all-MiniLM-L6-v2 with avg pooling, each within ±0.02."""
     minilm = MODELS / "minilm"
     need(minilm / "model.safetensors", REAL_STS / "downstream" / "STS")
@@ -276,7 +650,33 @@ def test_senteval_parity_minilm_avg(tmp_path):
     assert json.loads(out.read_text())["results"] == pytest.approx(senteval, abs=0.02)
 
 
-# ---------------------------------------------------------------- eval_sts.py: MTEB -------------
+@pytest.mark.slow
+def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, sts_dir, tmp_path,
+                                                                     capsys, monkeypatch):
+    """--json fails only after the whole evaluation: the table is printed first, the error is one
+    line, the old file is kept and no temporary file is left."""
+    out = tmp_path / "r.json"
+    out.write_text('{"old": 1}')
+
+    real = common.write_whole
+
+    def disk_full(path, write, pause=None):  # the temporary file half written, then a full disk
+        def partial(f):
+            f.write(b'{"partial')
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, partial)
+    monkeypatch.setattr(common, "write_whole", disk_full)
+    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                                sts_dir, "--tasks", "STS-B", "--json", out)
+    assert code == 2 and re.search(r"STS-B +Avg\.\n +-?\d+\.\d+ +-?\d+\.\d+", stdout), stdout
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for words in ("No space left on device", "printed above", "old file is kept"):
+        assert words in errors[0], errors[0]
+    assert out.read_text() == '{"old": 1}' and not (tmp_path / "r.json.tmp").exists()
+
+
+# ---- tools: eval_sts.py --mteb (eval_more.py) ----
 def need_mteb():
     """mteb (requirements-mteb.txt), or a skip giving the reason; in CI (CI=true) a failure."""
     try:
@@ -308,7 +708,7 @@ def assert_mteb_adapter_is(mteb, encode, texts):
     return adapter, e
 
 
-def test_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
+def test_eval_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
     """eval_more.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
     out, in mteb's order; cosine similarity."""
     mteb, cpu, rng = need_mteb(), torch.device("cpu"), random.Random(0)
@@ -325,7 +725,7 @@ def test_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir
                                F.cosine_similarity(a, b, dim=-1))
 
 
-def test_mteb_senteval_tasks_equal_our_sts(sts_dir):
+def test_eval_mteb_senteval_tasks_equal_our_sts(sts_dir):
     """SentEval:TASK (our STS files as an MTEB task, scored by mteb's own STS evaluator) gives
     common.evaluate's numbers, every task (STS12-16: subsets pooled). hashed_encode: a fixed vector
     per sentence, so that the cosines are spread and no rank is rounding noise."""
@@ -340,7 +740,7 @@ def test_mteb_senteval_tasks_equal_our_sts(sts_dir):
                                    abs=1e-4)
 
 
-def test_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, capsys, monkeypatch):
+def test_eval_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, capsys, monkeypatch):
     """--mteb alone: the MTEB table (task, main score, x 100, Avg.) and no STS table; --json holds
     each task's main score, mteb's scores and the seconds."""
     need_mteb()
@@ -359,7 +759,7 @@ def test_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, capsys, m
     assert "mteb" in r["seconds"]
 
 
-def test_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
+def test_eval_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
     """--mteb: mteb missing, an unknown task, an empty list -> one error line naming the fix."""
     def bad(*args):
         code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir,
@@ -376,7 +776,7 @@ def test_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
+def test_eval_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
     """MTEB data not in the cache, offline: one line saying how to get it, before the model loads.
     A benchmark name stands for its tasks (MTEB(eng, v1)'s first: AmazonPolarityClassification);
     SentEval:STS-B, read from --data-dir, loads."""
@@ -389,7 +789,7 @@ def test_mteb_hub_data_offline(bert_dir, sts_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_mteb_adapter_on_every_run_kind(run_templates):
+def test_eval_mteb_adapter_on_every_run_kind(run_templates):
     """A run of each of our scripts (an SSCL run, a JTCSE twin, a BeLLM LoRA adapter) is an mteb
     encoder with exactly eval_sts.py's embeddings."""
     mteb, rng = need_mteb(), random.Random(1)
@@ -399,7 +799,7 @@ def test_mteb_adapter_on_every_run_kind(run_templates):
 
 
 @pytest.mark.slow
-def test_mteb_parity_minilm_stsb(tmp_path):
+def test_eval_mteb_parity_minilm_stsb(tmp_path):
     """mteb's own STS evaluator on STS-B test (SentEval's files) = eval_sts.py --tasks STS-B on
     all-MiniLM-L6-v2, avg pooling, within 0.01 (both Spearman of cosine x 100; SentEval: 82.03)."""
     minilm = MODELS / "minilm"
@@ -417,36 +817,8 @@ def test_mteb_parity_minilm_stsb(tmp_path):
     assert r["results"]["STS-B"] == pytest.approx(82.03, abs=0.02)
 
 
-# ---------------------------------------------------------------- eval_sts.py: transfer tasks ---
-def write_transfer(root, n=40, seed=0):
-    """SentEval's seven transfer tasks in SimCSE's senteval.tar layout, synthetic, small. Returns
-    downstream/."""
-    rng = random.Random(seed)
-    d = Path(root) / "downstream"
-    files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"), "CR": ("custrev.pos", "custrev.neg"),
-             "SUBJ": ("subj.objective", "subj.subjective"), "MPQA": ("mpqa.pos", "mpqa.neg")}
-    for task, names in files.items():
-        (d / task).mkdir(parents=True, exist_ok=True)
-        for name in names:  # one empty line per file: SentEval keeps it as a sample
-            (d / task / name).write_text("\n".join([sentence(rng) for _ in range(n)] + [""]) + "\n")
-    (d / "SST" / "binary").mkdir(parents=True, exist_ok=True)
-    for split in ("train", "dev", "test"):
-        (d / "SST" / "binary" / f"sentiment-{split}").write_text(
-            "".join(f"{sentence(rng)}\t{rng.randint(0, 1)}\n" for _ in range(n)))
-    (d / "TREC").mkdir(parents=True, exist_ok=True)
-    for name in ("train_5500.label", "TREC_10.label"):
-        (d / "TREC" / name).write_text("".join(f"{c}:fine {sentence(rng)} ?\n"
-                                               for c in list(transfer.TREC_CLASSES) * (n // 6 + 2)))
-    (d / "MRPC").mkdir(parents=True, exist_ok=True)
-    for split in ("train", "test"):
-        rows = [f"{rng.randint(0, 1)}\t{i}\t{i + 1}\t{sentence(rng)}\t{sentence(rng)}\n"
-                for i in range(n)]
-        (d / "MRPC" / f"msr_paraphrase_{split}.txt").write_text(
-            "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(rows))
-    return d
-
-
-def test_stratified_kfold_equals_scikit_learn():
+# ---- tools: eval_sts.py transfer tasks and probing (transfer.py) ----
+def test_eval_stratified_kfold_equals_scikit_learn():
     """Folds printed by scikit-learn 1.9.1: StratifiedKFold(5, shuffle=True,
     random_state=1111).split(y, y)."""
     y = np.array([1] * 20 + [0] * 13 + [2] * 9)
@@ -515,7 +887,7 @@ def synthetic(n, d=6, nclasses=2, seed=0):
 
 
 @pytest.mark.parametrize("optim", ["adam", "rmsprop"])
-def test_batched_runs_equal_senteval_one_by_one(optim):
+def test_eval_batched_runs_equal_senteval_one_by_one(optim):
     """Runs of different sizes, L2 values and dev sets, trained as batched models, each equal to
     SentEval's own loop run alone: same best dev accuracy, same weights."""
     cfg = {**SMALL, "optim": optim}
@@ -532,7 +904,7 @@ def test_batched_runs_equal_senteval_one_by_one(optim):
                 and torch.allclose(b, model[0].bias, atol=1e-5))
 
 
-def test_inner_kfold_protocol_equals_senteval():
+def test_eval_inner_kfold_protocol_equals_senteval():
     """MR/CR/SUBJ/MPQA: SentEval's InnerKFoldClassifier.run, transcribed."""
     X, y = synthetic(75, seed=1)
     k, dev, test = SMALL["kfold"], [], []
@@ -551,7 +923,7 @@ def test_inner_kfold_protocol_equals_senteval():
     assert got == {"devacc": round(np.mean(dev), 2), "acc": round(np.mean(test), 2)}
 
 
-def test_kfold_and_split_protocols_equal_senteval():
+def test_eval_kfold_and_split_protocols_equal_senteval():
     """TREC/MRPC: KFoldClassifier.run; SST-2: SplitClassifier.run (whose final refit is the grid's
     model)."""
     X, y = synthetic(70, nclasses=6, seed=2)
@@ -577,7 +949,7 @@ def test_kfold_and_split_protocols_equal_senteval():
                              {"train": y, "dev": yd, "test": yt}, SMALL) == want
 
 
-def test_mrpc_features_and_loading_order(tmp_path):
+def test_eval_mrpc_features_and_loading_order(tmp_path):
     a, b = torch.randn(5, 3), torch.randn(5, 3)
     assert torch.equal(transfer.mrpc_features(a, b), torch.cat([(a - b).abs(), a * b], 1))
     d = write_transfer(tmp_path)
@@ -592,14 +964,14 @@ def test_mrpc_features_and_loading_order(tmp_path):
     assert y[texts.index(obj)] == 1  # SentEval: objective = 1
 
 
-def test_transfer_table_format():
+def test_eval_transfer_table_format():
     res = {t: {"devacc": 0.0, "acc": 70.0 + i} for i, t in enumerate(transfer.TRANSFER)}
     head, row = transfer.format_transfer(res).splitlines()
     assert head.split() == ["MR", "CR", "SUBJ", "MPQA", "SST", "TREC", "MRPC", "Avg."]
     assert row.split() == ["70.00", "71.00", "72.00", "73.00", "74.00", "75.00", "76.00", "73.00"]
 
 
-def test_align_uniform_by_hand(tmp_path):
+def test_eval_align_uniform_by_hand(tmp_path):
     """Four sentences, STS-B test pairs with gold 4.5 / 4.0 / 1.0: alignment over the first two
     pairs."""
     d = write_sts(tmp_path)
@@ -661,7 +1033,7 @@ SENTEVAL_TRANSFER = {
 
 
 @pytest.mark.slow
-def test_senteval_transfer_parity_minilm_avg(tmp_path):
+def test_eval_senteval_transfer_parity_minilm_avg(tmp_path):
     """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on
     four of the seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair
     features (MRPC). MR and SUBJ repeat CR's protocol; SST-2 (train/dev/test) is two thirds of the
@@ -677,30 +1049,6 @@ def test_senteval_transfer_parity_minilm_avg(tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = {t: v["acc"] for t, v in json.loads(out.read_text())["transfer"].items()}
     assert got == pytest.approx({t: SENTEVAL_TRANSFER["fasttest"][t] for t in tasks}, abs=0.25)
-
-
-def write_probing(root, n=(60, 20, 20), seed=0):
-    """SentEval's three probing files of SSCL Table 4 in DIR/downstream/probing, synthetic: lines
-    'split<TAB>label<TAB>sentence', the splits shuffled together. SentLen's label is the bin of the
-    word count (learnable from length_encode); TreeDepth's labels 5..11 sort as strings ('10' <
-    '5'); one line has an extra middle field, trailing blanks and a double space. -> DIR."""
-    rng = random.Random(seed)
-    d = Path(root) / "downstream" / "probing"
-    d.mkdir(parents=True, exist_ok=True)
-    labels = {"sentence_length.txt": None, "tree_depth.txt": [str(i) for i in range(5, 12)],
-              "coordination_inversion.txt": ["O", "I"]}
-    for name, labs in labels.items():
-        lines = []
-        for split, count in zip(("tr", "va", "te"), n):
-            for i in range(count):
-                s = sentence(rng)
-                lab = str((len(s.split()) - 3) // 2) if labs is None else labs[i % len(labs)]
-                lines.append(f"{split}\t{lab}\t{s}")
-        rng.shuffle(lines)
-        split, lab, s = lines[3].split("\t")
-        lines[3] = f"{split}\t{lab}\tmiddle field\t{s.replace(' ', '  ', 1)} \t "
-        (d / name).write_text("\n".join(lines) + "\n")
-    return Path(root)
 
 
 def length_encode(sentences):
@@ -746,7 +1094,7 @@ def one_error(capsys, fn, *args):
     return err[0]
 
 
-def test_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatch):
+def test_eval_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monkeypatch):
     """SentLen, TreeDepth, CoordInv (SSCL Table 4): each file read, numbered and sorted as
     SentEval's probing.py does, and the accuracies of its SplitClassifier, in both modes, on
     synthetic files and a fake encoder; the tasks parsed and printed; bad files stop with one
@@ -848,7 +1196,7 @@ PROBING_SAMPLE = {"sentence_length.txt": [1192, 300, 300], "tree_depth.txt": [13
 
 
 @pytest.mark.slow
-def test_senteval_probing_parity_minilm_avg(tmp_path):
+def test_eval_senteval_probing_parity_minilm_avg(tmp_path):
     """SentEval's test accuracies on its probing tasks SentLen, TreeDepth, CoordInv (SSCL Table 4)
     for all-MiniLM-L6-v2 with avg pooling in test mode (the papers' setting), each within 0.25, on
     the sample of SentEval's files (PROBING_SAMPLE; other files there: skipped, saying so). One
@@ -871,7 +1219,9 @@ def test_senteval_probing_parity_minilm_avg(tmp_path):
     got = {t: v["acc"] for t, v in r["probing"].items()}
     assert r["transfer_mode"] == "test"
     assert got == pytest.approx(SENTEVAL_PROBING["avg", "test"], abs=0.25)
-# ---------------------------------------------------------------- eval_sts.py: retrieval --------
+
+
+# ---- tools: eval_sts.py --retrieval (BeLLM Table 5) and --csts (Table 2) ----
 # BeLLM Table 5's task on a file whose answers are known: a caption "... <angle>" is embedded as
 # (cos, sin) of its angle in degrees, so cosine similarity falls with the angle between captions
 RET_GROUPS = {"a": [20, 25, 30, 35, 40], "b": [90, 100, 110, 120, 255], "c": [180, 183, 65],
@@ -889,7 +1239,7 @@ def ret_file(tmp, groups=RET_GROUPS):
     return path
 
 
-def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
+def test_eval_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
     """Each group's first caption queries the 16 others. By hand (angle distances): a (20): its
     4 others are the 4 nearest -> strict hit. b (90): 100, 110, then c's 65 before its own 120
     -> strict miss, R@1 hit. c (180): 183 then e's 225 before its 65 -> miss, R@1 hit. d (300):
@@ -918,139 +1268,236 @@ def test_retrieval_scores_known_answers(tmp_path, capsys, monkeypatch):
     assert saved["strict"] == 20 and len(saved["shown"]) == 1
 
 
-# ---------------------------------------------------------------- SSCL --------------------------
-def sscl_args(model, train, data, out, *extra, steps=4, layer=2, eval_steps=2):
-    return ["--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
-            "--batch-size", 8, "--max-len", 16, "--layer", layer, "--eval-steps", eval_steps,
-            "--max-steps", steps, "--log-steps", 1, *extra]
+def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_path, capsys,
+                                                                 monkeypatch):
+    """eval_sts.py --csts (Table 2): Spearman x 100 of cos(s1 | condition, s2 | condition) against
+    the label, recomputed here for a decoder zero-shot (--pooler last, C-STS's prompt); without
+    the conditions the score differs, so they are read."""
+    from scipy.stats import spearmanr
+    model, path = bl_make_model(tok_dir, tmp_path), tmp_path / "csts.csv"
+    conditions = ["the number of people", "the place", "what they do"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sentence1", "sentence2", "condition", "label"])
+        for i in range(8):
+            w.writerow([SENTS[i], SENTS[(i + 3) % 8], conditions[i % 3], (i * 3) % 5 + 1])
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", model, "--pooler", "last",
+                             "--prompt", bellm.CSTS_PROMPT, "--csts", path, "--json",
+                             tmp_path / "r.json")
+    assert code == 0, err
+    tok, dec = bellm.load_decoder(str(model), 0, "convert", bl_CPU)
+    encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
+                                                      bi_strategy="convert", max_len=256,
+                                                      prompt=bellm.CSTS_PROMPT), bl_CPU)
+    rows = bellm.read_csv(path)[1]
+
+    def score(cond):
+        cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
+                                                                             cond))
+        return 100 * spearmanr(cos.numpy(), [r[3] for r in rows]).statistic
+    want = score([r[2] for r in rows])
+    assert json.loads((tmp_path / "r.json").read_text())["csts"] == pytest.approx(want, abs=1e-6)
+    assert out.splitlines()[-3:-1] == ["  C-STS", f"{want:7.2f}"]
+    assert abs(want - score(None)) > 1e-3
 
 
-def test_sscl_loss_equals_transcription():
-    """Row i: -log e^{cos(h_i,h_i⁺)/τ} / (Σ_j e^{cos(h_i,h_j⁺)/τ} + Σ_M Σ_j
-    e^{cos(h_i,h_j^M)/τ})."""
-    import sscl
-    torch.manual_seed(0)
-    B, D, tau = 5, 7, 0.05
-    h, h_pos, n1, n2 = (torch.randn(B, D, dtype=torch.float64) for _ in range(4))
-    cos = lambda x, y: (x @ y / (x.norm() * y.norm())).item()  # noqa: E731
-    for negs in ([], [n1], [n1, n2]):
-        want = 0.0
-        for i in range(B):
-            num = math.exp(cos(h[i], h_pos[i]) / tau)
-            den = sum(math.exp(cos(h[i], h_pos[j]) / tau) for j in range(B))
-            den += sum(math.exp(cos(h[i], n[j]) / tau) for n in negs for j in range(B))
-            want += -math.log(num / den) / B
-        assert sscl.sscl_loss(h, h_pos, negs, tau).item() == pytest.approx(want, rel=1e-9)
+# ---- tools: common.py: model folders, input files, progress bars ----
+def test_common_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
+                                                                       capsys):
+    """common.check_weights: a config cut to fewer layers than the file holds, or of another hidden
+    size, is refused before any load (one line naming both files); the stock folder, a checkpoint
+    with heads beside the base model (BERT's cls.*, a causal LM's lm_head) and sscl.py's cut
+    (--num-layers: the layers above are dropped on purpose) load."""
+    from transformers import BertForMaskedLM
+    d = tmp_path / "m"
+    shutil.copytree(bert_dir, d)
+    common.check_weights(str(d), "w")  # as saved: passes
+    for change, words in (({"num_hidden_layers": 2}, ["32 weights that config.json does not",
+                                                      "layers 2..3", "2 layers"]),
+                          ({"hidden_size": 64, "intermediate_size": 128},
+                           ["of shape [", "config.json implies [", "hidden size 64"])):
+        edit_json(d / "config.json", **change)
+        with pytest.raises(SystemExit) as e:
+            common.load_pretrained(AutoModel, d)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("error:") == 1 and "Traceback" not in err
+        assert all(w in err for w in ["model.safetensors", "different models", *words]), err
+        shutil.copy(bert_dir / "config.json", d / "config.json")
+    cut_model = common.load_pretrained(AutoModel, d, num_layers=2)  # the layers above: dropped
+    assert cut_model.config.num_hidden_layers == 2
+    BertForMaskedLM(BertConfig.from_pretrained(bert_dir)).save_pretrained(tmp_path / "mlm")
+    common.check_weights(str(tmp_path / "mlm"), "w")  # bert.* and cls.*: the head is not read
+    common.check_weights(str(bl_make_model(tok_dir, tmp_path)), "w")  # model.*, lm_head.weight
 
 
-def sscl_authors_by_hand(z1, z2, negs, temp):
-    """A transcription of the authors' arithmetic (nuochenpku/SSCL, sscl/models.py): `cl_forward`
-    builds cos_sim = Similarity(z1, z2) and r_loss = CrossEntropy(cos_sim, arange);
-    `construct_negtives` appends, for every negative layer, Similarity(z1, n1) and Similarity(z1,
-    n2) as columns and takes the CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2
-    (do_neg), else r_loss. negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) /
-    temp."""
-    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0),  # noqa: E731
-                                           dim=-1) / temp
-    labels = torch.arange(len(z1))
-    cos_sim = sim(z1, z2)
-    r_loss = torch.nn.CrossEntropyLoss()(cos_sim, labels)
-    if not negs:
-        return r_loss
-    for n1, n2 in negs:
-        cos_sim = torch.cat((cos_sim, sim(z1, n1)), dim=-1)
-        cos_sim = torch.cat((cos_sim, sim(z1, n2)), dim=-1)
-    return (torch.nn.CrossEntropyLoss()(cos_sim, labels) + r_loss) / 2
+def test_tools_files_as_spreadsheets_write_them_are_read(tmp_path):
+    """A UTF-8 byte-order mark (what spreadsheet programs write first) and a csv field longer than
+    Python's default limit (131,072 characters) are valid data: read as written."""
+    long = "word " * 30000  # 150,000 characters
+    nli = tmp_path / "nli.csv"
+    nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
+    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    csts = tmp_path / "csts.csv"
+    csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
+    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    txt = tmp_path / "train.txt"
+    txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
+    assert common.read_sentences(txt) == ["first sentence", "second"]
 
 
-def test_sscl_authors_objective_equals_their_code():
-    """--objective authors: both views' layer-M vectors and the mean with SimCSE's loss, as their
-    code computes it (float64, <= 1e-10); and it is not the paper's objective."""
-    torch.manual_seed(0)
-    B, D, tau = 6, 9, 0.05
-    z1, z2 = torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64)
-    layers = [(torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64))
-              for _ in range(2)]
-    for negs in ([], layers[:1], layers):
-        ours = sscl.sscl_loss_authors(z1, z2, [n for pair in negs for n in pair], tau)
-        assert abs(ours.item() - sscl_authors_by_hand(z1, z2, negs, tau).item()) <= 1e-10
-        if negs:  # the paper's objective (view 1's negatives alone, no mean) differs
-            paper = sscl.sscl_loss(z1, z2, [n1 for n1, _ in negs], tau).item()
-            assert abs(paper - ours.item()) > 1e-3
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
 
 
-def test_layer_zero_is_simcse():
-    """--layer 0 adds no negative, and the loss is SimCSE's (its Similarity + CrossEntropy, written
-    out)."""
-    import sscl
-    assert sscl.parse_layers("0", 12) == []
-    torch.manual_seed(1)
-    z1, z2 = torch.randn(6, 16), torch.randn(6, 16)
-    simcse = F.cross_entropy(F.cosine_similarity(z1.unsqueeze(1), z2.unsqueeze(0), dim=-1) / 0.05,
-                             torch.arange(6))
-    assert sscl.sscl_loss(z1, z2, [], 0.05).item() == pytest.approx(simcse.item(), rel=1e-6)
-    assert sscl.parse_layers("11,10", 12) == [10, 11]
+def test_common_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokenizer_dir,
+                                                                    monkeypatch):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    for tty, quiet, shown in [(True, False, True), (False, False, False), (True, True, False)]:
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        monkeypatch.setattr(common, "QUIET", quiet)
+        out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok,
+                                       ["a man", "a dog"] * 40, 8, "cpu", 16)
+        assert (out.shape == (80, 2)
+                and ("encoding" in err.getvalue()) == shown), (tty, quiet, err.getvalue()[:200])
+
+
+# ---- tools: length groups (common.py) ----
+def test_common_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
+    import itertools
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths, cost = ([rng.randint(1, 40) for _ in range(rng.randint(1, 9))],
+                         rng.choice([0, 8, 64, 1000]))
+        groups = common.length_groups(lengths, cost)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row, once
+        s, n = sorted(lengths), len(lengths)
+        # every cut of the
+        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))
+                    # sorted rows
+                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))
+        assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == brute
+    assert (len(common.length_groups([5, 9, 5, 9], 0)) == 2
+            and len(common.length_groups([5, 9, 5, 9], 1000)) == 1)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_common_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
+    lengths = [3, 7, 1, 7, 5, 2]
+    L = max(lengths)
+    ids = torch.arange(1, 6 * L + 1).view(6, L)
+    mask = torch.tensor([[1] * n + [0] * (L - n) if side == "right" else [0] * (L - n) + [1] * n
+                         for n in lengths])
+    calls = []
+
+    def forward(b):  # (n, L_g) -> the row's real ids summed, nested outputs, a None
+        calls.append(b["input_ids"].shape)
+        # padded to its own longest
+        assert b["attention_mask"].shape[1] == int(b["attention_mask"].sum(1).max())
+        s = (b["input_ids"] * b["attention_mask"]).sum(1)
+        return s, [s * 2, (s, s + 1)], None
+    want = forward({"input_ids": ids, "attention_mask": mask})
+    calls.clear()
+    got = common.by_length(forward, {"input_ids": ids, "attention_mask": mask}, cost=0)
+    assert len(calls) == 5  # cost 0: one group per distinct length (1, 2, 3, 5, 7)
+    assert got[2] is None and torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    assert torch.equal(got[1][1][1], want[1][1][1])
+
+
+def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
+    return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
 
 
 @pytest.mark.parametrize("pooler", ["cls", "avg"])
-def test_layer_m_reads_hidden_states_m(bert_dir, pooler):
-    """The negatives are hidden_states[M] of the stock model, pooled like the last layer."""
-    import sscl
-    from transformers import AutoModel, AutoTokenizer
-    tok, stock = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
-    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_dir), pooler).eval()
-    batch = common.tokenize(tok, ["a man is playing a guitar", "two dogs"], 16, torch.device("cpu"))
-    with torch.no_grad():
-        z, (z1, z3) = enc(batch, [1, 3])
-        hs = stock(**batch, output_hidden_states=True).hidden_states
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    pool = (lambda h: h[:, 0]) if pooler == "cls" else (lambda h: (h * mask).sum(1) / mask.sum(1))
-    torch.testing.assert_close(z1, pool(hs[1]))
-    torch.testing.assert_close(z3, pool(hs[3]))
-    torch.testing.assert_close(z, pool(hs[4]))  # the last layer, = last_hidden_state
+def test_common_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
+    from transformers import AutoTokenizer
+    tok, B = AutoTokenizer.from_pretrained(bert_nodrop_dir), 8
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler,
+                               proj_dim=16).train().double()
+    batch = common.tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
+    batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
+
+    def loss_of(grouped):
+        run = lambda b: enc(b, (1, 3))  # noqa: E731
+        z, zs = common.by_length(run, batch, cost=0) if grouped else run(batch)
+        return sscl.sscl_loss(z[:B], z[B:], [m[:B] for m in zs], 0.05)
+    same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
+
+
+def test_common_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
+    _, tok = jt_env
+    towers = jt_nodrop(jt_env, tmp_path)
+    twin, B = jtcse.Twin(towers, 2).train().double(), 6
+    batch = jt_batch_of(tok, uneven(random.Random(2), B))
+    batch = {k: torch.cat([v, v]) for k, v in batch.items()}
+    a = jtcse.p.parse_args([])
+
+    def loss_of(grouped):
+        h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
+        return jtcse_loss_of(h, hP, c, 1, a)[0]
+    same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
+    # distillation: one tower's CLS against a fixed target
+    target = torch.randn(2 * B, 32, dtype=torch.float64)
+    cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
+    same_step(list(towers[0].parameters()),
+              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch),
+                                   target))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_common_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", bl_CPU)
+    dec.double()
+    for k, mode in ((1, "parallel"), (2, "sequential")):
+        net = bellm.BeLLM(dec, k, mode, "convert").train()
+        # 6 triplets, (18, L)
+        b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)
+
+        def loss_of(grouped):
+            run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
+            h = (common.by_length(run, b, cost=0) if grouped else run(b)).view(6, 3, -1)
+            return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+        same_step(list(dec.parameters()), loss_of)
 
 
 @pytest.mark.slow
-def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path):
-    out = tmp_path / "run"
-    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8))
-    assert proc.returncode == 0, proc.stderr
-    assert "stsb_dev" in proc.stdout and re.search(r"STS12 .* SICK-R\s+Avg\.", proc.stdout)
-    meta = json.loads((out / "sentemb.json").read_text())
-    assert meta["method"] == "sscl" and meta["proj_dim"] == 8 and meta["layers"] == [2]
-    from transformers import AutoModel
-    AutoModel.from_pretrained(out)  # a plain HF folder
-    ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split",
-             "dev")
-    assert ev.returncode == 0, ev.stderr
-    best = re.findall(r"best (\d+\.\d+)", proc.stdout)[-1]
-    # eval_sts.py reproduces the dev score of the best step
-    assert f"{float(ev.stdout.split()[2]):.2f}" == best
-    # resume: continue the same run to 6 steps
-    again = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8,
-                                      "--resume", "--no-final-eval", steps=6))
-    assert again.returncode == 0, again.stderr
-    assert "step     6" in again.stdout and "step     0" not in again.stdout
+def test_tools_each_script_trains_the_same_with_and_without_length_groups(
+        bert_nodrop_dir, train_txt, sts_dir, tok_dir, jt_env, tmp_path, capsys, monkeypatch):
+    """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged
+    losses of --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
+    d, _ = jt_env
+    jt_nodrop(jt_env, tmp_path)
+    scripts = {
+        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3,
+                        eval_steps=100),
+        jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train",
+                d / "train.txt", "--data-dir", sts_dir, "--output-dir", "OUT", "--batch-size", 8,
+                "--max-len", 16, "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1,
+                "--lr", 1e-3, "--no-add-sick", "--no-final-eval"],
+        bellm: ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path),
+                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", "OUT", "--batch-size", 4,
+                "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1, "--bi-layers", 2,
+                "--lora-r", 4, "--lora-dropout", 0, "--no-final-eval", "--no-eval-first"]}
+    groups, length_groups = [], common.length_groups
+    monkeypatch.setattr(common, "length_groups", lambda lengths, cost: groups.append(1)
+                        or length_groups(lengths, 0))
+    for module, args in scripts.items():
+        logged = []
+        for flag in ("--length-grouping", "--no-length-grouping"):
+            out = tmp_path / f"{module.__name__}{flag}"
+            code, stdout, err = main_of(module, capsys, monkeypatch,
+                                        *[out if x == "OUT" else x for x in args], flag)
+            assert code == 0, err[-2000:]
+            logged.append([float(x) for x in losses(stdout)])
+        # the grouped path ran, every step
+        assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__
+        assert logged[0] == pytest.approx(logged[1], abs=2e-4), module.__name__
+        groups.clear()
 
 
-def losses(stdout):
-    return re.findall(r"loss (\S+)", stdout)
-
-
-@pytest.mark.slow
-def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
-    kw = dict(steps=10, eval_steps=100, layer="1,2")
-    a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval",
-                                  **kw))
-    b = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "b", "--no-final-eval",
-                                  **kw))
-    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
-    assert len(losses(a.stdout)) == 10 and losses(a.stdout) == losses(b.stdout)
-    c = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "c", "--no-final-eval",
-                                  "--seed", 7, **kw))
-    assert losses(c.stdout) != losses(a.stdout)
-
-
+# ---- tools: imports (no cycle; the method scripts import only common.py) ----
 PROJECT = {p.stem for p in ROOT.glob("*.py")} - {"test_all", "conftest"}
 
 
@@ -1092,7 +1539,7 @@ def lazy_imports(script):
     return found
 
 
-def test_no_import_cycle_and_the_method_scripts_import_only_common():
+def test_tools_no_import_cycle_and_the_method_scripts_import_only_common():
     """Every module of the project (the repository root and bench/) read with ast: its imports at
     module level, inside functions and through importlib. common.py imports nothing of the
     project; each method script only common.py, but for one lazy import under one flag (sscl.py
@@ -1126,7 +1573,7 @@ def find_cycle(graph):
     return next((c for m in sorted(graph) if m not in state and (c := visit(m, []))), None)
 
 
-def test_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
+def test_tools_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
     """The reader above, on a made-up project with a function-level and an importlib cycle."""
     (tmp_path / "x.py").write_text("import os\nimport y\n")
     (tmp_path / "y.py").write_text("def f():\n    import importlib\n"
@@ -1137,143 +1584,299 @@ def test_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b"}}) is None
 
 
-HARNESS = "# " + "-" * 64 + " the harness " + "-" * 19
+# ---- tools: figures.py, seeds.py ----
+@pytest.mark.slow
+def test_figures_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
+    """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops
+    before the work."""
+    sts = write_sts(tmp_path / "sts")
+    dec = bl_make_model(tok_dir, tmp_path)
+    d, _ = jt_env
+    cases = {
+        "sscl": ("sscl_analysis.py", "--model", bert_dir, d / "a", "--sentence",
+                 "a man is playing a guitar", "--max-len", 16),
+        "jtcse": ("jtcse_analysis.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
+                  "--num-cael", 2, "--max-len", 16),
+        "degradation": ("bellm_analysis.py", "--degradation", "--model", dec, "--tasks",
+                        "STS-B,SICK-R"),
+        "dependency": ("bellm_analysis.py", "--dependency", "--model", dec, bert_dir,
+                       "--bi-layers", 0, 1),
+    }
+    sizes = {}
+    for name, (script, *args) in cases.items():
+        out = tmp_path / f"{name}.png"
+        proc = run(script, *args, "--data-dir", sts, "--plot", out)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sizes[name] = png_size(out)
+        assert 5_000 < out.stat().st_size < 200_000, name
+        if name == "dependency":  # one box a configuration: K = 0, K = 1, the BERT
+            rows = re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+ .*\(difference [-+]\d", proc.stdout,
+                              re.M)
+            assert len(rows) == 3, proc.stdout
+    # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
+    assert sizes["sscl"] == (1620, 1260)
+    assert (sizes["jtcse"] == (1620, 1260)
+            and sizes["degradation"] == sizes["dependency"] == (810, 630))
+    for script, args in (("sscl_analysis.py", ["--model", bert_dir]),
+                         ("bellm_analysis.py", ["--dependency", "--model", dec])):
+        proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
+        assert_bad_input(proc, "--plot", "create it")
+        assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
+    proc = run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png")  # sscl_analysis.py's
+    assert proc.returncode == 2 and "unrecognized arguments: --plot" in proc.stderr
 
 
-def banners(script):
-    """{section title: line number} of a script's banners (# ---- title ----)."""
-    return {m[1]: i for i, line in enumerate((ROOT / f"{script}.py").read_text().splitlines(), 1)
-            if (m := re.match(r"# -{64} (.*?) -+$", line))}
+@pytest.mark.slow
+def test_seeds_seed_summary_equals_numpy_and_scipy(tmp_path):
+    from scipy.stats import ttest_rel
+    import seeds
+    rng = np.random.default_rng(0)
+    A, B = rng.uniform(60, 90, (4, 7)), rng.uniform(60, 90, (4, 7))
+    files = {}
+    for g, M in (("a", A), ("b", B)):
+        files[g] = []
+        for i, row in enumerate(M):
+            f = tmp_path / f"{g}{i}.json"
+            result = {"model": "m", "results": dict(zip(common.TASKS, row.tolist())),
+                      "align": row[0] / 100}
+            f.write_text(json.dumps(result))
+            files[g].append(str(f))
+    cols, stats = seeds.table({"runs": [seeds.scores(f) for f in files["a"]]})
+    assert cols == common.TASKS + ["STS Avg.", "align"]
+    for j, t in enumerate(common.TASKS):
+        assert stats["runs"][t][:2] == pytest.approx((A[:, j].mean(), A[:, j].std(ddof=1)))
+    assert stats["runs"]["STS Avg."][0] == pytest.approx(A.mean())
+    proc = run("seeds.py", *files["a"], "--against", *files["b"])
+    assert proc.returncode == 0, proc.stderr
+    t_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("t ")][0]
+    p_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("p ")][0]
+    for j in range(7):
+        want = ttest_rel(A[:, j], B[:, j])
+        assert float(t_row[j]) == pytest.approx(want.statistic, abs=1e-3)
+        assert float(p_row[j]) == pytest.approx(want.pvalue, abs=1e-4)
+    assert_bad_input(run("seeds.py", *files["a"], "--against", *files["b"][:2]), "--against",
+                     "paired")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert_bad_input(run("seeds.py", str(tmp_path / "bad.json")), "eval_sts.py --json")
 
 
-def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
-    """Each script ends with one harness block: its banner, a table (what differs: METHOD,
-    RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and bellm.py. So any
-    script's harness serves the tools (eval_sts.py reads run folders through sscl.py's)."""
-    rest = {}
-    for script in ("sscl", "jtcse", "bellm"):
-        text = (ROOT / f"{script}.py").read_text()
-        assert text.count(HARNESS) == 1, script
-        table, rest[script] = text.split(HARNESS)[1].split("# ---- (the table ends here)\n")
-        assert len(table.splitlines()) <= 20, script
-        names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
-        assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
-    assert rest["sscl"] == rest["jtcse"] == rest["bellm"]
-
-
-COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
-
-
-def copied_section(script):
-    """The lines docs/<script>.md says to copy for one training step, checked to be the script's
-    sections from its first (the loss or the model patch) to train_step's end, and its harness
-    range: -> (a module of those lines alone, with the imports the page names)"""
-    page = " ".join((ROOT / "docs" / f"{script}.md").read_text().split())  # lines joined
-    lines = (ROOT / f"{script}.py").read_text().splitlines()
-    first, last = map(int, re.search(rf"lines (\d+)–(\d+) of `{script}\.py`", page).groups())
-    b = banners(script)
-    assert (first, last + 1) == (b[COPY_FIRST[script]], b["the data loader"]), script
-    said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*", page, re.I)
-    assert said and tuple(map(int, said.groups())) == (b["the harness"], len(lines)), script
-    head = "import torch\nimport torch.nn.functional as F\n"
-    assert "`import torch` and `import torch.nn.functional as F`" in page, script
-    code = head + "\n".join(lines[first - 1:last]) + "\n"
-    import ast
-    names = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
-    assert not names & {"common", "sscl", "jtcse", "bellm"}, script
-    module = type(sys)(f"copied_{script}")
-    exec(compile(code, f"<lines {first}-{last} of {script}.py>", "exec"), module.__dict__)
+# ---- tools: bench/ (paper scale, command lines) ----
+def paper_scale():
+    """bench/paper_scale.py, imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("paper_scale", ROOT / "bench" / "paper_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
-def equal_steps(step_a, step_b, models):
-    """Two training steps on two copies of a model: the same loss and gradients."""
-    losses = [step(m) for step, m in zip((step_a, step_b), models)]
-    assert losses[0].item() == losses[1].item()
-    for (n, x), y in zip(models[0].named_parameters(), models[1].parameters()):
-        assert (x.grad is None) == (y.grad is None) and (x.grad is None or torch.equal(x.grad,
-                                                                                       y.grad)), n
+def test_bench_paper_scale_counts_on_fake_tensors_what_the_real_step_gives():
+    """bench/paper_scale.py counts each run's train_step on fake tensors (shapes, no storage): on
+    tiny configurations its FLOPs and the bytes autograd keeps for the backward equal those of the
+    same step on real tensors, in the GPU configuration it prices (bf16 autocast; BeLLM: bf16
+    weights and gradient checkpointing) and, for BeLLM, the CPU one (fp32, no checkpointing)."""
+    ps = paper_scale()
+    bert = {**ps.BERT_BASE, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+            "num_hidden_layers": 4}  # SSCL: 12, for sscl.py's default --layer 11
+    llama = {**ps.LLAMA2_7B, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "num_hidden_layers": 2}
+    counts = {}
+    for name, gpu in [(name, True) for name in ps.RUNS] + [("BeLLM", False)]:
+        torch.manual_seed(0)
+        tiny = {**bert, "num_hidden_layers": 12} if name == "SSCL" else bert
+        module, step = ps.build(name, "cpu", gpu, tiny, llama)
+        for m in module.modules():  # eager attention, as the fake count runs
+            if hasattr(m, "set_attn_implementation"):
+                m.set_attn_implementation("eager")
+        real = ps.count(module, step, 4)
+        module, step = ps.build(name, "meta", gpu, tiny, llama)
+        fake = ps.count(ps.fake(module), step, 4)
+        assert real[0] > 0 and real[1] > 0, (name, gpu)
+        assert fake == real, (name, gpu)
+        counts[name, gpu] = real
+    # checkpointing's recompute is counted: one more forward of the decoder layers
+    assert counts["BeLLM", True][0] > 1.2 * counts["BeLLM", False][0]
 
 
-def test_each_method_section_copied_alone_takes_the_scripts_step(bert_dir, tok_dir, tmp_path):
-    """The lines each method page names (the loss, the model or its patch, train_step), copied into
-    an empty module below `import torch` and `import torch.nn.functional as F`, reading no name of
-    the project: their train_step on a tiny model equals the script's, loss and gradients."""
-    from transformers import AutoTokenizer
-    cpu, rng = torch.device("cpu"), random.Random(0)
-    sents = [sentence(rng) for _ in range(6)]
-    tok = AutoTokenizer.from_pretrained(bert_dir)
-    m = copied_section("sscl")
-    models = [mod.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls") for mod in (m, sscl)]
+# (script, arguments with one bad value, words of its error line): each is refused when parsed,
+# before a model, a tokenizer or a data file is read, so the paths here need not exist
+BENCH_BAD = [
+    ("paper_scale.py", ["--mfu", "0"], ["--mfu", "'0' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--mfu", "150"], ["--mfu", "'150' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--fraction", "0"], ["--fraction", "'0' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--fraction", "2"], ["--fraction", "'2' is not a fraction in (0, 1]"]),
+    ("paper_scale.py", ["--measure", "SSCL", "--rows", "0"], ["--rows", "an integer >= 1"]),
+    ("bellm_memory.py", ["M", "--batch-size", "0"], ["--batch-size", "an integer >= 1"]),
+    ("bellm_memory.py", ["M", "--prompt-tokens", "-1"], ["--prompt-tokens", "an integer >= 0"]),
+    ("ddp_overhead.py", ["--steps", "0"], ["--steps", "an integer >= 1"]),
+    ("ddp_overhead.py", ["--scripts", "sscl,simcse"],
+     ["--scripts", "'simcse' is not one of sscl, jtcse, bellm"]),
+    ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
+    ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
+    ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
+    ("bellm_files.py", ["csts-synthetic", "nli.csv", "200", "100"],
+     ["LAST (100) must be greater than FIRST (200)"]),
+    ("bellm_files.py", ["flickr", "d.json"], ["invalid choice: 'flickr'"]),
+    ("bellm_speed.py", ["--bf61"], ["unrecognized arguments: --bf61"]),
+    ("bellm_step_memory.py", ["--grad-ckpts"], ["unrecognized arguments: --grad-ckpts"]),
+    ("bellm_sweep.py", ["M", "P", "K1"], ["K0", "invalid choice: 'K1'"]),
+    ("bellm_zeroshot.py", ["1.5:parallel"], ["SPEC", "'1.5' is not an integer >= 0"]),
+    ("bellm_zeroshot.py", ["0:causal"], ["SPEC", "MODE parallel or sequential"]),
+    ("jtcse_baselines.py", ["TOWER_I"], ["required: TOWER_II"]),
+    ("jtcse_cost.py", ["jtcse", "-1"], ["num_cael", "'-1' is not an integer >= 0"]),
+    ("jtcse_cost.py", ["sscl"], ["mode", "invalid choice: 'sscl'"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,args,words", BENCH_BAD,
+                         ids=[f"{s}-{'_'.join(a)}" for s, a, _ in BENCH_BAD])
+def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words):
+    """A bad number or word on a bench script's command line: exit code 2, argparse's usage and
+    one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output."""
+    proc = run(f"bench/{script}", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr
+    assert all(w in errors[0] for w in words), errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+def test_bench_scripts_print_their_help(script):
+    """--help of each bench script exits 0 with its usage; paper_scale.py's shows each typed
+    flag's range and keeps its child-process flags (--measure, --rows) hidden."""
+    proc = run(f"bench/{script}", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+    if script == "paper_scale.py":  # (argparse wraps the help to the terminal's width)
+        assert " ".join(proc.stdout.split()).count("[a fraction in (0, 1]]") == 2, proc.stdout
+        assert "--measure" not in proc.stdout and "--rows" not in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------- SSCL ----------------------------
+def sscl_authors_by_hand(z1, z2, negs, temp):
+    """A transcription of the authors' arithmetic (nuochenpku/SSCL, sscl/models.py): `cl_forward`
+    builds cos_sim = Similarity(z1, z2) and r_loss = CrossEntropy(cos_sim, arange);
+    `construct_negtives` appends, for every negative layer, Similarity(z1, n1) and Similarity(z1,
+    n2) as columns and takes the CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2
+    (do_neg), else r_loss. negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) /
+    temp."""
+    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0),  # noqa: E731
+                                           dim=-1) / temp
+    labels = torch.arange(len(z1))
+    cos_sim = sim(z1, z2)
+    r_loss = torch.nn.CrossEntropyLoss()(cos_sim, labels)
+    if not negs:
+        return r_loss
+    for n1, n2 in negs:
+        cos_sim = torch.cat((cos_sim, sim(z1, n1)), dim=-1)
+        cos_sim = torch.cat((cos_sim, sim(z1, n2)), dim=-1)
+    return (torch.nn.CrossEntropyLoss()(cos_sim, labels) + r_loss) / 2
+
+
+# ---- SSCL: the loss and the layer-M negatives ----
+def test_sscl_loss_equals_transcription():
+    """Row i: -log e^{cos(h_i,h_i⁺)/τ} / (Σ_j e^{cos(h_i,h_j⁺)/τ} + Σ_M Σ_j
+    e^{cos(h_i,h_j^M)/τ})."""
+    import sscl
     torch.manual_seed(0)
-    models[0].load_state_dict(models[1].state_dict())
-    equal_steps(*[lambda enc, mod=mod: (torch.manual_seed(1), mod.train_step(
-        enc, tok, sents, [2], cpu, max_len=16))[1] for mod in (m, sscl)], models)
-    m = copied_section("jtcse")
-    models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2) for mod in (m, jtcse)]
-    equal_steps(*[lambda twin, mod=mod: (torch.manual_seed(1), mod.train_step(
-        twin, tok, sents, 1, cpu, max_len=16))[1][0] for mod in (m, jtcse)], models)
-    m = copied_section("bellm")
-    tok, _ = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
-    models = [mod.BeLLM(bellm.load_decoder(tmp_path / "llama-4", 1, "convert", cpu)[1], 1,
-                        "parallel", "convert") for mod in (m, bellm)]
-    rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
-    equal_steps(*[lambda net, mod=mod: (torch.manual_seed(1), mod.train_step(
-        functools.partial(mod.embed, net), tok, rows, "nli", bellm.PROMPT, cpu, max_len=16))[1][0]
-        for mod in (m, bellm)], models)
+    B, D, tau = 5, 7, 0.05
+    h, h_pos, n1, n2 = (torch.randn(B, D, dtype=torch.float64) for _ in range(4))
+    cos = lambda x, y: (x @ y / (x.norm() * y.norm())).item()  # noqa: E731
+    for negs in ([], [n1], [n1, n2]):
+        want = 0.0
+        for i in range(B):
+            num = math.exp(cos(h[i], h_pos[i]) / tau)
+            den = sum(math.exp(cos(h[i], h_pos[j]) / tau) for j in range(B))
+            den += sum(math.exp(cos(h[i], n[j]) / tau) for n in negs for j in range(B))
+            want += -math.log(num / den) / B
+        assert sscl.sscl_loss(h, h_pos, negs, tau).item() == pytest.approx(want, rel=1e-9)
 
 
-def copy_run(script, cmd, tmp_path):
-    """script.py and common.py copied into an empty folder: --help; a run of 2 steps (a dev
-    evaluation each), killed inside its second save; --resume finishes and prints the final table,
-    with no other file of the project. -> the resumed run's stdout."""
-    d = tmp_path / "copy"
-    d.mkdir()
-    for f in (f"{script}.py", "common.py"):
-        shutil.copy(ROOT / f, d)
-    env = {**ENV, "PYTHONPATH": ""}
-    cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
-    assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
-                          cwd=d).returncode == 0
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
-                            env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
-    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # step 1's save, under way
-    assert kill_when(proc, d / "run", lambda: len(sscl.read_curve(d / "run")) == 2 and any(
-        (d / "run" / n).exists() for n in saving))
-    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
-    assert done.returncode == 0, done.stderr
-    assert re.search(r"STS-B .*Avg\.\n( +-?\d+\.\d+){2,8}\n", done.stdout), done.stdout
-    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "run",
-                                                                f"{script}.py"}
-    return done.stdout
+def test_sscl_authors_objective_equals_their_code():
+    """--objective authors: both views' layer-M vectors and the mean with SimCSE's loss, as their
+    code computes it (float64, <= 1e-10); and it is not the paper's objective."""
+    torch.manual_seed(0)
+    B, D, tau = 6, 9, 0.05
+    z1, z2 = torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64)
+    layers = [(torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64))
+              for _ in range(2)]
+    for negs in ([], layers[:1], layers):
+        ours = sscl.sscl_loss_authors(z1, z2, [n for pair in negs for n in pair], tau)
+        assert abs(ours.item() - sscl_authors_by_hand(z1, z2, negs, tau).item()) <= 1e-10
+        if negs:  # the paper's objective (view 1's negatives alone, no mean) differs
+            paper = sscl.sscl_loss(z1, z2, [n1 for n1, _ in negs], tau).item()
+            assert abs(paper - ours.item()) > 1e-3
+
+
+def test_sscl_layer_zero_is_simcse():
+    """--layer 0 adds no negative, and the loss is SimCSE's (its Similarity + CrossEntropy, written
+    out)."""
+    import sscl
+    assert sscl.parse_layers("0", 12) == []
+    torch.manual_seed(1)
+    z1, z2 = torch.randn(6, 16), torch.randn(6, 16)
+    simcse = F.cross_entropy(F.cosine_similarity(z1.unsqueeze(1), z2.unsqueeze(0), dim=-1) / 0.05,
+                             torch.arange(6))
+    assert sscl.sscl_loss(z1, z2, [], 0.05).item() == pytest.approx(simcse.item(), rel=1e-6)
+    assert sscl.parse_layers("11,10", 12) == [10, 11]
+
+
+@pytest.mark.parametrize("pooler", ["cls", "avg"])
+def test_sscl_layer_m_reads_hidden_states_m(bert_dir, pooler):
+    """The negatives are hidden_states[M] of the stock model, pooled like the last layer."""
+    import sscl
+    from transformers import AutoModel, AutoTokenizer
+    tok, stock = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_dir), pooler).eval()
+    batch = common.tokenize(tok, ["a man is playing a guitar", "two dogs"], 16, torch.device("cpu"))
+    with torch.no_grad():
+        z, (z1, z3) = enc(batch, [1, 3])
+        hs = stock(**batch, output_hidden_states=True).hidden_states
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    pool = (lambda h: h[:, 0]) if pooler == "cls" else (lambda h: (h * mask).sum(1) / mask.sum(1))
+    torch.testing.assert_close(z1, pool(hs[1]))
+    torch.testing.assert_close(z3, pool(hs[3]))
+    torch.testing.assert_close(z, pool(hs[4]))  # the last layer, = last_hidden_state
+
+
+# ---- SSCL: end to end, bad arguments, a sentence-transformers folder ----
+@pytest.mark.slow
+def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8))
+    assert proc.returncode == 0, proc.stderr
+    assert "stsb_dev" in proc.stdout and re.search(r"STS12 .* SICK-R\s+Avg\.", proc.stdout)
+    meta = json.loads((out / "sentemb.json").read_text())
+    assert meta["method"] == "sscl" and meta["proj_dim"] == 8 and meta["layers"] == [2]
+    from transformers import AutoModel
+    AutoModel.from_pretrained(out)  # a plain HF folder
+    ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split",
+             "dev")
+    assert ev.returncode == 0, ev.stderr
+    best = re.findall(r"best (\d+\.\d+)", proc.stdout)[-1]
+    # eval_sts.py reproduces the dev score of the best step
+    assert f"{float(ev.stdout.split()[2]):.2f}" == best
+    # resume: continue the same run to 6 steps
+    again = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8,
+                                      "--resume", "--no-final-eval", steps=6))
+    assert again.returncode == 0, again.stderr
+    assert "step     6" in again.stdout and "step     0" not in again.stdout
 
 
 @pytest.mark.slow
-def test_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
-        bert_dir, train_txt, sts_dir, tmp_path):
-    copy_run("sscl", lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, steps=2,
-                                           eval_steps=1), tmp_path)
-
-
-@pytest.mark.slow
-def test_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(jt_env,
-                                                                                 tmp_path):
-    d, _ = jt_env
-    copy_run("jtcse", lambda out: [
-        "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
-        JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
-        "--eval-steps", 1, "--no-add-sick"], tmp_path)
-
-
-@pytest.mark.slow
-def test_bellm_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(tok_dir,
-                                                                                 tmp_path):
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=20))
-    copy_run("bellm", lambda out: [
-        "--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
-        "--batch-size", 4, "--lora-r", 4, "--max-steps", 2, "--eval-steps", 1, "--tasks",
-        "STS-B"], tmp_path)
+def test_sscl_same_seed_same_losses(bert_dir, train_txt, sts_dir, tmp_path):
+    kw = dict(steps=10, eval_steps=100, layer="1,2")
+    a = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "a", "--no-final-eval",
+                                  **kw))
+    b = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "b", "--no-final-eval",
+                                  **kw))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert len(losses(a.stdout)) == 10 and losses(a.stdout) == losses(b.stdout)
+    c = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "c", "--no-final-eval",
+                                  "--seed", 7, **kw))
+    assert losses(c.stdout) != losses(a.stdout)
 
 
 @pytest.mark.slow
@@ -1331,8 +1934,74 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out)), "--resume")
 
 
-# ---- SSCL Table 1 (--num-layers), Table 3 (--select-on transfer), Fig. 6 (dev.jsonl) ----
-def test_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(bert_dir):
+@pytest.mark.slow
+def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodrop_dir, train_txt,
+                                                                      sts_dir, tmp_path):
+    """--objective authors under torchrun: rank 0's loss has the global batch's last-layer views
+    (gathered) and its own layer-M vectors of both views only (the authors' construct_negtives), as
+    their code computes it from the same pooled vectors; the run folder records the objective."""
+    from transformers import AutoModel, AutoTokenizer
+    B, layers = 4, [1, 3]
+    out = tmp_path / "two"
+    two = torchrun("sscl.py", 2, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
+                                            "--no-final-eval", "--batch-size", B, "--pooler", "avg",
+                                            "--objective", "authors", steps=1, eval_steps=100,
+                                            layer="1,3"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((out / common.META).read_text())["objective"] == "authors"
+    sents = common.read_sentences(train_txt)
+    order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
+    # no dropout
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()
+    tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
+    with torch.no_grad():
+        per_rank = [enc(common.tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
+                                        torch.device("cpu")), layers) for r in range(2)]
+    z = torch.cat([z for z, _ in per_rank]).double()  # gathered: (2B, D); both views equal
+    own = [m.double() for m in per_rank[0][1]]  # rank 0's layer-M vectors, (B, D) per M
+    want = sscl_authors_by_hand(z, z, [(m, m) for m in own], 0.05).item()
+    assert float(losses(two.stdout)[0]) == pytest.approx(want, abs=2e-4)
+    gathered = sscl_authors_by_hand(
+        z, z, [(m, m) for m in [torch.cat([r[1][i] for r in per_rank]).double() for i in range(2)]],
+        0.05).item()
+    assert abs(gathered - want) > 1e-3  # gathering the negatives too would have given another loss
+
+
+@pytest.mark.slow
+def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys,
+                                                    monkeypatch, # CLS: the distilled tower's test
+                                                    pooler="avg", proj="8"):
+    out = tmp_path / "run"
+    code, _, err = main_of(sscl, capsys, monkeypatch,
+                           *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
+                                                                 "--pooler", pooler, "--proj-dim",
+                                      proj, steps=2))
+    assert code == 0, err
+    modules = json.loads((out / "modules.json").read_text())
+    assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
+        [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")]
+                                                           if proj != "0" else [])
+    pool = json.loads((out / "1_Pooling" / "config.json").read_text())
+    assert (pool["word_embedding_dimension"] == 32
+            and pool["pooling_mode_cls_token"] == (pooler == "cls"))
+    assert pool["pooling_mode_mean_tokens"] == (pooler == "avg")
+    # no truncation
+    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
+    if proj != "0":
+        assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
+ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
+
+
+# ---- SSCL: Table 1 (--num-layers), Table 3 (--select-on transfer), Fig. 6 (--convergence) ----
+def test_sscl_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(bert_dir):
     """The encoder cut to its first k layers (common.load_pretrained num_layers, which sscl.py and
     eval_sts.py load with): its last hidden state is the stock model's hidden_states[k], bit for
     bit, before pooling; k = all layers is the stock model (every weight and output); eval_sts.py's
@@ -1361,51 +2030,8 @@ def test_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(bert_di
     assert torch.equal(z1, want.hidden_states[1][:, 0])
 
 
-def curve_of(out):
-    return [json.loads(line) for line in (out / sscl.CURVE).read_text().splitlines()]
-
-
-def test_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
-        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
-    """dev.jsonl holds one {step, metric, score} per dev evaluation, the scores the log prints. A
-    kill after the curve's write and before the checkpoint's leaves an entry past the checkpoint:
-    --resume drops it at once and evaluates that step again, so no step is listed twice. A write
-    that fails leaves the old file whole (a temporary file, then one rename)."""
-    out = tmp_path / "r"
-    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
-        bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=4))
-    assert code == 0, err
-    curve = curve_of(out)
-    assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
-    assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
-    # what a kill between the two writes of step 6 leaves, then --resume to step 6
-    (out / sscl.CURVE).write_text((out / sscl.CURVE).read_text()
-                                  + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
-    def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
-        raise SystemExit(0)
-    monkeypatch.setattr(common, "seed_everything", stop)
-    main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
-                                                  "--no-final-eval", steps=6))
-    assert curve_of(out) == curve  # dropped at once, before any step
-    monkeypatch.undo()
-    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
-        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=6))
-    assert code == 0, err
-    again = curve_of(out)
-    assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
-    assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
-    # a write cut short (here: every rename fails) keeps the old curve, and says so
-    before = (out / sscl.CURVE).read_bytes()
-    monkeypatch.setattr(os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
-    code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
-        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=8))
-    monkeypatch.undo()
-    assert code == 2 and "dev.jsonl" in err and "No space left on device" in err, err
-    assert (out / sscl.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
-
-
-def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, train_txt, tmp_path,
-                                                                    capsys, monkeypatch):
+def test_sscl_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(
+        bert_dir, train_txt, tmp_path, capsys, monkeypatch):
     """--select-on transfer: every dev evaluation is the mean fasttest dev accuracy of the 7
     transfer tasks (transfer.transfer_dev), logged, in dev.jsonl, and the checkpoint kept is the
     best of them: eval_sts.py's transfer_dev of the saved run gives the recorded score again."""
@@ -1431,7 +2057,7 @@ def test_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(bert_dir, tra
         pytest.approx(sum(r["devacc"] for r in results.values()) / 7, abs=1e-9)
 
 
-def test_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys, monkeypatch):
+def test_sscl_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, capsys, monkeypatch):
     """sscl_analysis.py --convergence: each run folder's dev.jsonl, one column a run, one row a
     step ('-' where a run has no evaluation); --plot draws one panel per metric."""
     for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
@@ -1480,334 +2106,7 @@ print(float((st - ours).abs().max()))""")
     assert float(r.stdout.split()[-1]) <= 1e-5
 
 
-@pytest.mark.slow
-def test_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothing(
-        run_templates, bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
-    """Each script's run folder holds dev.jsonl, one entry per logged dev evaluation. SIGKILL while
-    the curve is written (SENTEMB_SAVE_PAUSE holds it open) leaves the previous curve whole, and
-    --resume ends with the uninterrupted run's curve, each step once."""
-    for method, folder in run_templates.items():
-        curve = sscl.read_curve(folder)
-        steps = [e["step"] for e in curve]
-        assert steps == sorted(set(steps)) and steps[-1] == torch.load(
-            folder / sscl.CKPT, weights_only=False)["step"], method
-        assert {e["metric"] for e in curve} == {"stsb_dev"}, method
-    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                 steps=6, eval_steps=1)
-    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
-    out = tmp_path / "killed"
-    ckpt, tmp = out / sscl.CKPT, out / (sscl.CURVE + ".tmp")
-    for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
-                 lambda: ckpt.exists() and tmp.exists(),
-                 # inside the save after it: the curve is one step ahead of the checkpoint
-                 lambda: ckpt.exists() and any((out / n).exists() for n in (
-                     sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))):
-        resume = ["--resume"] if ckpt.exists() else []
-        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
-        t0 = time.time()
-        while proc.poll() is None and not when() and time.time() - t0 < 300:
-            time.sleep(0.005)
-        assert proc.poll() is None, "the run ended before the kill"
-        proc.kill()
-        proc.wait()
-        eval_sts.settle(out)  # as any command of ours that opens the folder
-        steps = [e["step"] for e in sscl.read_curve(out)]  # whole: every line parses
-        assert steps == list(range(len(steps))) and len(steps) - 1 in (
-            weights(out, "step"), weights(out, "step") + 1), steps
-    assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
-    assert curve_of(out) == curve_of(tmp_path / "whole")
-
-# ---------------------------------------------------------------- multi-GPU (torchrun, gloo on CPU)
-def torchrun(script, nproc, *args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                           "--nproc_per_node", str(nproc),
-                           "--master_port", str(29500 + random.randint(0, 999)), str(ROOT / script),
-                           *map(str, args)],
-                          capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"},
-                          cwd=ROOT, timeout=600)
-
-
-@pytest.fixture(scope="session")
-def bert_nodrop_dir(tmp_path_factory, bert_tokenizer_dir):
-    """Dropout off, so that 2 ranks × B and 1 rank × 2B see the same computation."""
-    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_nodrop"), bert_tokenizer_dir, seed=3))
-
-
-@pytest.fixture(scope="session")
-def bert_wide_dir(tmp_path_factory, bert_tokenizer_dir):
-    """Dropout off; weights drawn wider than BERT's std 0.02, so that sentences' [CLS] vectors and
-    their gradients differ from sentence to sentence (at 0.02 a 4-layer model gives every sentence
-    nearly the same [CLS], and an equivalence of gradients would compare rounding noise)."""
-    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_wide"), bert_tokenizer_dir, seed=3,
-                                std=0.3))
-
-
-def no_dropout(d):
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(d)
-    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
-    cfg.save_pretrained(d)
-    return d
-
-
-class ThreadRanks:
-    """`world` ranks as threads of this process, for the quick tier: common.gather returns what
-    torch.distributed's all_gather gives it (the other ranks' tensors without a graph, the rank's
-    own tensor in its slot). DDP's part, averaging the gradients, is done by the caller."""
-
-    def __init__(self, world):
-        self.world, self.slots = world, [None] * world
-        self.barrier, self.local = threading.Barrier(world), threading.local()
-
-    def gather(self, z):
-        r = self.local.rank
-        self.slots[r] = z.detach()
-        self.barrier.wait()  # every rank has written its slot
-        parts = list(self.slots)
-        self.barrier.wait()  # every rank has read them: the slots may be written again
-        parts[r] = z
-        return torch.cat(parts)
-
-    def run(self, fn):
-        """fn(rank) on every rank at once -> [its result on rank 0, 1, ...]."""
-        out, errors = [None] * self.world, []
-
-        def target(r):
-            self.local.rank = r
-            try:
-                out[r] = fn(r)
-            except BaseException as e:  # re-raised below, in the test's thread
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
-        if errors:
-            raise errors[0]
-        return out
-
-
-def assert_two_ranks_equal_one(monkeypatch, make, step, rows):
-    """make() -> (model, ...): a fresh copy, the same weights each call, its own tokenizer (a fast
-    tokenizer must not be shared by threads); step(copy, rows, world) -> the loss, its gradients
-    accumulated. 2 ranks with half the rows each must give the loss of 1 rank with all of them on
-    every rank, and gradients whose average (what DDP applies) equals that rank's."""
-    def make_seeded():  # new heads (SSCL's MLP, JTCSE's CAEL) start from the same draw
-        torch.manual_seed(0)
-        return make()
-
-    one = make_seeded()
-    loss = step(one, rows, 1)
-    grads = {n: q.grad for n, q in one[0].named_parameters() if q.grad is not None}
-    assert grads and all(g.abs().sum() > 0 for g in grads.values())
-    ranks = ThreadRanks(2)
-    monkeypatch.setattr(common, "gather", ranks.gather)
-    copies, half = [make_seeded(), make_seeded()], len(rows) // 2
-    losses = ranks.run(lambda r: step(copies[r], rows[r * half:(r + 1) * half], 2))
-    for rank_loss in losses:
-        assert rank_loss.item() == pytest.approx(loss.item(), abs=1e-5)
-    # float sums in another order: errors relative to the model's largest gradient (a key bias's
-    # gradient is 0 up to rounding)
-    scale = max(g.abs().max().item() for g in grads.values())
-    for n, g in grads.items():
-        mean = sum(dict(c[0].named_parameters())[n].grad for c in copies) / 2
-        torch.testing.assert_close(mean, g, atol=1e-4 * scale, rtol=1e-4,
-                                   msg=lambda m: f"{n}: {m}")
-
-
-@pytest.mark.parametrize("layer", ["0", "1,3"])
-def test_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_wide_dir, layer,
-                                                                    monkeypatch):
-    """In-process (threads): the layer-M negatives and both views gathered across ranks; × world
-    makes DDP's average the gradient of the global loss. Processes: the torchrun test below."""
-    from transformers import AutoTokenizer
-    a = sscl.p.parse_args(["--max-len", "16", "--temp", "1"])  # every negative weighs in the loss
-    layers = sscl.parse_layers(layer, 4)
-
-    def make():
-        bert = AutoModel.from_pretrained(bert_wide_dir)
-        return sscl.SentenceEncoder(bert, "cls").train(), AutoTokenizer.from_pretrained(
-            bert_wide_dir)
-
-    def step(copy, rows, world):
-        return sscl.train_step(common.in_length_groups(copy[0]), copy[1], rows, layers,
-                               torch.device("cpu"), a.temp, a.max_len, world=world,
-                               gather=common.gather)
-
-    rng = random.Random(0)
-    assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
-
-
-@pytest.mark.slow
-def test_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir, tmp_path):
-    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 ×
-    2B (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
-    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
-                                     "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
-                                     steps=3, eval_steps=100, layer="1,3")
-    one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
-    two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
-    assert len(losses(one.stdout)) == 3
-    for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
-        assert float(x) == pytest.approx(float(y), abs=2e-4)
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
-
-
-@pytest.mark.slow
-def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodrop_dir, train_txt,
-                                                                      sts_dir, tmp_path):
-    """--objective authors under torchrun: rank 0's loss has the global batch's last-layer views
-    (gathered) and its own layer-M vectors of both views only (the authors' construct_negtives), as
-    their code computes it from the same pooled vectors; the run folder records the objective."""
-    from transformers import AutoModel, AutoTokenizer
-    B, layers = 4, [1, 3]
-    out = tmp_path / "two"
-    two = torchrun("sscl.py", 2, *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
-                                            "--no-final-eval", "--batch-size", B, "--pooler", "avg",
-                                            "--objective", "authors", steps=1, eval_steps=100,
-                                            layer="1,3"))
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads((out / common.META).read_text())["objective"] == "authors"
-    sents = common.read_sentences(train_txt)
-    order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
-    # no dropout
-    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()
-    tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
-    with torch.no_grad():
-        per_rank = [enc(common.tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
-                                        torch.device("cpu")), layers) for r in range(2)]
-    z = torch.cat([z for z, _ in per_rank]).double()  # gathered: (2B, D); both views equal
-    own = [m.double() for m in per_rank[0][1]]  # rank 0's layer-M vectors, (B, D) per M
-    want = sscl_authors_by_hand(z, z, [(m, m) for m in own], 0.05).item()
-    assert float(losses(two.stdout)[0]) == pytest.approx(want, abs=2e-4)
-    gathered = sscl_authors_by_hand(
-        z, z, [(m, m) for m in [torch.cat([r[1][i] for r in per_rank]).double() for i in range(2)]],
-        0.05).item()
-    assert abs(gathered - want) > 1e-3  # gathering the negatives too would have given another loss
-
-
-# ================================================================ JTCSE (jtcse.py) ===============
-jt_WORDS = ("a man is playing a guitar . the cat sits on the mat . two dogs run in the park . "
-            "a woman slices an onion . children play football outside . the sky is blue "
-            "today").split(" . ")
-
-
-def jt_make_tokenizer(path, sentences):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer, tok.pre_tokenizer = (normalizers.BertNormalizer(),
-                                         pre_tokenizers.BertPreTokenizer())
-    tok.train_from_iterator(sentences, trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=["input_ids", "token_type_ids",
-                                                      "attention_mask"])
-    fast.save_pretrained(path)
-    return fast
-
-
-def jt_tiny_bert(tok, seed, layers=4):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=layers,
-                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=128)
-    return BertModel(cfg)
-
-
-JT_DATA = {}  # paths made by jt_env
-
-
-@pytest.fixture(scope="module")
-def jt_env(tmp_path_factory):
-    d = tmp_path_factory.mktemp("jtcse")
-    # the STS data of every jtcse.py run here (SENTEMB_DATA)
-    JT_DATA["sts"] = write_sts(d / "sts", seed=3)
-    jt_train = d / "train.txt"
-    lines = [f"{w} number {i}" for i in range(40) for w in jt_WORDS]
-    jt_train.write_text("\n".join(lines) + "\n")
-    tok = jt_make_tokenizer(d / "tok", lines)
-    for name, seed in (("a", 0), ("b", 1)):
-        m = jt_tiny_bert(tok, seed)
-        m.save_pretrained(d / name), tok.save_pretrained(d / name)
-    other = jt_make_tokenizer(d / "other_tok", ["completely different words here",
-                                                "zebra xylophone quartz"])
-    m = jt_tiny_bert(other, 2)
-    m.save_pretrained(d / "other"), other.save_pretrained(d / "other")
-    (d / "llama").mkdir()
-    (d / "llama" / "config.json").write_text('{"model_type": "llama"}')
-    return d, tok
-
-
-def jt_run(*args, ok=True):
-    """A real subprocess: python SCRIPT ARGS (import cost ~5-10 s on a loaded 2-core machine)."""
-    e = dict(os.environ, SENTEMB_DATA=str(JT_DATA["sts"]), HF_HUB_OFFLINE="1",
-             TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=e,
-                       timeout=300)
-    if ok:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def jtcse_loss_of(h, hP, c, R, a):
-    """jtcse.jtcse_loss with the settings of jtcse.py's flags a, as train_step passes them."""
-    skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
-    return jtcse.jtcse_loss(h, hP, c, R, a.temp, a.objective, skip)
-
-
-def jt_analysis(capsys, monkeypatch, *args):
-    """jtcse_analysis.main() in this process, on jt_env's STS data; it must succeed."""
-    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    code, out, err = main_of(jtcse_analysis, capsys, monkeypatch, *args)
-    assert code == 0, err[-3000:]
-    return code, out, err
-
-
-def jt_main(capsys, monkeypatch, *args, ok=True):
-    """jtcse.main() in this process (same code path as the command line, without the import
-    cost)."""
-    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    code, out, err = main_of(jtcse, capsys, monkeypatch, *args)
-    if ok:
-        assert code == 0, err[-3000:]
-    return code, out, err
-
-
-def jt_train(jt_env, out, capsys, monkeypatch, *extra):
-    d, _ = jt_env
-    return jt_main(capsys, monkeypatch, "--model-a", d / "a", "--model-b", d / "b", "--train",
-                   d / "train.txt", "--output-dir", out, "--batch-size", "8", "--max-len", "16",
-                   "--max-steps", "3", "--eval-steps", "2", "--lr", "1e-3", "--no-add-sick",
-                   "--no-final-eval", *extra)[1]
-
-
-def jt_nodrop(jt_env, out):
-    """Towers a and b of jt_env with dropout off, saved under out/a and out/b; -> [BertModel a,
-    b]."""
-    d, _ = jt_env
-    towers = [BertModel.from_pretrained(d / t, hidden_dropout_prob=0.0,
-                                        attention_probs_dropout_prob=0.0) for t in "ab"]
-    for t, m in zip("ab", towers):
-        m.save_pretrained(out / t)
-        PreTrainedTokenizerFast.from_pretrained(d / t).save_pretrained(out / t)
-    return towers
-
-
-def jt_batch_of(tok, sents):
-    return dict(tok(sents, padding=True, return_tensors="pt"))
-
-
+# ---------------------------------------------------------------- JTCSE ---------------------------
 def jt_towers(jt_env, arch):
     """Towers a and b: jt_env's BERTs, or tiny random models of another architecture from configs
     (RobertaModel, XLMRobertaModel: BERT's layers and pooler, their own position ids)."""
@@ -1825,9 +2124,26 @@ def jt_towers(jt_env, arch):
     return towers
 
 
-# ---------------------------------------------------------------- model equivalences ------------
+def jt_run_dir(jt_env, out, towers=("a", "b"), method="jtcse", **meta):
+    """A run folder of towers of jt_env: a jtcse.py twin (tower_a, tower_b), or with one tower and
+    method "sscl" an sscl.py run (the BERT at the root; proj_dim > 0: a proj.pt)."""
+    d, _ = jt_env
+    if method == "sscl":
+        shutil.copytree(d / towers[0], out)
+        meta = {"pooler": "cls", "proj_dim": 0, "max_len": 128, **meta}
+        if meta["proj_dim"]:
+            torch.save(torch.nn.Linear(32, meta["proj_dim"]).state_dict(), out / "proj.pt")
+    else:
+        for name, t in zip(("tower_a", "tower_b"), towers):
+            shutil.copytree(d / t, out / name)
+        meta = {"towers": ["tower_a", "tower_b"], "max_len": 128, **meta}
+    (out / common.META).write_text(json.dumps({"method": method, **meta}))
+    return out
+
+
+# ---- JTCSE: model equivalences ----
 @pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta"])
-def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
+def test_jtcse_towers_without_cross_attention_equal_stock_model(jt_env, arch):
     d, tok = jt_env
     a, b = jt_towers(jt_env, arch)
     batch = jt_batch_of(tok, ["a man is playing a guitar", "the cat",
@@ -1855,7 +2171,8 @@ def test_towers_without_cross_attention_equal_stock_model(jt_env, arch):
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta"])
-def test_drop_layernorm_0_is_the_stock_model_and_n_changes_only_the_last_n_layers(jt_env, arch):
+def test_jtcse_drop_layernorm_0_is_the_stock_model_and_n_changes_only_the_last_n_layers(jt_env,
+                                                                                        arch):
     """Fig. 8: N = 0 leaves the tower bit-identical; N removes the output LayerNorm of the last N
     layers only: earlier hidden states are unchanged, and the last hidden state is the stock last
     layer's sum before its LayerNorm (N = 1)."""
@@ -1881,7 +2198,7 @@ def test_drop_layernorm_0_is_the_stock_model_and_n_changes_only_the_last_n_layer
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta"])
-def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
+def test_jtcse_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     d, tok = jt_env
     a, b = jt_towers(jt_env, arch)
     batch = jt_batch_of(tok, ["a woman slices an onion", "the sky"])
@@ -1913,7 +2230,7 @@ def test_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
                               atol=1e-3)
 
 
-# ---------------------------------------------------------------- losses = equations ------------
+# ---- JTCSE: losses = equations ----
 def nce_by_hand(z, zp, tau=0.05):
     total = 0.0
     for i in range(len(z)):
@@ -1932,7 +2249,7 @@ def tmc_by_hand(h, hp, P, Pp, half=False):
     return total / len(h)
 
 
-def test_each_loss_term_equals_its_equation():
+def test_jtcse_each_loss_term_equals_its_equation():
     torch.manual_seed(0)
     B, H = 6, 16
     h, hP, c = ([torch.randn(2 * B, H) for _ in range(2)] for _ in range(3))
@@ -2087,7 +2404,7 @@ def test_jtcse_paper_objective_is_unchanged_bit_for_bit():
             assert all(torch.equal(terms[k], terms0[k]) for k in terms)
 
 
-def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
+def test_jtcse_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
     torch.manual_seed(1)
     a, b = torch.randn(100, 8), torch.randn(100, 8) * torch.rand(100, 1) * 3
     k, t = b.norm(dim=-1) / a.norm(dim=-1), F.cosine_similarity(a, b, dim=-1)
@@ -2104,25 +2421,8 @@ def test_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
             and f(torch.tensor(1.), torch.tensor(1.)) == 0)
 
 
-# ---------------------------------------------------------------- analyses: Table VII, Figs. 9, 10
-def jt_run_dir(jt_env, out, towers=("a", "b"), method="jtcse", **meta):
-    """A run folder of towers of jt_env: a jtcse.py twin (tower_a, tower_b), or with one tower and
-    method "sscl" an sscl.py run (the BERT at the root; proj_dim > 0: a proj.pt)."""
-    d, _ = jt_env
-    if method == "sscl":
-        shutil.copytree(d / towers[0], out)
-        meta = {"pooler": "cls", "proj_dim": 0, "max_len": 128, **meta}
-        if meta["proj_dim"]:
-            torch.save(torch.nn.Linear(32, meta["proj_dim"]).state_dict(), out / "proj.pt")
-    else:
-        for name, t in zip(("tower_a", "tower_b"), towers):
-            shutil.copytree(d / t, out / name)
-        meta = {"towers": ["tower_a", "tower_b"], "max_len": 128, **meta}
-    (out / common.META).write_text(json.dumps({"method": method, **meta}))
-    return out
-
-
-def test_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tmp_path):
+# ---- JTCSE: analyses (jtcse_analysis.py): Table VII, Figs. 9, 10 ----
+def test_jtcse_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tmp_path):
     """Table VII's count on a tiny BERT (4 layers, H 32, FFN 64, 4 heads) at L tokens:
     FlopCounterMode = every Linear layer (Q, K, V, O, FFN in and out per layer; the pooler on CLS)
     + attention's Q·K^T and A·V, per layer; the Linear column = the Linear layers alone (thop's
@@ -2147,7 +2447,7 @@ def test_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tmp_path
                                             str(sscl_run)]
 
 
-def test_attention_maps_equal_stock_eager_attentions(jt_env):
+def test_jtcse_attention_maps_equal_stock_eager_attentions(jt_env):
     """Fig. 9's maps (eq. 8 from each layer's own query and key) = the stock model's
     output_attentions (eager attention) averaged over heads, at every real query; rows sum to 1."""
     d, tok = jt_env
@@ -2164,7 +2464,7 @@ def test_attention_maps_equal_stock_eager_attentions(jt_env):
         torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:2]))
 
 
-def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
+def test_jtcse_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
     """e_cls (batched, padded) = eq. 6 from the input of each layer's attention output projection
     (the context SA·V, heads merged) of the stock model, one unpadded sentence at a time."""
     d, tok = jt_env
@@ -2188,9 +2488,28 @@ def test_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
     torch.testing.assert_close(got[0], want / len(sents), atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- end to end --------------------
+# ---- JTCSE: end to end, bad inputs, a sentence-transformers folder ----
+def jt_run(*args, ok=True):
+    """A real subprocess: python SCRIPT ARGS (import cost ~5-10 s on a loaded 2-core machine)."""
+    e = dict(os.environ, SENTEMB_DATA=str(JT_DATA["sts"]), HF_HUB_OFFLINE="1",
+             TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=e,
+                       timeout=300)
+    if ok:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def jt_analysis(capsys, monkeypatch, *args):
+    """jtcse_analysis.main() in this process, on jt_env's STS data; it must succeed."""
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, out, err = main_of(jtcse_analysis, capsys, monkeypatch, *args)
+    assert code == 0, err[-3000:]
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
+def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monkeypatch):
     d, _ = jt_env
     o1, o2 = (jt_train(jt_env, tmp_path / "run1", capsys, monkeypatch),
               jt_train(jt_env, tmp_path / "run2", capsys, monkeypatch))
@@ -2247,7 +2566,7 @@ def test_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys, monke
 
 
 @pytest.mark.slow
-def test_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsys, monkeypatch):
+def test_jtcse_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsys, monkeypatch):
     """RoBERTa towers end to end: tower b saved without pooler weights (as roberta-base) gets a
     fresh pooler for eq. 13, said on stderr; the twin and a distilled RoBERTa load in eval_sts.py
     with their own positions (max_position_embeddings less RoBERTa's offset)."""
@@ -2277,7 +2596,8 @@ def test_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsys, mon
 
 
 @pytest.mark.slow
-def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys, monkeypatch):
+def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys,
+                                                              monkeypatch):
     """--drop-layernorm 1: the removed LayerNorm and the (unused) poolers stay as they were, every
     other weight trains; sentemb.json records N and eval_sts.py encodes with that LayerNorm
     removed; --compare --modulus prints N, the norms modulus() computes and the 7-STS average."""
@@ -2318,7 +2638,7 @@ def test_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
+def test_jtcse_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     """On the real STS-B sentences: on tiny random towers and random words the cross stream moves
     E_CLS by less than the table's 4 decimals."""
     d, _ = jt_env
@@ -2337,7 +2657,7 @@ def test_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
+def test_jtcse_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
     """--compare (Fig. 10), --cost (Table VII) and --attention (Fig. 9) on tower a, tower b and
     their twin: the printed correlations are scipy's of the printed columns, the cost columns are
     inference_cost's, η = Avg. / GMACs, the attention shares are the maps' column means; eval_sts.py
@@ -2415,7 +2735,8 @@ def test_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, m
     (["--resume"], "--resume"),
 ])
 @pytest.mark.slow
-def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeypatch, args, needle):
+def test_jtcse_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeypatch, args,
+                                                     needle):
     d, _ = jt_env
     base = ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--output-dir",
             tmp_path / "out", "--no-add-sick"]
@@ -2427,7 +2748,7 @@ def test_bad_inputs_exit_2_with_one_error_line(jt_env, tmp_path, capsys, monkeyp
 
 
 @pytest.mark.slow
-def test_bad_input_in_a_real_process(jt_env):
+def test_jtcse_bad_input_in_a_real_process(jt_env):
     d, _ = jt_env
     r = jt_run("jtcse.py", "--model-a", str(d / "a"), "--model-b", str(d / "other"), ok=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -2435,111 +2756,44 @@ def test_bad_input_in_a_real_process(jt_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["paper", "authors"])
-def test_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
-    """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all
-    terms, the same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is
-    off so that both see the same computation."""
+def test_jtcse_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_path, capsys,
+                                                                 monkeypatch):
     d, _ = jt_env
-    jt_nodrop(jt_env, tmp_path)  # the towers without dropout
-    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa: E731
-                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
-                            "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
-                            "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
-                            "--no-add-sick", "--no-final-eval", "--objective", objective]
-    one = run("jtcse.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})  # as a rank
-    two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
-    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
-    terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
-                         for x, y, z, w, r in re.findall(
-        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
-    assert len(terms(one.stdout)) == 2
-    for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
-        # the log prints 4 decimals: two runs' float sums may round to neighbours, 1e-4 apart
-        assert x[:4] == pytest.approx(y[:4], abs=2e-4) and x[4] == y[4]
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
+    jt_train(jt_env, tmp_path / "twin", capsys, monkeypatch)
+    jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a", d / "a", "--train",
+            d / "train.txt",
+            "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
+            "--no-add-sick", "--no-final-eval")
+    # a sum of two towers is not one module chain
+    assert not (tmp_path / "twin" / "modules.json").exists()
+    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())[
+        "pooling_mode_cls_token"]
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
+ours = eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
+    assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
 
 
-# ================================================================ BeLLM (bellm.py) ===============
+# ---------------------------------------------------------------- BeLLM ---------------------------
 bl_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-bl_CPU = torch.device("cpu")
-SENTS = ["a man is playing a guitar .", "two dogs run in the park", "the cat sleeps",
-         "a woman cuts an onion .", "kids are playing football outside on a sunny day",
-         "nobody is here", "a plane takes off",
-         "the sun is shining brightly over the quiet sea"]
 
 
-@pytest.mark.parametrize("objective", ["paper", "authors", "distill"])
-def test_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_path, objective,
-                                                                     monkeypatch):
-    """In-process (threads): both views of every tower gathered across ranks (eqs. 11-15, both
-    objectives) and JTCSE D's student and target; × world makes DDP's average the gradient of the
-    global loss. Processes: the torchrun test above."""
-    jt_nodrop(jt_env, tmp_path)
-    a = jtcse.p.parse_args(["--max-len", "16", "--objective", "paper" if objective == "distill"
-                            else objective])
-
-    def make():
-        towers, tok = jtcse.load_towers([tmp_path / "a", tmp_path / "b"])
-        if objective != "distill":
-            return jtcse.Twin(towers, 2).train(), tok
-        teacher = jtcse.make_encode(towers[1:], tok, 16, torch.device("cpu"))
-        return towers[0].train(), tok, teacher
-
-    def step(copy, rows, world):
-        model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
-        return jtcse.train_step(common.in_length_groups(model), copy[1], rows, 1,
-                                torch.device("cpu"), a.temp, a.max_len, a.objective,
-                                teacher=(copy[2:] or [None])[0], world=world,
-                                gather=common.gather)[0]
-
-    assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
-                                                         enumerate(jt_WORDS[:8])])
+def bl_run(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=bl_ENV, capture_output=True,
+                          text=True, timeout=600)
 
 
-@pytest.fixture(scope="session")
-def tok_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer, t.decoder = (pre_tokenizers.ByteLevel(add_prefix_space=False),
-                                  decoders.ByteLevel())
-    t.train_from_iterator(SENTS * 3 + [bellm.PROMPT], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    d = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(d)
-    return d
+def bl_main(capsys, monkeypatch, *args):
+    """bellm.main() in this process (no interpreter start-up): exit code, stdout, stderr."""
+    return main_of(bellm, capsys, monkeypatch, *args)
 
 
-def bl_make_model(tok_dir, tmp, family="llama", layers=4):
-    """A tiny random decoder saved with the tokenizer; returns its folder."""
-    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    cfg_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if family == "llama"
-                          else (Qwen2Config, Qwen2ForCausalLM))
-    cfg = cfg_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, pad_token_id=0)
-    torch.manual_seed(0)
-    d = tmp / f"{family}-{layers}"
-    model_cls(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-def bl_batch(tok, sents, side="right", prompt=bellm.PROMPT):
-    tok.padding_side = side
-    texts, n = bellm.prompted(tok, {"prompt": prompt, "max_len": 64}, sents)
-    return common.tokenize(tok, texts, n, bl_CPU)
-
-
+# ---- BeLLM: the model and the loss ----
 # (b, L) -> (b, 1, L, L): padding-only additive mask, written independently of bellm.attn_mask
 def pad_mask(am):
     return (1.0 - am[:, None, None, :].float()) * torch.finfo(torch.float32).min
@@ -2552,13 +2806,9 @@ def bl_stock(dec, b):
     return dec(**b, position_ids=pos, output_hidden_states=True), pos
 
 
-def bl_real(h, am):  # the real positions of (b, L, H), flattened
-    return h[am.bool()]
-
-
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
                                          ("qwen2", "eager")])
-def test_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
+def test_bellm_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path, family)), 1, "convert",
                                   bl_CPU)
     dec.set_attn_implementation(attn)
@@ -2596,7 +2846,7 @@ def test_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
         assert not torch.allclose(bl_real(ours, am), bl_real(out.last_hidden_state, am))
 
 
-def test_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
+def test_bellm_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "add", bl_CPU)
     dec.eval()
     assert len(dec.layers) == 4 and len(dec.bellm_added) == 2
@@ -2622,7 +2872,7 @@ def test_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(h4 + g), am))
 
 
-def test_last_token_k1_sequential_equals_k0(tok_dir, tmp_path):
+def test_bellm_last_token_k1_sequential_equals_k0(tok_dir, tmp_path):
     """The README's property: with last-token pooling, only the final layer bidirectional changes
     nothing."""
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
@@ -2641,7 +2891,7 @@ def test_last_token_k1_sequential_equals_k0(tok_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen2", "eager")])
-def test_padding_invariance(tok_dir, tmp_path, family, attn):
+def test_bellm_padding_invariance(tok_dir, tmp_path, family, attn):
     path = str(bl_make_model(tok_dir, tmp_path, family))
     for strategy in ("convert", "add"):
         tok, dec = bellm.load_decoder(path, 2, strategy, bl_CPU)
@@ -2659,7 +2909,7 @@ def test_padding_invariance(tok_dir, tmp_path, family, attn):
                     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
 
 
-def test_last_token_position():
+def test_bellm_last_token_position():
     h = torch.arange(2 * 5, dtype=torch.float).view(2, 5, 1)
     right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     left = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
@@ -2667,7 +2917,7 @@ def test_last_token_position():
     assert bellm.last_token(h, left).flatten().tolist() == [4, 9]
 
 
-def test_mask_is_padding_only_or_causal():
+def test_bellm_mask_is_padding_only_or_causal():
     am = torch.tensor([[1, 1, 0]])
     neg = torch.finfo(torch.float32).min
     assert (bellm.attn_mask(am, False, torch.float32)[0, 0].tolist()
@@ -2676,7 +2926,7 @@ def test_mask_is_padding_only_or_causal():
             == [[0, neg, neg], [0, 0, neg], [0, 0, 0]])
 
 
-def test_loss_is_eq6():
+def test_bellm_loss_is_eq6():
     torch.manual_seed(0)
     h, hp, hn = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
     cos, t = torch.nn.functional.cosine_similarity, 0.05
@@ -2695,7 +2945,7 @@ def test_loss_is_eq6():
     torch.testing.assert_close(bellm.cosent_loss(h, hp, y), want)
 
 
-def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
+def test_bellm_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     path = str(bl_make_model(tok_dir, tmp_path))
     for strategy in ("convert", "add"):
@@ -2719,54 +2969,9 @@ def test_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
         assert not torch.allclose(zero_shot, want)
 
 
-def bl_sts_dir(tmp):
-    """A synthetic STS folder: STS-B dev and test with 16 pairs each."""
-    d = tmp / "senteval"
-    (d / "SICK").mkdir(parents=True)
-    (d / "STS" / "STSBenchmark").mkdir(parents=True)
-    for split in ("dev", "test"):
-        with open(d / "STS" / "STSBenchmark" / f"sts-{split}.csv", "w") as f:
-            for i in range(16):
-                f.write(f"g\tf\t2012\t{i}\t{i % 5 + 0.5}\t{SENTS[i % 8]}\t"
-                        f"{SENTS[(i * 3 + 1) % 8]}\n")
-    return d
-
-
-def test_degradation_k_n_equals_embedding(tok_dir, tmp_path):
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
-    dec.eval()
-    data = common.senteval_dir(str(bl_sts_dir(tmp_path)))
-    a = Namespace(prompt=bellm.PROMPT, max_len=64, plot=None)
-    curve = bellm_analysis.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
-    meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
-                max_len=64)
-    normal = common.evaluate(bellm.make_encode(dec, tok, meta, bl_CPU), data, ["STS-B"])
-    assert len(curve) == 4 and curve[4] == pytest.approx(normal, abs=1e-6)
-    assert curve[1] != curve[4]
-
-
-def bl_run(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=bl_ENV, capture_output=True,
-                          text=True, timeout=600)
-
-
-def bl_main(capsys, monkeypatch, *args):
-    """bellm.main() in this process (no interpreter start-up): exit code, stdout, stderr."""
-    return main_of(bellm, capsys, monkeypatch, *args)
-
-
-def nli_csv(tmp, rows=12, cols=("sent0", "sent1", "hard_neg")):
-    path = tmp / f"nli-{len(cols)}.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for i in range(rows):
-            w.writerow([SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]][:len(cols)])
-    return path
-
-
+# ---- BeLLM: end to end, resume, C-STS, bad inputs ----
 @pytest.mark.slow
-def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkeypatch):
+def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkeypatch):
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
     logs = []
     for i in range(2):
@@ -2789,7 +2994,7 @@ def test_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkey
 
 
 @pytest.mark.slow
-def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
+def test_bellm_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
     """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted
     run (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of
     step 2)."""
@@ -2823,7 +3028,7 @@ def test_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
+def test_bellm_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
     path = tmp_path / "csts.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -2845,7 +3050,7 @@ def test_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
+def test_bellm_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     from transformers import BertConfig, BertModel
     model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
     bert = tmp_path / "bert"
@@ -2882,89 +3087,127 @@ def test_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
             and r.stderr.count("error:") == 1), r.stderr
 
 
+# ---- BeLLM: the GPU configuration, on CPU ----
 @pytest.mark.slow
-def test_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
-    """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the
-    updated LoRA weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks;
-    no_sync accumulation)."""
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=24))
-    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
-                            "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
-                            "--max-steps", 2, "--eval-steps", 100,
-                            "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
-    one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
-    two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
-    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
-    loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
-    assert (len(loss(one.stdout)) == 2
-            and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
-    assert w1.keys() == w2.keys() and len(w1) > 0
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
+def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, capsys, monkeypatch):
+    """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite
+    losses close to the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16)
+    prints the run's final table."""
+    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    logs = {}
+    for name, extra in (("fp32", []), ("gpu", ["--dtype", "bfloat16", "--grad-ckpt", "--bf16"])):
+        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
+                                 "--data-dir", data, "--output-dir", tmp_path / name,
+                                 "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
+                                 "--log-steps", 1, "--bi-layers", 1, "--lora-r", 4,
+                                 "--lora-dropout", 0, "--tasks", "STS-B", *extra)
+        assert code == 0, err[-2000:]
+        logs[name] = [float(x) for x in losses(out)]
+    assert "with checkpointing" in out and "memory (estimate" in out
+    assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
+    # bf16 rounding, not a different computation
+    assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
+    assert json.load(open(tmp_path / "gpu" / "sentemb.json"))["dtype"] == "bfloat16"
+    e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
+               "STS-B", "--bf16")
+    assert e.returncode == 0, e.stderr
+    # the adapter saved and reloaded onto a bf16 base
+    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]
 
 
-@pytest.mark.parametrize("kind", ["nli", "csts"])
-def test_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp_path, kind,
-                                                                    monkeypatch):
-    """In-process (threads): eq. 6's columns (C-STS: the pairs and labels) gathered across ranks;
-    × world makes DDP's average the gradient of the global loss. Processes: the torchrun test
-    above."""
-    d = bl_make_model(tok_dir, tmp_path)
-    a = bellm.p.parse_args(["--max-len", "16"])
-    cpu = torch.device("cpu")
-
-    def make():
-        tok, dec = bellm.load_decoder(d, 1, "convert", cpu)
-        return bellm.BeLLM(dec, 1, "parallel", "convert").train(), tok
-
-    def step(copy, rows, world):
-        return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, copy[0])),
-                                copy[1], rows, kind, a.prompt, cpu, a.temp, a.max_len,
-                                world=world, gather=common.gather)[0]
-
-    rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
-            (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
-    assert_two_ranks_equal_one(monkeypatch, make, step, rows)
-
-
-def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_path, capsys,
-                                                                 monkeypatch):
-    """eval_sts.py --csts (Table 2): Spearman x 100 of cos(s1 | condition, s2 | condition) against
-    the label, recomputed here for a decoder zero-shot (--pooler last, C-STS's prompt); without
-    the conditions the score differs, so they are read."""
-    from scipy.stats import spearmanr
-    model, path = bl_make_model(tok_dir, tmp_path), tmp_path / "csts.csv"
-    conditions = ["the number of people", "the place", "what they do"]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["sentence1", "sentence2", "condition", "label"])
-        for i in range(8):
-            w.writerow([SENTS[i], SENTS[(i + 3) % 8], conditions[i % 3], (i * 3) % 5 + 1])
-    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", model, "--pooler", "last",
-                             "--prompt", bellm.CSTS_PROMPT, "--csts", path, "--json",
-                             tmp_path / "r.json")
-    assert code == 0, err
-    tok, dec = bellm.load_decoder(str(model), 0, "convert", bl_CPU)
-    encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
-                                                      bi_strategy="convert", max_len=256,
-                                                      prompt=bellm.CSTS_PROMPT), bl_CPU)
-    rows = bellm.read_csv(path)[1]
-
-    def score(cond):
-        cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
-                                                                             cond))
-        return 100 * spearmanr(cos.numpy(), [r[3] for r in rows]).statistic
-    want = score([r[2] for r in rows])
-    assert json.loads((tmp_path / "r.json").read_text())["csts"] == pytest.approx(want, abs=1e-6)
-    assert out.splitlines()[-3:-1] == ["  C-STS", f"{want:7.2f}"]
-    assert abs(want - score(None)) > 1e-3
+def test_bellm_frozen_linears_cast_once_give_what_autocast_computes(tok_dir, tmp_path):
+    """bellm.cast_frozen_linears under bf16 autocast: the same loss and LoRA gradients, bit for bit,
+    as letting autocast cast the float32 weights at every pass; embeddings and norms stay
+    float32."""
+    from peft import LoraConfig, get_peft_model
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
+    b = bl_batch(tok, SENTS[:6])
+    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                          target_modules="all-linear",
+                                          # B != 0: the LoRA path counts
+                                          init_lora_weights=False)).train()
+    cast = copy.deepcopy(peft)
+    bellm.cast_frozen_linears(cast.base_model.model)
+    assert cast.base_model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    assert (cast.base_model.model.embed_tokens.weight.dtype
+            == cast.base_model.model.norm.weight.dtype == torch.float32)
+    out = []
+    for m in (peft, cast):
+        torch.manual_seed(1)  # the same LoRA dropout masks
+        with common.autocast(bl_CPU, True):
+            h = bellm.BeLLM(m.base_model.model, 1, "parallel",
+                            "convert")(b["input_ids"], b["attention_mask"])
+        loss = bellm.bellm_loss(*h.float().view(2, 3, -1).unbind(1), 0.05)
+        loss.backward()
+        out.append([loss] + [q.grad for q in m.parameters() if q.requires_grad])
+    assert len(out[0]) > 10 and all(torch.equal(x, y) for x, y in zip(*out))
 
 
-# ---- App. A: representative words (bellm_analysis.py) ----
+def test_bellm_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
+    net = bellm.BeLLM(dec.double(), 1, "parallel", "convert").train()
+    b = bl_batch(tok, SENTS[:6])
+
+    def loss_of(ckpt):
+        (dec.gradient_checkpointing_enable if ckpt else dec.gradient_checkpointing_disable)(
+            **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if ckpt else {}))
+        # what autograd keeps for the backward: far less when the layers are checkpointed
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
+                                                      lambda t: t):
+            h = net(b["input_ids"], b["attention_mask"]).view(2, 3, -1)
+        kept[ckpt] = sum(sizes)
+        return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+    kept = {}
+    same_step(list(dec.parameters()), loss_of)
+    assert kept[True] < kept[False] / 3
+
+
+def test_bellm_memory_estimate_counts_the_saved_activations(tmp_path):
+    """The start-up estimate against the bytes autograd actually saves (saved-tensor hooks), on a
+    LLaMA config that is none of those the coefficients were counted on; weights and LoRA states
+    exactly."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaModel
+    for dtype, s in ((torch.float32, 4), (torch.bfloat16, 2)):
+        torch.manual_seed(0)
+        dec = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=192, intermediate_size=512,
+                                     num_hidden_layers=3,
+                                     num_attention_heads=6, num_key_value_heads=2)).to(dtype)
+        dec.set_attn_implementation("eager")
+        lora = get_peft_model(dec, LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1,
+                                              target_modules="all-linear")).train()
+        n_lora = sum(q.numel() for q in lora.parameters() if q.requires_grad)
+        ids, am = torch.randint(0, 100, (6, 20)), torch.ones(6, 20, dtype=torch.long)
+        seen, saved = {q.untyped_storage().data_ptr() for q in lora.parameters()}, [0]
+
+        def pack(t):  # every tensor kept for the backward, once, weights excluded
+            if (k := t.untyped_storage().data_ptr()) not in seen:
+                seen.add(k)
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
+        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
+        assert o * 2**30 == 16 * n_lora
+        assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
+
+
+# ---- BeLLM: analyses (bellm_analysis.py): degradation, dependency, App. A words ----
+def test_bellm_degradation_k_n_equals_embedding(tok_dir, tmp_path):
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
+    dec.eval()
+    data = common.senteval_dir(str(bl_sts_dir(tmp_path)))
+    a = Namespace(prompt=bellm.PROMPT, max_len=64, plot=None)
+    curve = bellm_analysis.degradation(a, tok, dec, bl_CPU, data, ["STS-B"])
+    meta = dict(bi_layers=0, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
+                max_len=64)
+    normal = common.evaluate(bellm.make_encode(dec, tok, meta, bl_CPU), data, ["STS-B"])
+    assert len(curve) == 4 and curve[4] == pytest.approx(normal, abs=1e-6)
+    assert curve[1] != curve[4]
+
+
 def bl_tied(tok_dir, tmp):
     """The tiny LLaMA of bl_make_model with its LM head tied to the input embeddings."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -2979,7 +3222,7 @@ def bl_tied(tok_dir, tmp):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_representative_word_is_the_stock_lm_heads_argmax(tok_dir, tmp_path, tie):
+def test_bellm_representative_word_is_the_stock_lm_heads_argmax(tok_dir, tmp_path, tie):
     """App. A: with no bidirectional layer (K = 0), the LM head applied to the embedding gives the
     stock ...ForCausalLM's logits at the prompt's last position (each prompt alone, unpadded), so
     the predicted token is their argmax; the head is read from the checkpoint (untied) or is the
@@ -3000,7 +3243,7 @@ def test_representative_word_is_the_stock_lm_heads_argmax(tok_dir, tmp_path, tie
     assert bellm_analysis.next_tokens(encode, head, SENTS, chunk=3) == want.argmax(-1).tolist()
 
 
-def test_share_of_words_not_among_the_n_most_frequent_by_hand():
+def test_bellm_share_of_words_not_among_the_n_most_frequent_by_hand():
     counts = bellm_analysis.word_counts(["The cat and the dog.", "A dog, the cat's toy!"])
     # the 3, dog 2, then cat, and, a, cat's, toy 1 each, in the order first seen
     assert [w for w, _ in counts.most_common()] == ["the", "dog", "cat", "and", "a", "cat's", "toy"]
@@ -3015,8 +3258,8 @@ def test_share_of_words_not_among_the_n_most_frequent_by_hand():
     assert share(1000) == 4 / 9  # every word of the counts: piano and the three no-words remain
 
 
-def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, capsys,
-                                                            monkeypatch):
+def test_bellm_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, capsys,
+                                                                  monkeypatch):
     """bellm.py --representative-words: one row per K of a decoder and one for a run folder (its
     own K and prompt), with the shares of the table above recomputed from its predictions."""
     from peft import LoraConfig, get_peft_model
@@ -3045,8 +3288,304 @@ def test_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_path, c
     assert rows["K=0"].split()[2:8:2] == want
 
 
-# ---------------------------------------------------------------- nothing lost: kills, signals,
-# full disks
+def test_bellm_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
+    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the
+    stock model's last hidden state, pivot = last token) on bare sentences, and a BERT (pivot =
+    CLS); and with the prompt, the tokens scored are exactly the sentence's."""
+    from scipy.stats import spearmanr
+    from transformers import AutoModel, AutoTokenizer
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
+    dec.eval()
+    sents = SENTS[:5]
+    with torch.no_grad():
+        spans = [(0, len(s)) for s in sents]
+        got, control = bellm_analysis.dependency_scores(
+            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
+                                                        spans, True, bl_CPU)
+        hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0]
+              for s in sents}
+        for s, g in zip(sents, got):  # stock model, one sentence at a time, no padding
+            h = hs[s]
+            assert g == pytest.approx(np.mean([spearmanr(h[-1], h[j]).statistic
+                                               for j in range(len(h) - 1)]), abs=1e-9)
+        # the control: the pivot against the next sentence's tokens (one batch)
+        by_len = sorted(sents, key=len)
+        for s, nxt in zip(by_len, by_len[1:] + by_len[:1]):
+            want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic
+                            for j in range(len(hs[nxt]) - 1)])
+            assert control[sents.index(s)] == pytest.approx(want, abs=1e-9)
+        btok, bert = (AutoTokenizer.from_pretrained(bert_dir),
+                      AutoModel.from_pretrained(bert_dir).eval())
+        got, _ = bellm_analysis.dependency_scores(
+            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents,
+                                                  spans, False, bl_CPU)
+        for s, g in zip(sents, got):
+            h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
+            want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
+            assert g == pytest.approx(want, abs=1e-9)
+    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token
+    # id from a random table, so the expected score is computable from the sentence tokenised alone
+    # (a leading space, as in the prompt; a token that is only that space belongs to the prompt)
+    table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
+    texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
+    lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
+    got, _ = bellm_analysis.dependency_scores(lambda ids, am: table[ids], tok, texts,
+                                              [(lead, lead + len(s)) for s in sents], True, bl_CPU)
+    for t, s, g in zip(texts, sents, got):
+        pivot = tok(t)["input_ids"][-1]
+        # not ' '
+        ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"]
+               if tok.decode([j]).strip()]
+        assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic
+                                           for j in ids]), abs=1e-9)
+
+
+# ---------------------------------------------------------------- the harness of all three
+# scripts ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def bert_wide_dir(tmp_path_factory, bert_tokenizer_dir):
+    """Dropout off; weights drawn wider than BERT's std 0.02, so that sentences' [CLS] vectors and
+    their gradients differ from sentence to sentence (at 0.02 a 4-layer model gives every sentence
+    nearly the same [CLS], and an equivalence of gradients would compare rounding noise)."""
+    return no_dropout(tiny_bert(tmp_path_factory.mktemp("bert_wide"), bert_tokenizer_dir, seed=3,
+                                std=0.3))
+
+
+def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
+    """Send signum once `trigger` holds: one of the named files appears in out (a save is under
+    way), or trigger() is true (a step the log shows); -> whether it fired (False: the run ended
+    first). Never a number of seconds: the outcome must not depend on the machine's speed (the
+    timeout only bounds a hung run)."""
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        if trigger() if callable(trigger) else any((out / n).exists() for n in trigger):
+            proc.send_signal(signum)
+            proc.wait()
+            return True
+        time.sleep(0.005)
+    proc.wait()
+    return False
+
+
+# ---- harness: one text in the three scripts; a method's lines copied alone ----
+HARNESS = "# " + "-" * 64 + " the harness " + "-" * 21  # the banner, 100 characters
+
+
+def banners(script):
+    """{section title: line number} of a script's banners (# ---- title ----)."""
+    return {m[1]: i for i, line in enumerate((ROOT / f"{script}.py").read_text().splitlines(), 1)
+            if (m := re.match(r"# -{64} (.*?) -+$", line))}
+
+
+def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
+    """Each script ends with one harness block: its banner, a table (what differs: METHOD,
+    RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and bellm.py. So any
+    script's harness serves the tools (eval_sts.py reads run folders through sscl.py's)."""
+    rest = {}
+    for script in ("sscl", "jtcse", "bellm"):
+        text = (ROOT / f"{script}.py").read_text()
+        assert text.count(HARNESS) == 1, script
+        table, rest[script] = text.split(HARNESS)[1].split("# ---- (the table ends here)\n")
+        assert len(table.splitlines()) <= 20, script
+        names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
+        assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
+    assert rest["sscl"] == rest["jtcse"] == rest["bellm"]
+
+
+COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
+
+
+def copied_section(script):
+    """The lines docs/<script>.md says to copy for one training step, checked to be the script's
+    sections from its first (the loss or the model patch) to train_step's end, and its harness
+    range: -> (a module of those lines alone, with the imports the page names)"""
+    page = " ".join((ROOT / "docs" / f"{script}.md").read_text().split())  # lines joined
+    lines = (ROOT / f"{script}.py").read_text().splitlines()
+    first, last = map(int, re.search(rf"lines (\d+)–(\d+) of `{script}\.py`", page).groups())
+    b = banners(script)
+    assert (first, last + 1) == (b[COPY_FIRST[script]], b["the data loader"]), script
+    said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*", page, re.I)
+    assert said and tuple(map(int, said.groups())) == (b["the harness"], len(lines)), script
+    head = "import torch\nimport torch.nn.functional as F\n"
+    assert "`import torch` and `import torch.nn.functional as F`" in page, script
+    code = head + "\n".join(lines[first - 1:last]) + "\n"
+    import ast
+    names = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+    assert not names & {"common", "sscl", "jtcse", "bellm"}, script
+    module = type(sys)(f"copied_{script}")
+    exec(compile(code, f"<lines {first}-{last} of {script}.py>", "exec"), module.__dict__)
+    return module
+
+
+def equal_steps(step_a, step_b, models):
+    """Two training steps on two copies of a model: the same loss and gradients."""
+    losses = [step(m) for step, m in zip((step_a, step_b), models)]
+    assert losses[0].item() == losses[1].item()
+    for (n, x), y in zip(models[0].named_parameters(), models[1].parameters()):
+        assert (x.grad is None) == (y.grad is None) and (x.grad is None or torch.equal(x.grad,
+                                                                                       y.grad)), n
+
+
+def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_dir, tok_dir,
+                                                                         tmp_path):
+    """The lines each method page names (the loss, the model or its patch, train_step), copied into
+    an empty module below `import torch` and `import torch.nn.functional as F`, reading no name of
+    the project: their train_step on a tiny model equals the script's, loss and gradients."""
+    from transformers import AutoTokenizer
+    cpu, rng = torch.device("cpu"), random.Random(0)
+    sents = [sentence(rng) for _ in range(6)]
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    m = copied_section("sscl")
+    models = [mod.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls") for mod in (m, sscl)]
+    torch.manual_seed(0)
+    models[0].load_state_dict(models[1].state_dict())
+    equal_steps(*[lambda enc, mod=mod: (torch.manual_seed(1), mod.train_step(
+        enc, tok, sents, [2], cpu, max_len=16))[1] for mod in (m, sscl)], models)
+    m = copied_section("jtcse")
+    models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2) for mod in (m, jtcse)]
+    equal_steps(*[lambda twin, mod=mod: (torch.manual_seed(1), mod.train_step(
+        twin, tok, sents, 1, cpu, max_len=16))[1][0] for mod in (m, jtcse)], models)
+    m = copied_section("bellm")
+    tok, _ = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
+    models = [mod.BeLLM(bellm.load_decoder(tmp_path / "llama-4", 1, "convert", cpu)[1], 1,
+                        "parallel", "convert") for mod in (m, bellm)]
+    rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
+    equal_steps(*[lambda net, mod=mod: (torch.manual_seed(1), mod.train_step(
+        functools.partial(mod.embed, net), tok, rows, "nli", bellm.PROMPT, cpu, max_len=16))[1][0]
+        for mod in (m, bellm)], models)
+
+
+def copy_run(script, cmd, tmp_path):
+    """script.py and common.py copied into an empty folder: --help; a run of 2 steps (a dev
+    evaluation each), killed inside its second save; --resume finishes and prints the final table,
+    with no other file of the project. -> the resumed run's stdout."""
+    d = tmp_path / "copy"
+    d.mkdir()
+    for f in (f"{script}.py", "common.py"):
+        shutil.copy(ROOT / f, d)
+    env = {**ENV, "PYTHONPATH": ""}
+    cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
+    assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
+                          cwd=d).returncode == 0
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
+                            env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
+    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # step 1's save, under way
+    assert kill_when(proc, d / "run", lambda: len(sscl.read_curve(d / "run")) == 2 and any(
+        (d / "run" / n).exists() for n in saving))
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"STS-B .*Avg\.\n( +-?\d+\.\d+){2,8}\n", done.stdout), done.stdout
+    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "run",
+                                                                f"{script}.py"}
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_harness_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
+        bert_dir, train_txt, sts_dir, tmp_path):
+    copy_run("sscl", lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, steps=2,
+                                           eval_steps=1), tmp_path)
+
+
+@pytest.mark.slow
+def test_harness_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(jt_env,
+                                                                                         tmp_path):
+    d, _ = jt_env
+    copy_run("jtcse", lambda out: [
+        "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
+        JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+        "--eval-steps", 1, "--no-add-sick"], tmp_path)
+
+
+@pytest.mark.slow
+def test_harness_bellm_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(tok_dir,
+                                                                                         tmp_path):
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=20))
+    copy_run("bellm", lambda out: [
+        "--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
+        "--batch-size", 4, "--lora-r", 4, "--max-steps", 2, "--eval-steps", 1, "--tasks",
+        "STS-B"], tmp_path)
+
+
+# ---- harness: nothing lost: kills, signals, full disks, locks, resume, run folders ----
+def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """dev.jsonl holds one {step, metric, score} per dev evaluation, the scores the log prints. A
+    kill after the curve's write and before the checkpoint's leaves an entry past the checkpoint:
+    --resume drops it at once and evaluates that step again, so no step is listed twice. A write
+    that fails leaves the old file whole (a temporary file, then one rename)."""
+    out = tmp_path / "r"
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=4))
+    assert code == 0, err
+    curve = curve_of(out)
+    assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
+    assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
+    # what a kill between the two writes of step 6 leaves, then --resume to step 6
+    (out / sscl.CURVE).write_text((out / sscl.CURVE).read_text()
+                                  + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
+    def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
+        raise SystemExit(0)
+    monkeypatch.setattr(common, "seed_everything", stop)
+    main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
+                                                  "--no-final-eval", steps=6))
+    assert curve_of(out) == curve  # dropped at once, before any step
+    monkeypatch.undo()
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=6))
+    assert code == 0, err
+    again = curve_of(out)
+    assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
+    assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
+    # a write cut short (here: every rename fails) keeps the old curve, and says so
+    before = (out / sscl.CURVE).read_bytes()
+    monkeypatch.setattr(os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
+    code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=8))
+    monkeypatch.undo()
+    assert code == 2 and "dev.jsonl" in err and "No space left on device" in err, err
+    assert (out / sscl.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
+
+
+@pytest.mark.slow
+def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothing(
+        run_templates, bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """Each script's run folder holds dev.jsonl, one entry per logged dev evaluation. SIGKILL while
+    the curve is written (SENTEMB_SAVE_PAUSE holds it open) leaves the previous curve whole, and
+    --resume ends with the uninterrupted run's curve, each step once."""
+    for method, folder in run_templates.items():
+        curve = sscl.read_curve(folder)
+        steps = [e["step"] for e in curve]
+        assert steps == sorted(set(steps)) and steps[-1] == torch.load(
+            folder / sscl.CKPT, weights_only=False)["step"], method
+        assert {e["metric"] for e in curve} == {"stsb_dev"}, method
+    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
+                                 steps=6, eval_steps=1)
+    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
+    out = tmp_path / "killed"
+    ckpt, tmp = out / sscl.CKPT, out / (sscl.CURVE + ".tmp")
+    for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
+                 lambda: ckpt.exists() and tmp.exists(),
+                 # inside the save after it: the curve is one step ahead of the checkpoint
+                 lambda: ckpt.exists() and any((out / n).exists() for n in (
+                     sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))):
+        resume = ["--resume"] if ckpt.exists() else []
+        proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
+        t0 = time.time()
+        while proc.poll() is None and not when() and time.time() - t0 < 300:
+            time.sleep(0.005)
+        assert proc.poll() is None, "the run ended before the kill"
+        proc.kill()
+        proc.wait()
+        eval_sts.settle(out)  # as any command of ours that opens the folder
+        steps = [e["step"] for e in sscl.read_curve(out)]  # whole: every line parses
+        assert steps == list(range(len(steps))) and len(steps) - 1 in (
+            weights(out, "step"), weights(out, "step") + 1), steps
+    assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
+    assert curve_of(out) == curve_of(tmp_path / "whole")
+
+
 def save_as(m, out, state, write=None):
     """What the save of script m's main() does: with write (a new best model), m.save_best (the
     model, sentemb.json {"v": ...} and the training state as one), else the training state alone,
@@ -3084,7 +3623,7 @@ def save_versions(m, out, pause, done):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
+def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
     """40 SIGKILLs of a process that saves for ever: after each (and the completion that the next
     command of the project runs first) the folder holds one whole version, never older than before
     the kill. Each kill is aimed by the child's progress, not by time: half when a file of a save
@@ -3227,7 +3766,7 @@ def dev_of(out, data, capsys, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
+def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
         monkeypatch):
     """A run of 3 steps, each evaluated and saved (3 or 4 saves: the best model with its state, or
@@ -3300,7 +3839,7 @@ def as_before(script, state, c):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
+def test_harness_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
         script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
         monkeypatch):
     """A run of 3 steps killed once its step 2 is saved (SENTEMB_KILL_AT), its checkpoint.pt
@@ -3333,35 +3872,7 @@ def test_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
         assert torch.equal(v, weights(out, key)[k]), k
 
 
-def test_weights_that_config_json_does_not_describe_are_refused(bert_dir, tok_dir, tmp_path,
-                                                              capsys):
-    """common.check_weights: a config cut to fewer layers than the file holds, or of another hidden
-    size, is refused before any load (one line naming both files); the stock folder, a checkpoint
-    with heads beside the base model (BERT's cls.*, a causal LM's lm_head) and sscl.py's cut
-    (--num-layers: the layers above are dropped on purpose) load."""
-    from transformers import BertForMaskedLM
-    d = tmp_path / "m"
-    shutil.copytree(bert_dir, d)
-    common.check_weights(str(d), "w")  # as saved: passes
-    for change, words in (({"num_hidden_layers": 2}, ["32 weights that config.json does not",
-                                                      "layers 2..3", "2 layers"]),
-                          ({"hidden_size": 64, "intermediate_size": 128},
-                           ["of shape [", "config.json implies [", "hidden size 64"])):
-        edit_json(d / "config.json", **change)
-        with pytest.raises(SystemExit) as e:
-            common.load_pretrained(AutoModel, d)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("error:") == 1 and "Traceback" not in err
-        assert all(w in err for w in ["model.safetensors", "different models", *words]), err
-        shutil.copy(bert_dir / "config.json", d / "config.json")
-    cut_model = common.load_pretrained(AutoModel, d, num_layers=2)  # the layers above: dropped
-    assert cut_model.config.num_hidden_layers == 2
-    BertForMaskedLM(BertConfig.from_pretrained(bert_dir)).save_pretrained(tmp_path / "mlm")
-    common.check_weights(str(tmp_path / "mlm"), "w")  # bert.* and cls.*: the head is not read
-    common.check_weights(str(bl_make_model(tok_dir, tmp_path)), "w")  # model.*, lm_head.weight
-
-
-def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+def test_harness_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     """common.write_whole keeps the old file when the write fails half-way (a full disk), and
     leaves no temporary file; so do --plot's PNGs (figures.draw), a failed one said in one line."""
     path = tmp_path / "f.bin"
@@ -3391,7 +3902,7 @@ def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
+def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
     m, out, w = SCRIPTS[script], tmp_path / "run", torch.ones(3)
     out.mkdir()
     write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
@@ -3413,9 +3924,9 @@ def test_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, train_txt, sts_dir,
-                                                                    tmp_path, capsys,
-                                                                    monkeypatch):
+def test_harness_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, train_txt,
+                                                                             sts_dir, tmp_path,
+                                                                             capsys, monkeypatch):
     """A full disk at a new run's first save: one error line, exit 2, and the output folder as it
     was before the run (a new one gone, an empty one empty: no dev.jsonl, no lock, no staging)."""
     real = torch.save
@@ -3434,18 +3945,6 @@ def test_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, t
         assert out.exists() == existed and (not existed or not os.listdir(out))
 
 
-def main_of(module, capsys, monkeypatch, *args):
-    """module.main() in this process, as from the command line: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, args)])
-    capsys.readouterr()
-    try:
-        module.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return (code, *capsys.readouterr())
-
-
 def popen(script, *args, env=None):
     log = open(Path(tempfile.mkdtemp()) / "log", "w+")
     return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log,
@@ -3457,28 +3956,12 @@ def text(log):
     return log.read()
 
 
-def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
-    """Send signum once `trigger` holds: one of the named files appears in out (a save is under
-    way), or trigger() is true (a step the log shows); -> whether it fired (False: the run ended
-    first). Never a number of seconds: the outcome must not depend on the machine's speed (the
-    timeout only bounds a hung run)."""
-    t0 = time.time()
-    while proc.poll() is None and time.time() - t0 < timeout:
-        if trigger() if callable(trigger) else any((out / n).exists() for n in trigger):
-            proc.send_signal(signum)
-            proc.wait()
-            return True
-        time.sleep(0.005)
-    proc.wait()
-    return False
-
-
 def weights(out, key):
     return torch.load(out / sscl.CKPT, weights_only=False)[key]
 
 
 @pytest.mark.slow
-def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
+def test_harness_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     procs = [popen("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval"))
              for _ in range(2)]
@@ -3489,8 +3972,8 @@ def test_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_dir, tmp
 
 
 @pytest.mark.slow
-def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, tmp_path, capsys,
-                                                                       monkeypatch):
+def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
+        jt_env, tmp_path, capsys, monkeypatch):
     """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two
     Ctrl-Cs (out at once, exit 130); --resume ends on the uninterrupted run's weights."""
     d, _ = jt_env
@@ -3531,8 +4014,8 @@ def test_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(jt_env, 
 
 
 @pytest.mark.slow
-def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys,
-                                         monkeypatch):
+def test_harness_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys,
+                                                 monkeypatch):
     out = tmp_path / "r"
     assert main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out,
                                                          "--no-final-eval", steps=2))[0] == 0
@@ -3549,8 +4032,556 @@ def test_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path,
     assert "lr 3.75e-05" in same  # without --lr the run keeps its own, now 1e-4: 1e-4 x (1 - 5/8)
 
 
-# ---------------------------------------------------------------- bad inputs, all scripts, one
-# table
+@pytest.mark.slow
+def test_harness_every_run_folder_as_saved_passes_its_checks(run_templates, tok_dir, tmp_path,
+                                                             capsys, monkeypatch):
+    """The checks refuse only what disagrees: each method's saved folder reads whole
+    (eval_sts.read_meta: every file and value), and a BeLLM run evaluates with its base model moved
+    to another folder (same weights: the checksum agrees), with the same dev score as in place."""
+    for method, folder in run_templates.items():
+        assert eval_sts.read_meta(str(folder))["method"] == method
+    run = tmp_path / "bellm"
+    shutil.copytree(run_templates["bellm"], run)
+    moved = bl_make_model(tok_dir, tmp_path / "moved")  # the same seed: the same weights
+    scores = []
+    for base in (None, moved):
+        if base:
+            edit_json(run / common.META, base_model=str(base))
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run, "--data-dir",
+                                 TPL.bl_sts, "--tasks", "STS-B", "--split", "dev")
+        assert code == 0, err
+        scores.append(out.split()[2])
+    assert scores[0] == scores[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,steps", [("sscl", 2), ("jtcse", 2), ("bellm", 1)])
+def test_harness_resume_of_a_finished_run_says_it_is_complete(method, steps, run_templates,
+                                                              tmp_path, capsys, monkeypatch):
+    """--resume of a run at its last step: one line saying so, exit 0 (nothing is wrong), nothing
+    trained or written."""
+    out = tmp_path / "run"
+    shutil.copytree(run_templates[method], out)
+    before = files_of(out)
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, stdout, err = main_of(MAINS[method], capsys, monkeypatch, *resume_args(method, out))
+    assert code == 0 and "error:" not in err, err
+    assert f"the run is complete (step {steps} of {steps})" in stdout
+    assert "eval_sts.py --model" in stdout and " loss " not in stdout and files_of(out) == before
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(script, tmp_path,
+                                                                           monkeypatch, capsys):
+    """torch's zip writer on a full disk raises `[enforce fail at inline_container.cc:672] ...
+    unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
+    last save stays."""
+    from safetensors import SafetensorError
+    m, out, w, real = SCRIPTS[script], tmp_path / "run", torch.ones(3), torch.save
+    out.mkdir()
+    write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
+    save_as(m, out, {"v": 1}, write)
+    before = files_of(out)
+
+    def torch_full(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    def safetensors_full(folder):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              'message: "No space left on device" })')
+    for best in (None, write, safetensors_full):
+        monkeypatch.setattr(torch, "save", torch_full)
+        with pytest.raises(SystemExit) as e:
+            save_as(m, out, {"v": 2}, best)
+        monkeypatch.setattr(torch, "save", real)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("error:") == 1, err
+        assert "(No space left on device)" in err and "enforce" not in err, err
+        assert files_of(out) == before
+
+
+# ---- harness: multi-GPU (torchrun, gloo on CPU; ranks as threads) ----
+class ThreadRanks:
+    """`world` ranks as threads of this process, for the quick tier: common.gather returns what
+    torch.distributed's all_gather gives it (the other ranks' tensors without a graph, the rank's
+    own tensor in its slot). DDP's part, averaging the gradients, is done by the caller."""
+
+    def __init__(self, world):
+        self.world, self.slots = world, [None] * world
+        self.barrier, self.local = threading.Barrier(world), threading.local()
+
+    def gather(self, z):
+        r = self.local.rank
+        self.slots[r] = z.detach()
+        self.barrier.wait()  # every rank has written its slot
+        parts = list(self.slots)
+        self.barrier.wait()  # every rank has read them: the slots may be written again
+        parts[r] = z
+        return torch.cat(parts)
+
+    def run(self, fn):
+        """fn(rank) on every rank at once -> [its result on rank 0, 1, ...]."""
+        out, errors = [None] * self.world, []
+
+        def target(r):
+            self.local.rank = r
+            try:
+                out[r] = fn(r)
+            except BaseException as e:  # re-raised below, in the test's thread
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        if errors:
+            raise errors[0]
+        return out
+
+
+def assert_two_ranks_equal_one(monkeypatch, make, step, rows):
+    """make() -> (model, ...): a fresh copy, the same weights each call, its own tokenizer (a fast
+    tokenizer must not be shared by threads); step(copy, rows, world) -> the loss, its gradients
+    accumulated. 2 ranks with half the rows each must give the loss of 1 rank with all of them on
+    every rank, and gradients whose average (what DDP applies) equals that rank's."""
+    def make_seeded():  # new heads (SSCL's MLP, JTCSE's CAEL) start from the same draw
+        torch.manual_seed(0)
+        return make()
+
+    one = make_seeded()
+    loss = step(one, rows, 1)
+    grads = {n: q.grad for n, q in one[0].named_parameters() if q.grad is not None}
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    ranks = ThreadRanks(2)
+    monkeypatch.setattr(common, "gather", ranks.gather)
+    copies, half = [make_seeded(), make_seeded()], len(rows) // 2
+    losses = ranks.run(lambda r: step(copies[r], rows[r * half:(r + 1) * half], 2))
+    for rank_loss in losses:
+        assert rank_loss.item() == pytest.approx(loss.item(), abs=1e-5)
+    # float sums in another order: errors relative to the model's largest gradient (a key bias's
+    # gradient is 0 up to rounding)
+    scale = max(g.abs().max().item() for g in grads.values())
+    for n, g in grads.items():
+        mean = sum(dict(c[0].named_parameters())[n].grad for c in copies) / 2
+        torch.testing.assert_close(mean, g, atol=1e-4 * scale, rtol=1e-4,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("layer", ["0", "1,3"])
+def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_wide_dir, layer,
+                                                                           monkeypatch):
+    """In-process (threads): the layer-M negatives and both views gathered across ranks; × world
+    makes DDP's average the gradient of the global loss. Processes: the torchrun test below."""
+    from transformers import AutoTokenizer
+    a = sscl.p.parse_args(["--max-len", "16", "--temp", "1"])  # every negative weighs in the loss
+    layers = sscl.parse_layers(layer, 4)
+
+    def make():
+        bert = AutoModel.from_pretrained(bert_wide_dir)
+        return sscl.SentenceEncoder(bert, "cls").train(), AutoTokenizer.from_pretrained(
+            bert_wide_dir)
+
+    def step(copy, rows, world):
+        return sscl.train_step(common.in_length_groups(copy[0]), copy[1], rows, layers,
+                               torch.device("cpu"), a.temp, a.max_len, world=world,
+                               gather=common.gather)
+
+    rng = random.Random(0)
+    assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
+
+
+@pytest.mark.slow
+def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir,
+                                                            tmp_path):
+    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 ×
+    2B (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
+    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
+                                     "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
+                                     steps=3, eval_steps=100, layer="1,3")
+    one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
+    two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
+    assert len(losses(one.stdout)) == 3
+    for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
+        assert float(x) == pytest.approx(float(y), abs=2e-4)
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["paper", "authors"])
+def test_harness_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
+    """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all
+    terms, the same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is
+    off so that both see the same computation."""
+    d, _ = jt_env
+    jt_nodrop(jt_env, tmp_path)  # the towers without dropout
+    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa: E731
+                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                            "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
+                            "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
+                            "--no-add-sick", "--no-final-eval", "--objective", objective]
+    one = run("jtcse.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})  # as a rank
+    two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
+    terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
+                         for x, y, z, w, r in re.findall(
+        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
+    assert len(terms(one.stdout)) == 2
+    for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
+        # the log prints 4 decimals: two runs' float sums may round to neighbours, 1e-4 apart
+        assert x[:4] == pytest.approx(y[:4], abs=2e-4) and x[4] == y[4]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("objective", ["paper", "authors", "distill"])
+def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_env, tmp_path,
+                                                                            objective, monkeypatch):
+    """In-process (threads): both views of every tower gathered across ranks (eqs. 11-15, both
+    objectives) and JTCSE D's student and target; × world makes DDP's average the gradient of the
+    global loss. Processes: the torchrun test above."""
+    jt_nodrop(jt_env, tmp_path)
+    a = jtcse.p.parse_args(["--max-len", "16", "--objective", "paper" if objective == "distill"
+                            else objective])
+
+    def make():
+        towers, tok = jtcse.load_towers([tmp_path / "a", tmp_path / "b"])
+        if objective != "distill":
+            return jtcse.Twin(towers, 2).train(), tok
+        teacher = jtcse.make_encode(towers[1:], tok, 16, torch.device("cpu"))
+        return towers[0].train(), tok, teacher
+
+    def step(copy, rows, world):
+        model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
+        return jtcse.train_step(common.in_length_groups(model), copy[1], rows, 1,
+                                torch.device("cpu"), a.temp, a.max_len, a.objective,
+                                teacher=(copy[2:] or [None])[0], world=world,
+                                gather=common.gather)[0]
+
+    assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
+                                                         enumerate(jt_WORDS[:8])])
+
+
+@pytest.mark.slow
+def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
+    """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the
+    updated LoRA weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks;
+    no_sync accumulation)."""
+    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
+                          nli_csv(tmp_path, rows=24))
+    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
+                            "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
+                            "--max-steps", 2, "--eval-steps", 100,
+                            "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
+                            "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
+    one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
+    two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
+    loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
+    assert (len(loss(one.stdout)) == 2
+            and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    assert w1.keys() == w2.keys() and len(w1) > 0
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["nli", "csts"])
+def test_harness_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_dir, tmp_path, kind,
+                                                                            monkeypatch):
+    """In-process (threads): eq. 6's columns (C-STS: the pairs and labels) gathered across ranks;
+    × world makes DDP's average the gradient of the global loss. Processes: the torchrun test
+    above."""
+    d = bl_make_model(tok_dir, tmp_path)
+    a = bellm.p.parse_args(["--max-len", "16"])
+    cpu = torch.device("cpu")
+
+    def make():
+        tok, dec = bellm.load_decoder(d, 1, "convert", cpu)
+        return bellm.BeLLM(dec, 1, "parallel", "convert").train(), tok
+
+    def step(copy, rows, world):
+        return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, copy[0])),
+                                copy[1], rows, kind, a.prompt, cpu, a.temp, a.max_len,
+                                world=world, gather=common.gather)[0]
+
+    rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
+            (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
+    assert_two_ranks_equal_one(monkeypatch, make, step, rows)
+
+
+# ---- harness: bf16 on CPU, and the CUDA tier ----
+@pytest.mark.slow
+def test_harness_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(
+        bert_nodrop_dir, train_txt, sts_dir, jt_env, tmp_path, capsys, monkeypatch):
+    """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a
+    saved model."""
+    def sscl_run(out, *extra):
+        code, stdout, err = main_of(sscl, capsys, monkeypatch,
+                                    *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
+                                                                         "--no-final-eval", *extra,
+                                               steps=3))
+        assert code == 0, err[-2000:]
+        return stdout
+    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch,  # noqa: E731
+                                           "--log-steps", "1", *extra)
+    for name, train in (("sscl", sscl_run), ("jtcse", jt_run_)):
+        logged = []
+        for extra in ([], ["--bf16"]):
+            out = tmp_path / f"{name}{len(extra)}"
+            logged.append([float(x) for x in losses(train(out, *extra))])
+            assert (out / "sentemb.json").is_file()
+        assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
+        assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
+
+
+# The CUDA tier, `python3 -m pytest test_all.py -m cuda` on a machine with a GPU: what CUDA changes
+# (bf16 autocast, the fused AdamW kernel, checkpointing's recompute, the SDPA kernels, NCCL), each
+# checked against the CPU or eager computation. Without CUDA every test here skips, saying why.
+GPU = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def same_ranking(fp32, bf16, tol):
+    """Each row's order of similarities under bf16 is fp32's, except between two entries that fp32
+    puts within tol of each other (one bf16 rounding may swap those). -> the pairs compared."""
+    d32, d16 = (s[:, :, None] - s[:, None, :] for s in (fp32, bf16))
+    clear = d32.abs() > tol
+    assert (d32.sign() == d16.sign())[clear].all()
+    return int(clear.sum())
+
+
+def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """The method's model in fp32 on the CPU and in bellm.py's CUDA configuration on the GPU, the
+    same weights, dropout off: -> [(model, device, args)] * 2, step(model, device, args) -> the
+    loss of one train_step on 8 rows, encode(model, device) -> (N, H) embeddings of SENTS."""
+    from transformers import AutoTokenizer
+    cpu, rows = torch.device("cpu"), [sentence(random.Random(i)) for i in range(8)]
+    if method == "bellm":
+        from peft import LoraConfig, get_peft_model
+        path, models = str(bl_make_model(tok_dir, tmp)), []
+        for dev, dtype in ((cpu, torch.float32), (GPU, torch.bfloat16)):  # bellm.py's dtypes
+            tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
+            torch.manual_seed(0)  # B != 0: the LoRA path counts
+            get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           init_lora_weights=False,
+                                           target_modules="all-linear")).train()
+            if dtype == torch.bfloat16:  # as bellm.py with autocast on
+                bellm.cast_frozen_linears(dec)
+            models.append(dec)
+        for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
+            q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
+        cfg = {"bi_layers": 1, "bi_mode": "parallel", "bi_strategy": "convert",
+               "prompt": bellm.PROMPT, "max_len": 64}
+        triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
+
+        def step(m, dev, a):
+            net = bellm.BeLLM(m, 1, "parallel", "convert")
+            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
+                                    tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
+                                    bf16=a.bf16 or dev.type == "cuda")[0]
+
+        def encode(m, dev):
+            return bellm.make_encode(m, tok, cfg, dev)(SENTS)
+        args = [bellm.p.parse_args(["--lora-dropout", "0", *x]) for x in ([], ["--bf16"])]
+        return list(zip(models, (cpu, GPU), args)), step, encode
+    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
+    if method == "sscl":  # bert_wide_dir: dropout off, [CLS] vectors that differ
+        model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
+        args = [sscl.p.parse_args(["--max-len", "16", *x]) for x in ([], ["--bf16"])]
+
+        def step(m, dev, a):
+            return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
+                                   max_len=a.max_len, bf16=a.bf16)
+
+        def encode(m, dev):
+            return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
+    else:  # two wide towers; JTCSE D: the second tower's CLS as the target of the first
+        other = no_dropout(tiny_bert(tmp / "wide_b", bert_tokenizer_dir, seed=4, std=0.3))
+        towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
+        model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
+        extra = ["--distill", "T"] if method == "jtcse-distill" else []
+        args = [jtcse.p.parse_args(["--max-len", "16", *extra, *x]) for x in ([], ["--bf16"])]
+
+        def step(m, dev, a):
+            if method == "jtcse":
+                return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
+                                        max_len=a.max_len, bf16=a.bf16)[0]
+            teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
+            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
+                                    tok, rows, 1, dev, max_len=a.max_len, bf16=a.bf16,
+                                    teacher=teacher)[0]
+
+        def encode(m, dev):
+            return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
+                                     dev)(SENTS)
+    return [(model, cpu, args[0]), (copy.deepcopy(model).to(GPU), GPU, args[1])], step, encode
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "jtcse-distill", "bellm"])
+def test_harness_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(
+        method, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """Each script's train_step with --bf16 on CUDA (autocast; BeLLM also bf16 base weights)
+    against the fp32 step on the CPU, same weights, dropout off: the loss within rel 0.05, abs 0.02
+    (as the CPU bf16 tests: bf16 keeps 8 significant bits, ~0.4 %, and the logits are cosines / τ =
+    × 20), and the encoder ranks the similarities of SENTS' pairs as fp32 does, except between
+    two that fp32 puts within 0.02 of each other."""
+    [(m32, cpu, a32), (m16, gpu, a16)], step, encode = bf16_runs(method, tmp_path, bert_wide_dir,
+                                                               bert_tokenizer_dir, tok_dir)
+    loss32, loss16 = step(m32, cpu, a32).item(), step(m16, gpu, a16).item()
+    assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=0.05, abs=0.02)
+    e32, e16 = encode(m32, cpu), encode(m16, gpu).float().cpu()
+    sims = [F.normalize(e, dim=-1) @ F.normalize(e, dim=-1).T for e in (e32, e16)]
+    n = len(SENTS)
+    assert same_ranking(*sims, tol=0.02) >= n * n * (n - 1) // 2  # half the pairs, or more
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
+    """sscl.py's and jtcse.py's optimiser, AdamW(fused=True), on CUDA: 3 steps on the same fp32
+    gradients (an sscl.py step's) leave the weights of the CPU's fused kernel within rtol 1e-6,
+    atol 1e-6 (a float32 rounding or two: the kernels order their arithmetic differently; a
+    weight decay or bias correction done otherwise is off by ~1e-5) and the moments within rtol
+    1e-5."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
+    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
+    gpu = copy.deepcopy(enc).to(GPU)
+    sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
+                    torch.device("cpu"), max_len=16)
+    pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
+    for qg, qc in zip(pg, pc, strict=True):
+        qg.grad = qc.grad.to(GPU)
+    opts = [torch.optim.AdamW(ps, lr=1e-3, fused=True) for ps in (pc, pg)]
+    for _ in range(3):
+        for opt in opts:
+            opt.step()
+    assert sum(int((qc != 0).sum()) for qc in (q.grad for q in pc)) > 0
+    for qg, qc in zip(pg, pc):
+        torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
+                                       rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 1e-3)])
+def test_harness_cuda_gradient_checkpointing_gives_the_plain_steps_gradients(tok_dir, tmp_path,
+                                                                             dtype, tol):
+    """BeLLM on CUDA checkpointed as bellm.py does it (dec.gradient_checkpointing_enable,
+    non-reentrant), with LoRA dropout on, so that the recompute must draw the same masks: the same
+    loss and LoRA gradients as the plain step. float64: within 1e-5 of each gradient's largest (as
+    on the CPU); bf16 weights under autocast (the GPU configuration): 1e-3, the same kernels run
+    twice (a recompute outside autocast would be off by ~1e-2)."""
+    from peft import LoraConfig, get_peft_model
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", GPU, dtype)
+    torch.manual_seed(0)
+    lora = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                          init_lora_weights=False,
+                                          target_modules="all-linear")).train()
+    params = [q for q in lora.parameters() if q.requires_grad]
+    net = bellm.BeLLM(dec, 1, "parallel", "convert")
+    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS[:6]).items()}
+    out = []
+    for ckpt in (False, True):
+        if ckpt:  # as bellm.py
+            dec.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        for q in params:
+            q.grad = None
+        torch.manual_seed(1)  # the same LoRA dropout masks in both steps
+        with torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.bfloat16):
+            h = net(b["input_ids"], b["attention_mask"]).float().view(2, 3, -1)
+        loss = bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
+        loss.backward()
+        out.append((loss.item(), [q.grad.clone() for q in params]))
+    assert dec.is_gradient_checkpointing and len(out[0][1]) > 10
+    (l0, g0), (l1, g1) = out
+    assert l1 == pytest.approx(l0, rel=tol)
+    for a, b_ in zip(g1, g0):
+        assert (a - b_).abs().max() <= tol * b_.abs().max() + 1e-12
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_harness_cuda_sdpa_gives_eager_attentions_hidden_states_under_bellms_masks(tok_dir,
+                                                                                   tmp_path, side):
+    """bellm.attn_mask under PyTorch's SDPA kernels on CUDA (what bellm.py runs there) gives the
+    hidden states of eager attention at every real token: K = 0, 1, 2 bidirectional layers,
+    parallel and sequential, right and left padding; fp32, within 1e-4 (the fused kernels sum in
+    another order; a mask read otherwise changes them by ~1e-1)."""
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", GPU,
+                                  torch.float32)
+    dec.eval()
+    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS, side).items()}
+    am = b["attention_mask"]
+    assert not am.all()  # padding in the batch
+    for k, mode in ((0, "parallel"), (1, "parallel"), (2, "parallel"), (1, "sequential"),
+                    (2, "sequential")):
+        got = {}
+        for attn in ("sdpa", "eager"):
+            dec.set_attn_implementation(attn)
+            assert dec.config._attn_implementation == attn
+            with torch.no_grad():
+                got[attn] = bl_real(bellm.forward(dec, b["input_ids"], am, k, mode, "convert"), am)
+        torch.testing.assert_close(got["sdpa"], got["eager"], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"K={k} {mode}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_cuda_torchrun_nccl_trains_two_steps_and_resumes(
+        script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path):
+    """One process under torchrun on a GPU: the NCCL backend (the scripts' choice with CUDA), 2
+    steps and their checkpoint; then --resume loads it onto the GPU and trains step 3 alone."""
+    d, _ = jt_env
+    out = tmp_path / "run"
+    if script == "sscl":
+        def args(n):
+            return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=n,
+                             eval_steps=2)
+    elif script == "jtcse":
+        def args(n):
+            return ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
+                    "--data-dir", sts_dir, "--output-dir", out, "--batch-size", 8, "--max-len",
+                    16, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
+                    "--no-final-eval"]
+    else:
+        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
+
+        def args(n):
+            return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
+                    "--batch-size", 4, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1,
+                    "--lora-r", 4, "--tasks", "STS-B", "--no-final-eval", "--no-eval-first"]
+    first = torchrun(f"{script}.py", 1, *args(2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    head = next(line for line in first.stdout.splitlines() if "process(es)" in line)
+    assert "1 process(es), device cuda:0" in head, head
+    assert re.findall(r"step\s+(\d+)\s+loss", first.stdout) == ["1", "2"]
+    again = torchrun(f"{script}.py", 1, *args(3), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"step\s+(\d+)\s+loss", again.stdout) == ["3"]
+    assert torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")["step"] == 3
+
+
+# ---------------------------------------------------------------- bad inputs: one line, exit 2,
+# nothing changed ----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def sscl_template(tmp_path_factory, bert_dir, train_txt, sts_dir):
     out = tmp_path_factory.mktemp("tpl") / "run"
@@ -3561,25 +4592,6 @@ def sscl_template(tmp_path_factory, bert_dir, train_txt, sts_dir):
 
 def fake_state(path, method, **args):
     torch.save({"method": method, "args": args}, path)
-
-
-TPL = Namespace()  # paths of run_templates, for the table's --resume commands (settings must match)
-
-
-@pytest.fixture(scope="module")
-def run_templates(tmp_path_factory, bert_dir, train_txt, sts_dir, jt_env, tok_dir):
-    """A finished run folder of each method, trained once (2 steps; bellm.py 1): sscl.py with
-    --proj-dim 8, a jtcse.py twin, a bellm.py adapter. Probes copy them (c.srun, c.jrun, c.brun)
-    and break one file."""
-    d = tmp_path_factory.mktemp("templates")
-    TPL.__dict__.update(bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0], out=d / "out",
-                        llama=bl_make_model(tok_dir, d), bl_sts=bl_sts_dir(d), nli=nli_csv(d))
-    for script, args in (("sscl.py", SSCL_RUN(TPL, d / "sscl")),
-                         ("bellm.py", BL_RUN(TPL, d / "bellm")),
-                         ("jtcse.py", JT(TPL, "--output-dir", d / "jtcse"))):
-        proc = run(script, *args, env={"SENTEMB_DATA": str(JT_DATA["sts"])})
-        assert proc.returncode == 0, proc.stderr
-    return {m: d / m for m in ("sscl", "jtcse", "bellm")}
 
 
 def cut(path, keep=0.5):
@@ -3615,10 +4627,6 @@ def foreign(c, name="README.md"):
     (c.tmp / "mine").mkdir()
     (c.tmp / "mine" / name).write_text("my notes\n")
     return c.tmp / "mine"
-
-
-def edit_json(path, **changes):
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
 def SJ(c, body):  # noqa: N802 (a row's command, as SSCL, JT, BL)
@@ -3658,25 +4666,12 @@ def malformed_probing(c):  # SentEval's probing files, line 3 of tree_depth.txt 
     c.sts = bad
 
 
-SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
-                      "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
-                      "--max-steps", 2,
-                      "--eval-steps", 2, "--no-final-eval", *x]
-JT = lambda c, *x: ["--model-a", c.jt / "a",  # noqa: E731
-                    *(["--model-b", c.jt / "b"] if "--distill" not in x else []), "--train",
-                    c.jt / "train.txt",
-                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
-                    "--no-add-sick", "--no-final-eval", *x]
 BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts,  # noqa: E731
                     "--output-dir", c.out, "--batch-size", 4, "--max-steps", 1, "--lora-r", 4,
                     "--no-final-eval", *x]
 EV = lambda c, *x: ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
-# the commands of run_templates, and eval_sts.py on their copies (c.srun, c.jrun, c.brun)
-SSCL_RUN = lambda c, out, *x: SSCL(Namespace(**{**vars(c), "out": out}),  # noqa: E731
-                                   "--proj-dim", 8, *x)
-BL_RUN = lambda c, out, *x: ["--model", TPL.llama, "--train", TPL.nli, "--data-dir",  # noqa: E731
-                             TPL.bl_sts, "--output-dir", out, "--batch-size", 4, "--max-steps", 1,
-                             "--lora-r", 4, "--no-final-eval", *x]
+
+
 JT_RUN = lambda c, *x: JT(c, "--output-dir", c.jrun, *x)  # noqa: E731
 ES = lambda c, run, *x: ["--model", run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
 EB = lambda c, *x: ["--model", c.brun, "--data-dir", c.bl_sts, "--tasks", "STS-B", *x]  # noqa: E731
@@ -4182,28 +5177,6 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     assert mine is None or sorted(os.listdir(c.tmp / "mine")) == mine  # not even a .lock
 
 
-@pytest.mark.slow
-def test_every_run_folder_as_saved_passes_its_checks(run_templates, tok_dir, tmp_path, capsys,
-                                                     monkeypatch):
-    """The checks refuse only what disagrees: each method's saved folder reads whole
-    (eval_sts.read_meta: every file and value), and a BeLLM run evaluates with its base model moved
-    to another folder (same weights: the checksum agrees), with the same dev score as in place."""
-    for method, folder in run_templates.items():
-        assert eval_sts.read_meta(str(folder))["method"] == method
-    run = tmp_path / "bellm"
-    shutil.copytree(run_templates["bellm"], run)
-    moved = bl_make_model(tok_dir, tmp_path / "moved")  # the same seed: the same weights
-    scores = []
-    for base in (None, moved):
-        if base:
-            edit_json(run / common.META, base_model=str(base))
-        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run, "--data-dir",
-                                 TPL.bl_sts, "--tasks", "STS-B", "--split", "dev")
-        assert code == 0, err
-        scores.append(out.split()[2])
-    assert scores[0] == scores[1]
-
-
 RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM: the base is named)
     "sscl": ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "proj.pt"],
@@ -4211,25 +5184,12 @@ RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM
               ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")],
     "bellm": ["adapter_config.json", "adapter_model.safetensors"],
 }
-MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
-
-
-def files_of(folder):
-    return {p: p.read_bytes() for p in Path(folder).rglob("*")
-            if p.is_file() and p.name != sscl.LOCK}
-
-
-def resume_args(method, out):
-    """The command that made run_templates[method], with --resume, into out."""
-    return {"sscl": lambda: SSCL_RUN(TPL, out, "--resume"),
-            "jtcse": lambda: JT(TPL, "--output-dir", out, "--resume"),
-            "bellm": lambda: BL_RUN(TPL, out, "--resume")}[method]()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(RUN_FILES))
-def test_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(method, run_templates, sts_dir,
-                                                                   tmp_path, capsys, monkeypatch):
+def test_bad_input_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(
+        method, run_templates, sts_dir, tmp_path, capsys, monkeypatch):
     """Each file that a method's run folder needs, deleted in turn: eval_sts.py and --resume refuse
     the folder in one line naming the file, print nothing else (no table: never the base model or
     random weights), and leave the folder as it was."""
@@ -4248,934 +5208,3 @@ def test_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(method, run_t
             assert code == 2 and len(errors) == 1 and f"{rel} is missing" in errors[0], (rel, err)
             assert stdout == "", stdout
             assert files_of(out) == before
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method,steps", [("sscl", 2), ("jtcse", 2), ("bellm", 1)])
-def test_resume_of_a_finished_run_says_it_is_complete(method, steps, run_templates, tmp_path,
-                                                      capsys, monkeypatch):
-    """--resume of a run at its last step: one line saying so, exit 0 (nothing is wrong), nothing
-    trained or written."""
-    out = tmp_path / "run"
-    shutil.copytree(run_templates[method], out)
-    before = files_of(out)
-    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    code, stdout, err = main_of(MAINS[method], capsys, monkeypatch, *resume_args(method, out))
-    assert code == 0 and "error:" not in err, err
-    assert f"the run is complete (step {steps} of {steps})" in stdout
-    assert "eval_sts.py --model" in stdout and " loss " not in stdout and files_of(out) == before
-
-
-@pytest.mark.slow
-def test_eval_json_on_a_full_disk_keeps_the_results_and_the_old_file(bert_dir, sts_dir, tmp_path,
-                                                                     capsys, monkeypatch):
-    """--json fails only after the whole evaluation: the table is printed first, the error is one
-    line, the old file is kept and no temporary file is left."""
-    out = tmp_path / "r.json"
-    out.write_text('{"old": 1}')
-
-    real = common.write_whole
-
-    def disk_full(path, write, pause=None):  # the temporary file half written, then a full disk
-        def partial(f):
-            f.write(b'{"partial')
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, partial)
-    monkeypatch.setattr(common, "write_whole", disk_full)
-    code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
-                                sts_dir, "--tasks", "STS-B", "--json", out)
-    assert code == 2 and re.search(r"STS-B +Avg\.\n +-?\d+\.\d+ +-?\d+\.\d+", stdout), stdout
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for words in ("No space left on device", "printed above", "old file is kept"):
-        assert words in errors[0], errors[0]
-    assert out.read_text() == '{"old": 1}' and not (tmp_path / "r.json.tmp").exists()
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(script, tmp_path, monkeypatch,
-                                                                   capsys):
-    """torch's zip writer on a full disk raises `[enforce fail at inline_container.cc:672] ...
-    unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
-    last save stays."""
-    from safetensors import SafetensorError
-    m, out, w, real = SCRIPTS[script], tmp_path / "run", torch.ones(3), torch.save
-    out.mkdir()
-    write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    save_as(m, out, {"v": 1}, write)
-    before = files_of(out)
-
-    def torch_full(obj, f, *a, **k):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
-
-    def safetensors_full(folder):
-        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
-                              'message: "No space left on device" })')
-    for best in (None, write, safetensors_full):
-        monkeypatch.setattr(torch, "save", torch_full)
-        with pytest.raises(SystemExit) as e:
-            save_as(m, out, {"v": 2}, best)
-        monkeypatch.setattr(torch, "save", real)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("error:") == 1, err
-        assert "(No space left on device)" in err and "enforce" not in err, err
-        assert files_of(out) == before
-
-
-def test_files_as_spreadsheets_write_them_are_read(tmp_path):
-    """A UTF-8 byte-order mark (what spreadsheet programs write first) and a csv field longer than
-    Python's default limit (131,072 characters) are valid data: read as written."""
-    long = "word " * 30000  # 150,000 characters
-    nli = tmp_path / "nli.csv"
-    nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
-    csts = tmp_path / "csts.csv"
-    csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
-    txt = tmp_path / "train.txt"
-    txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
-    assert common.read_sentences(txt) == ["first sentence", "second"]
-
-
-# ---------------------------------------------------------------- outside users:
-# sentence-transformers, progress
-def st_python(code):
-    """Run code where sentence-transformers imports: $SENTEMB_ST (CI installs it there with
-    --no-deps, beside the pinned torch) or this Python's own packages; None when it is not installed
-    (a failure in CI)."""
-    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None,
-                                                       [os.environ.get("SENTEMB_ST"), str(ROOT)]))}
-    probe = subprocess.run([sys.executable, "-c", "import sentence_transformers"], env=env,
-                           capture_output=True)
-    if probe.returncode:
-        why = "sentence-transformers is not installed (set SENTEMB_ST to a folder that holds it)"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-
-
-@pytest.mark.slow
-def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir, tmp_path, capsys,
-                                                    monkeypatch, # CLS: the distilled tower's test
-                                                    pooler="avg", proj="8"):
-    out = tmp_path / "run"
-    code, _, err = main_of(sscl, capsys, monkeypatch,
-                           *sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
-                                                                 "--pooler", pooler, "--proj-dim",
-                                      proj, steps=2))
-    assert code == 0, err
-    modules = json.loads((out / "modules.json").read_text())
-    assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
-        [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")]
-                                                           if proj != "0" else [])
-    pool = json.loads((out / "1_Pooling" / "config.json").read_text())
-    assert (pool["word_embedding_dimension"] == 32
-            and pool["pooling_mode_cls_token"] == (pooler == "cls"))
-    assert pool["pooling_mode_mean_tokens"] == (pooler == "avg")
-    # no truncation
-    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
-    if proj != "0":
-        assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
-    r = st_python(f"""
-import torch, eval_sts
-from sentence_transformers import SentenceTransformer
-s = {SENTS!r}
-st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
-print(float((st - ours).abs().max()))""")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
-
-
-@pytest.mark.slow
-def test_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_path, capsys, monkeypatch):
-    d, _ = jt_env
-    jt_train(jt_env, tmp_path / "twin", capsys, monkeypatch)
-    jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a", d / "a", "--train",
-            d / "train.txt",
-            "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
-            "--no-add-sick", "--no-final-eval")
-    # a sum of two towers is not one module chain
-    assert not (tmp_path / "twin" / "modules.json").exists()
-    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())[
-        "pooling_mode_cls_token"]
-    r = st_python(f"""
-import torch, eval_sts
-from sentence_transformers import SentenceTransformer
-s = {SENTS!r}
-st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
-ours = eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)
-print(float((st - ours).abs().max()))""")
-    assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
-
-
-class Terminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokenizer_dir, monkeypatch):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
-    for tty, quiet, shown in [(True, False, True), (False, False, False), (True, True, False)]:
-        err = Terminal() if tty else io.StringIO()
-        monkeypatch.setattr(sys, "stderr", err)
-        monkeypatch.setattr(common, "QUIET", quiet)
-        out = common.encode_in_batches(lambda b: b["input_ids"][:, :2].float(), tok,
-                                       ["a man", "a dog"] * 40, 8, "cpu", 16)
-        assert (out.shape == (80, 2)
-                and ("encoding" in err.getvalue()) == shown), (tty, quiet, err.getvalue()[:200])
-
-
-# ---------------------------------------------------------------- length-grouped steps ----------
-def test_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
-    import itertools
-    rng = random.Random(0)
-    for _ in range(40):
-        lengths, cost = ([rng.randint(1, 40) for _ in range(rng.randint(1, 9))],
-                         rng.choice([0, 8, 64, 1000]))
-        groups = common.length_groups(lengths, cost)
-        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row, once
-        s, n = sorted(lengths), len(lengths)
-        # every cut of the
-        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))
-                    # sorted rows
-                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))
-        assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == brute
-    assert (len(common.length_groups([5, 9, 5, 9], 0)) == 2
-            and len(common.length_groups([5, 9, 5, 9], 1000)) == 1)
-
-
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
-    lengths = [3, 7, 1, 7, 5, 2]
-    L = max(lengths)
-    ids = torch.arange(1, 6 * L + 1).view(6, L)
-    mask = torch.tensor([[1] * n + [0] * (L - n) if side == "right" else [0] * (L - n) + [1] * n
-                         for n in lengths])
-    calls = []
-
-    def forward(b):  # (n, L_g) -> the row's real ids summed, nested outputs, a None
-        calls.append(b["input_ids"].shape)
-        # padded to its own longest
-        assert b["attention_mask"].shape[1] == int(b["attention_mask"].sum(1).max())
-        s = (b["input_ids"] * b["attention_mask"]).sum(1)
-        return s, [s * 2, (s, s + 1)], None
-    want = forward({"input_ids": ids, "attention_mask": mask})
-    calls.clear()
-    got = common.by_length(forward, {"input_ids": ids, "attention_mask": mask}, cost=0)
-    assert len(calls) == 5  # cost 0: one group per distinct length (1, 2, 3, 5, 7)
-    assert got[2] is None and torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
-    assert torch.equal(got[1][1][1], want[1][1][1])
-
-
-def same_step(params, loss_of):
-    """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each
-    tensor's largest). The models run in float64: in float32 the two orders of summation differ by
-    rounding, which the identical dropout-free views amplify (the positive pair's terms cancel; up
-    to 2.5e-4 of the largest gradient of the projection); in float64 that rounding is ~1e-12, so
-    what is left to fail here is a different computation."""
-    out = []
-    for grouped in (True, False):
-        for q in params:
-            q.grad = None
-        loss = loss_of(grouped)
-        loss.backward()
-        out.append((loss.item(), [q.grad.clone() for q in params if q.grad is not None]))
-    (l1, g1), (l0, g0) = out
-    assert abs(l1 - l0) <= 1e-5 and len(g1) == len(g0) > len(params) / 2
-    for a, b in zip(g1, g0):
-        # (+: the key biases' zero gradients)
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12
-
-
-def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
-    return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
-
-
-@pytest.mark.parametrize("pooler", ["cls", "avg"])
-def test_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
-    from transformers import AutoTokenizer
-    tok, B = AutoTokenizer.from_pretrained(bert_nodrop_dir), 8
-    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler,
-                               proj_dim=16).train().double()
-    batch = common.tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
-    batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
-
-    def loss_of(grouped):
-        run = lambda b: enc(b, (1, 3))  # noqa: E731
-        z, zs = common.by_length(run, batch, cost=0) if grouped else run(batch)
-        return sscl.sscl_loss(z[:B], z[B:], [m[:B] for m in zs], 0.05)
-    same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
-
-
-def test_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
-    _, tok = jt_env
-    towers = jt_nodrop(jt_env, tmp_path)
-    twin, B = jtcse.Twin(towers, 2).train().double(), 6
-    batch = jt_batch_of(tok, uneven(random.Random(2), B))
-    batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-    a = jtcse.p.parse_args([])
-
-    def loss_of(grouped):
-        h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
-        return jtcse_loss_of(h, hP, c, 1, a)[0]
-    same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
-    # distillation: one tower's CLS against a fixed target
-    target = torch.randn(2 * B, 32, dtype=torch.float64)
-    cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
-    same_step(list(towers[0].parameters()),
-              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch),
-                                   target))
-
-
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", bl_CPU)
-    dec.double()
-    for k, mode in ((1, "parallel"), (2, "sequential")):
-        net = bellm.BeLLM(dec, k, mode, "convert").train()
-        # 6 triplets, (18, L)
-        b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)
-
-        def loss_of(grouped):
-            run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
-            h = (common.by_length(run, b, cost=0) if grouped else run(b)).view(6, 3, -1)
-            return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
-        same_step(list(dec.parameters()), loss_of)
-
-
-@pytest.mark.slow
-def test_each_script_trains_the_same_with_and_without_length_groups(bert_nodrop_dir, train_txt,
-                                                                     sts_dir, tok_dir, jt_env,
-                                                                     tmp_path, capsys, monkeypatch):
-    """The scripts' wiring: dropout off, every distinct length its own group (cost 0), the logged
-    losses of --length-grouping and --no-length-grouping agree (float32, 4 decimals)."""
-    d, _ = jt_env
-    jt_nodrop(jt_env, tmp_path)
-    scripts = {
-        sscl: sscl_args(bert_nodrop_dir, train_txt, sts_dir, "OUT", "--no-final-eval", steps=3,
-                        eval_steps=100),
-        jtcse: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b", "--train",
-                d / "train.txt", "--data-dir", sts_dir, "--output-dir", "OUT", "--batch-size", 8,
-                "--max-len", 16, "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1,
-                "--lr", 1e-3, "--no-add-sick", "--no-final-eval"],
-        bellm: ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path),
-                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", "OUT", "--batch-size", 4,
-                "--max-steps", 3, "--eval-steps", 100, "--log-steps", 1, "--bi-layers", 2,
-                "--lora-r", 4, "--lora-dropout", 0, "--no-final-eval", "--no-eval-first"]}
-    groups, length_groups = [], common.length_groups
-    monkeypatch.setattr(common, "length_groups", lambda lengths, cost: groups.append(1)
-                        or length_groups(lengths, 0))
-    for module, args in scripts.items():
-        logged = []
-        for flag in ("--length-grouping", "--no-length-grouping"):
-            out = tmp_path / f"{module.__name__}{flag}"
-            code, stdout, err = main_of(module, capsys, monkeypatch,
-                                        *[out if x == "OUT" else x for x in args], flag)
-            assert code == 0, err[-2000:]
-            logged.append([float(x) for x in losses(stdout)])
-        # the grouped path ran, every step
-        assert len(groups) >= 3 and len(logged[0]) == 3, module.__name__
-        assert logged[0] == pytest.approx(logged[1], abs=2e-4), module.__name__
-        groups.clear()
-
-
-# ---------------------------------------------------------------- the GPU configuration, on CPU
-# --------
-@pytest.mark.slow
-def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, capsys, monkeypatch):
-    """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite
-    losses close to the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16)
-    prints the run's final table."""
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
-    logs = {}
-    for name, extra in (("fp32", []), ("gpu", ["--dtype", "bfloat16", "--grad-ckpt", "--bf16"])):
-        code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
-                                 "--data-dir", data, "--output-dir", tmp_path / name,
-                                 "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
-                                 "--log-steps", 1, "--bi-layers", 1, "--lora-r", 4,
-                                 "--lora-dropout", 0, "--tasks", "STS-B", *extra)
-        assert code == 0, err[-2000:]
-        logs[name] = [float(x) for x in losses(out)]
-    assert "with checkpointing" in out and "memory (estimate" in out
-    assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
-    # bf16 rounding, not a different computation
-    assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
-    assert json.load(open(tmp_path / "gpu" / "sentemb.json"))["dtype"] == "bfloat16"
-    e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
-               "STS-B", "--bf16")
-    assert e.returncode == 0, e.stderr
-    # the adapter saved and reloaded onto a bf16 base
-    assert e.stdout.splitlines()[:2] == out.splitlines()[-2:]
-
-
-def test_frozen_linears_cast_once_give_what_autocast_computes(tok_dir, tmp_path):
-    """bellm.cast_frozen_linears under bf16 autocast: the same loss and LoRA gradients, bit for bit,
-    as letting autocast cast the float32 weights at every pass; embeddings and norms stay
-    float32."""
-    from peft import LoraConfig, get_peft_model
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
-    b = bl_batch(tok, SENTS[:6])
-    peft = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
-                                          target_modules="all-linear",
-                                          # B != 0: the LoRA path counts
-                                          init_lora_weights=False)).train()
-    cast = copy.deepcopy(peft)
-    bellm.cast_frozen_linears(cast.base_model.model)
-    assert cast.base_model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
-    assert (cast.base_model.model.embed_tokens.weight.dtype
-            == cast.base_model.model.norm.weight.dtype == torch.float32)
-    out = []
-    for m in (peft, cast):
-        torch.manual_seed(1)  # the same LoRA dropout masks
-        with common.autocast(bl_CPU, True):
-            h = bellm.BeLLM(m.base_model.model, 1, "parallel",
-                            "convert")(b["input_ids"], b["attention_mask"])
-        loss = bellm.bellm_loss(*h.float().view(2, 3, -1).unbind(1), 0.05)
-        loss.backward()
-        out.append([loss] + [q.grad for q in m.parameters() if q.requires_grad])
-    assert len(out[0]) > 10 and all(torch.equal(x, y) for x, y in zip(*out))
-
-
-def test_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
-    net = bellm.BeLLM(dec.double(), 1, "parallel", "convert").train()
-    b = bl_batch(tok, SENTS[:6])
-
-    def loss_of(ckpt):
-        (dec.gradient_checkpointing_enable if ckpt else dec.gradient_checkpointing_disable)(
-            **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if ckpt else {}))
-        # what autograd keeps for the backward: far less when the layers are checkpointed
-        sizes = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
-                                                      lambda t: t):
-            h = net(b["input_ids"], b["attention_mask"]).view(2, 3, -1)
-        kept[ckpt] = sum(sizes)
-        return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
-    kept = {}
-    same_step(list(dec.parameters()), loss_of)
-    assert kept[True] < kept[False] / 3
-
-
-def test_memory_estimate_counts_the_saved_activations(tmp_path):
-    """The start-up estimate against the bytes autograd actually saves (saved-tensor hooks), on a
-    LLaMA config that is none of those the coefficients were counted on; weights and LoRA states
-    exactly."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaModel
-    for dtype, s in ((torch.float32, 4), (torch.bfloat16, 2)):
-        torch.manual_seed(0)
-        dec = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=192, intermediate_size=512,
-                                     num_hidden_layers=3,
-                                     num_attention_heads=6, num_key_value_heads=2)).to(dtype)
-        dec.set_attn_implementation("eager")
-        lora = get_peft_model(dec, LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1,
-                                              target_modules="all-linear")).train()
-        n_lora = sum(q.numel() for q in lora.parameters() if q.requires_grad)
-        ids, am = torch.randint(0, 100, (6, 20)), torch.ones(6, 20, dtype=torch.long)
-        seen, saved = {q.untyped_storage().data_ptr() for q in lora.parameters()}, [0]
-
-        def pack(t):  # every tensor kept for the backward, once, weights excluded
-            if (k := t.untyped_storage().data_ptr()) not in seen:
-                seen.add(k)
-                saved[0] += t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
-        assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
-        assert o * 2**30 == 16 * n_lora
-        assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
-
-
-@pytest.mark.slow
-def test_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(bert_nodrop_dir, train_txt, sts_dir,
-                                                           jt_env, tmp_path, capsys, monkeypatch):
-    """--bf16 on CPU is the autocast CUDA always runs: finite losses close to the fp32 run's, and a
-    saved model."""
-    def sscl_run(out, *extra):
-        code, stdout, err = main_of(sscl, capsys, monkeypatch,
-                                    *sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,
-                                                                         "--no-final-eval", *extra,
-                                               steps=3))
-        assert code == 0, err[-2000:]
-        return stdout
-    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch,  # noqa: E731
-                                           "--log-steps", "1", *extra)
-    for name, train in (("sscl", sscl_run), ("jtcse", jt_run_)):
-        logged = []
-        for extra in ([], ["--bf16"]):
-            out = tmp_path / f"{name}{len(extra)}"
-            logged.append([float(x) for x in losses(train(out, *extra))])
-            assert (out / "sentemb.json").is_file()
-        assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
-        assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
-
-
-# ---------------------------------------------------------------- figures, dependency, seeds
-# ----------
-def png_size(path):
-    """(width, height) of a valid PNG, read from its header; fails on anything else."""
-    head = Path(path).read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
-    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-
-
-def test_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
-    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the
-    stock model's last hidden state, pivot = last token) on bare sentences, and a BERT (pivot =
-    CLS); and with the prompt, the tokens scored are exactly the sentence's."""
-    from scipy.stats import spearmanr
-    from transformers import AutoModel, AutoTokenizer
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
-    dec.eval()
-    sents = SENTS[:5]
-    with torch.no_grad():
-        spans = [(0, len(s)) for s in sents]
-        got, control = bellm_analysis.dependency_scores(
-            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
-                                                        spans, True, bl_CPU)
-        hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0]
-              for s in sents}
-        for s, g in zip(sents, got):  # stock model, one sentence at a time, no padding
-            h = hs[s]
-            assert g == pytest.approx(np.mean([spearmanr(h[-1], h[j]).statistic
-                                               for j in range(len(h) - 1)]), abs=1e-9)
-        # the control: the pivot against the next sentence's tokens (one batch)
-        by_len = sorted(sents, key=len)
-        for s, nxt in zip(by_len, by_len[1:] + by_len[:1]):
-            want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic
-                            for j in range(len(hs[nxt]) - 1)])
-            assert control[sents.index(s)] == pytest.approx(want, abs=1e-9)
-        btok, bert = (AutoTokenizer.from_pretrained(bert_dir),
-                      AutoModel.from_pretrained(bert_dir).eval())
-        got, _ = bellm_analysis.dependency_scores(
-            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents,
-                                                  spans, False, bl_CPU)
-        for s, g in zip(sents, got):
-            h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
-            want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
-            assert g == pytest.approx(want, abs=1e-9)
-    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token
-    # id from a random table, so the expected score is computable from the sentence tokenised alone
-    # (a leading space, as in the prompt; a token that is only that space belongs to the prompt)
-    table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
-    texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
-    lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
-    got, _ = bellm_analysis.dependency_scores(lambda ids, am: table[ids], tok, texts,
-                                              [(lead, lead + len(s)) for s in sents], True, bl_CPU)
-    for t, s, g in zip(texts, sents, got):
-        pivot = tok(t)["input_ids"][-1]
-        # not ' '
-        ids = [j for j in tok(" " + s, add_special_tokens=False)["input_ids"]
-               if tok.decode([j]).strip()]
-        assert g == pytest.approx(np.mean([spearmanr(table[pivot], table[j]).statistic
-                                           for j in ids]), abs=1e-9)
-
-
-@pytest.mark.slow
-def test_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
-    """Every --plot writes a PNG of the right size in a subprocess run; a bad --plot path stops
-    before the work."""
-    sts = write_sts(tmp_path / "sts")
-    dec = bl_make_model(tok_dir, tmp_path)
-    d, _ = jt_env
-    cases = {
-        "sscl": ("sscl_analysis.py", "--model", bert_dir, d / "a", "--sentence",
-                 "a man is playing a guitar", "--max-len", 16),
-        "jtcse": ("jtcse_analysis.py", "--analyze", "--model-a", d / "a", "--model-b", d / "b",
-                  "--num-cael", 2, "--max-len", 16),
-        "degradation": ("bellm_analysis.py", "--degradation", "--model", dec, "--tasks",
-                        "STS-B,SICK-R"),
-        "dependency": ("bellm_analysis.py", "--dependency", "--model", dec, bert_dir,
-                       "--bi-layers", 0, 1),
-    }
-    sizes = {}
-    for name, (script, *args) in cases.items():
-        out = tmp_path / f"{name}.png"
-        proc = run(script, *args, "--data-dir", sts, "--plot", out)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        sizes[name] = png_size(out)
-        assert 5_000 < out.stat().st_size < 200_000, name
-        if name == "dependency":  # one box a configuration: K = 0, K = 1, the BERT
-            rows = re.findall(r"^\S+ \((K=0|K=1|CLS)\) +[-\d.]+ .*\(difference [-+]\d", proc.stdout,
-                              re.M)
-            assert len(rows) == 3, proc.stdout
-    # 2 columns x 2 rows (Fig. 1, Fig. 4, two heat maps), 150 dpi
-    assert sizes["sscl"] == (1620, 1260)
-    assert (sizes["jtcse"] == (1620, 1260)
-            and sizes["degradation"] == sizes["dependency"] == (810, 630))
-    for script, args in (("sscl_analysis.py", ["--model", bert_dir]),
-                         ("bellm_analysis.py", ["--dependency", "--model", dec])):
-        proc = run(script, *args, "--data-dir", sts, "--plot", tmp_path / "no" / "f.png")
-        assert_bad_input(proc, "--plot", "create it")
-        assert not (tmp_path / "no").exists() and "analyze" not in proc.stderr
-    proc = run("sscl.py", "--model", bert_dir, "--plot", tmp_path / "x.png")  # sscl_analysis.py's
-    assert proc.returncode == 2 and "unrecognized arguments: --plot" in proc.stderr
-
-
-@pytest.mark.slow
-def test_seed_summary_equals_numpy_and_scipy(tmp_path):
-    from scipy.stats import ttest_rel
-    import seeds
-    rng = np.random.default_rng(0)
-    A, B = rng.uniform(60, 90, (4, 7)), rng.uniform(60, 90, (4, 7))
-    files = {}
-    for g, M in (("a", A), ("b", B)):
-        files[g] = []
-        for i, row in enumerate(M):
-            f = tmp_path / f"{g}{i}.json"
-            result = {"model": "m", "results": dict(zip(common.TASKS, row.tolist())),
-                      "align": row[0] / 100}
-            f.write_text(json.dumps(result))
-            files[g].append(str(f))
-    cols, stats = seeds.table({"runs": [seeds.scores(f) for f in files["a"]]})
-    assert cols == common.TASKS + ["STS Avg.", "align"]
-    for j, t in enumerate(common.TASKS):
-        assert stats["runs"][t][:2] == pytest.approx((A[:, j].mean(), A[:, j].std(ddof=1)))
-    assert stats["runs"]["STS Avg."][0] == pytest.approx(A.mean())
-    proc = run("seeds.py", *files["a"], "--against", *files["b"])
-    assert proc.returncode == 0, proc.stderr
-    t_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("t ")][0]
-    p_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("p ")][0]
-    for j in range(7):
-        want = ttest_rel(A[:, j], B[:, j])
-        assert float(t_row[j]) == pytest.approx(want.statistic, abs=1e-3)
-        assert float(p_row[j]) == pytest.approx(want.pvalue, abs=1e-4)
-    assert_bad_input(run("seeds.py", *files["a"], "--against", *files["b"][:2]), "--against",
-                     "paired")
-    (tmp_path / "bad.json").write_text("[1, 2]")
-    assert_bad_input(run("seeds.py", str(tmp_path / "bad.json")), "eval_sts.py --json")
-
-
-# ================================================================ paper scale, and the CUDA tier ==
-def paper_scale():
-    """bench/paper_scale.py, imported as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("paper_scale", ROOT / "bench" / "paper_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_paper_scale_counts_on_fake_tensors_what_the_real_step_gives():
-    """bench/paper_scale.py counts each run's train_step on fake tensors (shapes, no storage): on
-    tiny configurations its FLOPs and the bytes autograd keeps for the backward equal those of the
-    same step on real tensors, in the GPU configuration it prices (bf16 autocast; BeLLM: bf16
-    weights and gradient checkpointing) and, for BeLLM, the CPU one (fp32, no checkpointing)."""
-    ps = paper_scale()
-    bert = {**ps.BERT_BASE, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
-            "num_hidden_layers": 4}  # SSCL: 12, for sscl.py's default --layer 11
-    llama = {**ps.LLAMA2_7B, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 64, "num_hidden_layers": 2}
-    counts = {}
-    for name, gpu in [(name, True) for name in ps.RUNS] + [("BeLLM", False)]:
-        torch.manual_seed(0)
-        tiny = {**bert, "num_hidden_layers": 12} if name == "SSCL" else bert
-        module, step = ps.build(name, "cpu", gpu, tiny, llama)
-        for m in module.modules():  # eager attention, as the fake count runs
-            if hasattr(m, "set_attn_implementation"):
-                m.set_attn_implementation("eager")
-        real = ps.count(module, step, 4)
-        module, step = ps.build(name, "meta", gpu, tiny, llama)
-        fake = ps.count(ps.fake(module), step, 4)
-        assert real[0] > 0 and real[1] > 0, (name, gpu)
-        assert fake == real, (name, gpu)
-        counts[name, gpu] = real
-    # checkpointing's recompute is counted: one more forward of the decoder layers
-    assert counts["BeLLM", True][0] > 1.2 * counts["BeLLM", False][0]
-
-
-# The CUDA tier, `python3 -m pytest test_all.py -m cuda` on a machine with a GPU: what CUDA changes
-# (bf16 autocast, the fused AdamW kernel, checkpointing's recompute, the SDPA kernels, NCCL), each
-# checked against the CPU or eager computation. Without CUDA every test here skips, saying why.
-GPU = torch.device("cuda")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-
-
-def same_ranking(fp32, bf16, tol):
-    """Each row's order of similarities under bf16 is fp32's, except between two entries that fp32
-    puts within tol of each other (one bf16 rounding may swap those). -> the pairs compared."""
-    d32, d16 = (s[:, :, None] - s[:, None, :] for s in (fp32, bf16))
-    clear = d32.abs() > tol
-    assert (d32.sign() == d16.sign())[clear].all()
-    return int(clear.sum())
-
-
-def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
-    """The method's model in fp32 on the CPU and in bellm.py's CUDA configuration on the GPU, the
-    same weights, dropout off: -> [(model, device, args)] * 2, step(model, device, args) -> the
-    loss of one train_step on 8 rows, encode(model, device) -> (N, H) embeddings of SENTS."""
-    from transformers import AutoTokenizer
-    cpu, rows = torch.device("cpu"), [sentence(random.Random(i)) for i in range(8)]
-    if method == "bellm":
-        from peft import LoraConfig, get_peft_model
-        path, models = str(bl_make_model(tok_dir, tmp)), []
-        for dev, dtype in ((cpu, torch.float32), (GPU, torch.bfloat16)):  # bellm.py's dtypes
-            tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
-            torch.manual_seed(0)  # B != 0: the LoRA path counts
-            get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                           init_lora_weights=False,
-                                           target_modules="all-linear")).train()
-            if dtype == torch.bfloat16:  # as bellm.py with autocast on
-                bellm.cast_frozen_linears(dec)
-            models.append(dec)
-        for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
-            q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
-        cfg = {"bi_layers": 1, "bi_mode": "parallel", "bi_strategy": "convert",
-               "prompt": bellm.PROMPT, "max_len": 64}
-        triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
-
-        def step(m, dev, a):
-            net = bellm.BeLLM(m, 1, "parallel", "convert")
-            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
-                                    tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
-                                    bf16=a.bf16 or dev.type == "cuda")[0]
-
-        def encode(m, dev):
-            return bellm.make_encode(m, tok, cfg, dev)(SENTS)
-        args = [bellm.p.parse_args(["--lora-dropout", "0", *x]) for x in ([], ["--bf16"])]
-        return list(zip(models, (cpu, GPU), args)), step, encode
-    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
-    if method == "sscl":  # bert_wide_dir: dropout off, [CLS] vectors that differ
-        model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
-        args = [sscl.p.parse_args(["--max-len", "16", *x]) for x in ([], ["--bf16"])]
-
-        def step(m, dev, a):
-            return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
-                                   max_len=a.max_len, bf16=a.bf16)
-
-        def encode(m, dev):
-            return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
-    else:  # two wide towers; JTCSE D: the second tower's CLS as the target of the first
-        other = no_dropout(tiny_bert(tmp / "wide_b", bert_tokenizer_dir, seed=4, std=0.3))
-        towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
-        model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
-        extra = ["--distill", "T"] if method == "jtcse-distill" else []
-        args = [jtcse.p.parse_args(["--max-len", "16", *extra, *x]) for x in ([], ["--bf16"])]
-
-        def step(m, dev, a):
-            if method == "jtcse":
-                return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
-                                        max_len=a.max_len, bf16=a.bf16)[0]
-            teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
-            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
-                                    tok, rows, 1, dev, max_len=a.max_len, bf16=a.bf16,
-                                    teacher=teacher)[0]
-
-        def encode(m, dev):
-            return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
-                                     dev)(SENTS)
-    return [(model, cpu, args[0]), (copy.deepcopy(model).to(GPU), GPU, args[1])], step, encode
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("method", ["sscl", "jtcse", "jtcse-distill", "bellm"])
-def test_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(method, tmp_path, bert_wide_dir,
-                                                                     bert_tokenizer_dir, tok_dir):
-    """Each script's train_step with --bf16 on CUDA (autocast; BeLLM also bf16 base weights)
-    against the fp32 step on the CPU, same weights, dropout off: the loss within rel 0.05, abs 0.02
-    (as the CPU bf16 tests: bf16 keeps 8 significant bits, ~0.4 %, and the logits are cosines / τ =
-    × 20), and the encoder ranks the similarities of SENTS' pairs as fp32 does, except between
-    two that fp32 puts within 0.02 of each other."""
-    [(m32, cpu, a32), (m16, gpu, a16)], step, encode = bf16_runs(method, tmp_path, bert_wide_dir,
-                                                               bert_tokenizer_dir, tok_dir)
-    loss32, loss16 = step(m32, cpu, a32).item(), step(m16, gpu, a16).item()
-    assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=0.05, abs=0.02)
-    e32, e16 = encode(m32, cpu), encode(m16, gpu).float().cpu()
-    sims = [F.normalize(e, dim=-1) @ F.normalize(e, dim=-1).T for e in (e32, e16)]
-    n = len(SENTS)
-    assert same_ranking(*sims, tol=0.02) >= n * n * (n - 1) // 2  # half the pairs, or more
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
-    """sscl.py's and jtcse.py's optimiser, AdamW(fused=True), on CUDA: 3 steps on the same fp32
-    gradients (an sscl.py step's) leave the weights of the CPU's fused kernel within rtol 1e-6,
-    atol 1e-6 (a float32 rounding or two: the kernels order their arithmetic differently; a
-    weight decay or bias correction done otherwise is off by ~1e-5) and the moments within rtol
-    1e-5."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(bert_wide_dir)
-    enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
-    gpu = copy.deepcopy(enc).to(GPU)
-    sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
-                    torch.device("cpu"), max_len=16)
-    pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
-    for qg, qc in zip(pg, pc, strict=True):
-        qg.grad = qc.grad.to(GPU)
-    opts = [torch.optim.AdamW(ps, lr=1e-3, fused=True) for ps in (pc, pg)]
-    for _ in range(3):
-        for opt in opts:
-            opt.step()
-    assert sum(int((qc != 0).sum()) for qc in (q.grad for q in pc)) > 0
-    for qg, qc in zip(pg, pc):
-        torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
-        for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
-                                       rtol=1e-5, atol=1e-12)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 1e-3)])
-def test_cuda_gradient_checkpointing_gives_the_plain_steps_gradients(tok_dir, tmp_path, dtype,
-                                                                     tol):
-    """BeLLM on CUDA checkpointed as bellm.py does it (dec.gradient_checkpointing_enable,
-    non-reentrant), with LoRA dropout on, so that the recompute must draw the same masks: the same
-    loss and LoRA gradients as the plain step. float64: within 1e-5 of each gradient's largest (as
-    on the CPU); bf16 weights under autocast (the GPU configuration): 1e-3, the same kernels run
-    twice (a recompute outside autocast would be off by ~1e-2)."""
-    from peft import LoraConfig, get_peft_model
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", GPU, dtype)
-    torch.manual_seed(0)
-    lora = get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
-                                          init_lora_weights=False,
-                                          target_modules="all-linear")).train()
-    params = [q for q in lora.parameters() if q.requires_grad]
-    net = bellm.BeLLM(dec, 1, "parallel", "convert")
-    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS[:6]).items()}
-    out = []
-    for ckpt in (False, True):
-        if ckpt:  # as bellm.py
-            dec.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        for q in params:
-            q.grad = None
-        torch.manual_seed(1)  # the same LoRA dropout masks in both steps
-        with torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.bfloat16):
-            h = net(b["input_ids"], b["attention_mask"]).float().view(2, 3, -1)
-        loss = bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
-        loss.backward()
-        out.append((loss.item(), [q.grad.clone() for q in params]))
-    assert dec.is_gradient_checkpointing and len(out[0][1]) > 10
-    (l0, g0), (l1, g1) = out
-    assert l1 == pytest.approx(l0, rel=tol)
-    for a, b_ in zip(g1, g0):
-        assert (a - b_).abs().max() <= tol * b_.abs().max() + 1e-12
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_cuda_sdpa_gives_eager_attentions_hidden_states_under_bellms_masks(tok_dir, tmp_path,
-                                                                           side):
-    """bellm.attn_mask under PyTorch's SDPA kernels on CUDA (what bellm.py runs there) gives the
-    hidden states of eager attention at every real token: K = 0, 1, 2 bidirectional layers,
-    parallel and sequential, right and left padding; fp32, within 1e-4 (the fused kernels sum in
-    another order; a mask read otherwise changes them by ~1e-1)."""
-    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", GPU,
-                                  torch.float32)
-    dec.eval()
-    b = {k: v.to(GPU) for k, v in bl_batch(tok, SENTS, side).items()}
-    am = b["attention_mask"]
-    assert not am.all()  # padding in the batch
-    for k, mode in ((0, "parallel"), (1, "parallel"), (2, "parallel"), (1, "sequential"),
-                    (2, "sequential")):
-        got = {}
-        for attn in ("sdpa", "eager"):
-            dec.set_attn_implementation(attn)
-            assert dec.config._attn_implementation == attn
-            with torch.no_grad():
-                got[attn] = bl_real(bellm.forward(dec, b["input_ids"], am, k, mode, "convert"), am)
-        torch.testing.assert_close(got["sdpa"], got["eager"], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"K={k} {mode}: {m}")
-
-
-@pytest.mark.cuda
-@pytest.mark.slow
-@needs_cuda
-@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
-def test_cuda_torchrun_nccl_trains_two_steps_and_resumes(script, bert_dir, train_txt, sts_dir,
-                                                         jt_env, tok_dir, tmp_path):
-    """One process under torchrun on a GPU: the NCCL backend (the scripts' choice with CUDA), 2
-    steps and their checkpoint; then --resume loads it onto the GPU and trains step 3 alone."""
-    d, _ = jt_env
-    out = tmp_path / "run"
-    if script == "sscl":
-        def args(n):
-            return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=n,
-                             eval_steps=2)
-    elif script == "jtcse":
-        def args(n):
-            return ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
-                    "--data-dir", sts_dir, "--output-dir", out, "--batch-size", 8, "--max-len",
-                    16, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
-                    "--no-final-eval"]
-    else:
-        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
-
-        def args(n):
-            return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
-                    "--batch-size", 4, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1,
-                    "--lora-r", 4, "--tasks", "STS-B", "--no-final-eval", "--no-eval-first"]
-    first = torchrun(f"{script}.py", 1, *args(2))
-    assert first.returncode == 0, first.stderr[-3000:]
-    head = next(line for line in first.stdout.splitlines() if "process(es)" in line)
-    assert "1 process(es), device cuda:0" in head, head
-    assert re.findall(r"step\s+(\d+)\s+loss", first.stdout) == ["1", "2"]
-    again = torchrun(f"{script}.py", 1, *args(3), "--resume")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert re.findall(r"step\s+(\d+)\s+loss", again.stdout) == ["3"]
-    assert torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")["step"] == 3
-
-
-# ---------------------------------------------------------------- bench/: command lines ---------
-# (script, arguments with one bad value, words of its error line): each is refused when parsed,
-# before a model, a tokenizer or a data file is read, so the paths here need not exist
-BENCH_BAD = [
-    ("paper_scale.py", ["--mfu", "0"], ["--mfu", "'0' is not a fraction in (0, 1]"]),
-    ("paper_scale.py", ["--mfu", "150"], ["--mfu", "'150' is not a fraction in (0, 1]"]),
-    ("paper_scale.py", ["--fraction", "0"], ["--fraction", "'0' is not a fraction in (0, 1]"]),
-    ("paper_scale.py", ["--fraction", "2"], ["--fraction", "'2' is not a fraction in (0, 1]"]),
-    ("paper_scale.py", ["--measure", "SSCL", "--rows", "0"], ["--rows", "an integer >= 1"]),
-    ("bellm_memory.py", ["M", "--batch-size", "0"], ["--batch-size", "an integer >= 1"]),
-    ("bellm_memory.py", ["M", "--prompt-tokens", "-1"], ["--prompt-tokens", "an integer >= 0"]),
-    ("ddp_overhead.py", ["--steps", "0"], ["--steps", "an integer >= 1"]),
-    ("ddp_overhead.py", ["--scripts", "sscl,simcse"],
-     ["--scripts", "'simcse' is not one of sscl, jtcse, bellm"]),
-    ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
-    ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
-    ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
-    ("bellm_files.py", ["csts-synthetic", "nli.csv", "200", "100"],
-     ["LAST (100) must be greater than FIRST (200)"]),
-    ("bellm_files.py", ["flickr", "d.json"], ["invalid choice: 'flickr'"]),
-    ("bellm_speed.py", ["--bf61"], ["unrecognized arguments: --bf61"]),
-    ("bellm_step_memory.py", ["--grad-ckpts"], ["unrecognized arguments: --grad-ckpts"]),
-    ("bellm_sweep.py", ["M", "P", "K1"], ["K0", "invalid choice: 'K1'"]),
-    ("bellm_zeroshot.py", ["1.5:parallel"], ["SPEC", "'1.5' is not an integer >= 0"]),
-    ("bellm_zeroshot.py", ["0:causal"], ["SPEC", "MODE parallel or sequential"]),
-    ("jtcse_baselines.py", ["TOWER_I"], ["required: TOWER_II"]),
-    ("jtcse_cost.py", ["jtcse", "-1"], ["num_cael", "'-1' is not an integer >= 0"]),
-    ("jtcse_cost.py", ["sscl"], ["mode", "invalid choice: 'sscl'"]),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script,args,words", BENCH_BAD,
-                         ids=[f"{s}-{'_'.join(a)}" for s, a, _ in BENCH_BAD])
-def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words):
-    """A bad number or word on a bench script's command line: exit code 2, argparse's usage and
-    one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output."""
-    proc = run(f"bench/{script}", *args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, proc.stderr
-    assert all(w in errors[0] for w in words), errors[0]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
-def test_bench_scripts_print_their_help(script):
-    """--help of each bench script exits 0 with its usage; paper_scale.py's shows each typed
-    flag's range and keeps its child-process flags (--measure, --rows) hidden."""
-    proc = run(f"bench/{script}", "--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
-    if script == "paper_scale.py":  # (argparse wraps the help to the terminal's width)
-        assert " ".join(proc.stdout.split()).count("[a fraction in (0, 1]]") == 2, proc.stdout
-        assert "--measure" not in proc.stdout and "--rows" not in proc.stdout, proc.stdout
