@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import torch
 from scipy.stats import spearmanr
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R"]
 STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as in SentEval)
@@ -576,15 +578,18 @@ def length_groups(lengths, cost=GROUP_COST):
     return groups[::-1]
 
 
-def by_length(forward, batch, cost=GROUP_COST):
+def by_length(forward, batch, cost=GROUP_COST, slots=None):
     """forward(batch) computed on length groups of the batch's rows, each padded only to its own
     longest, and put back in row order: the same rows and the same result as forward(batch) (up to
     float rounding) for the cost of the real tokens. batch: dict of (N, L) tensors with an
     attention_mask, padded on either side; forward's outputs: (N, ...) tensors, or tuples / lists of
-    them (nested; None kept)."""
+    them (nested; None kept). slots: a list that receives the padded token slots computed (rows x
+    length, summed over the groups)."""
     mask = batch["attention_mask"]  # (N, L)
     lengths = mask.sum(1).tolist()
     groups = length_groups(lengths, cost)
+    if slots is not None:
+        slots.append(sum(len(g) * max(lengths[i] for i in g) for g in groups))
     if len(groups) == 1:
         return forward(batch)
     left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
@@ -607,10 +612,47 @@ def by_length(forward, batch, cost=GROUP_COST):
 
 def in_length_groups(forward, grouped=True):
     """forward(batch, ...) as a function computed in length groups (by_length): the same outputs,
-    for the cost of the real tokens. grouped=False: forward itself."""
-    if not grouped:
-        return forward
-    return lambda batch, *args, **kw: by_length(lambda b: forward(b, *args, **kw), batch)
+    for the cost of the real tokens; grouped=False: in one padded batch. Its .slots counts the
+    padded token slots it has computed (rows x length), which the scripts turn into FLOPs."""
+    def run(batch, *args, **kw):
+        slots = []
+        out = by_length(lambda b: forward(b, *args, **kw), batch, slots=slots) if grouped else \
+            forward(batch, *args, **kw)
+        run.slots += slots[0] if grouped else batch["attention_mask"].numel()
+        return out
+    run.slots = 0
+    return run
+
+
+class FlopCount(TorchDispatchMode):
+    """`with FlopCount() as c:` c.flops counts the FLOPs of the matrix products run inside (forward
+    and backward: mm, addmm, bmm, attention, ...) by the formulas of torch's FlopCounterMode,
+    without its per-module bookkeeping (which makes a CPU step half again as long; this, 15%)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these):
+# a step's share of its GPU's peak (bf16 autocast is on with CUDA). The first name that a device's
+# name contains applies.
+GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
+             "H200": 989e12, "A100": 312e12}
+
+
+def gpu_peak(device):
+    """(the GPU's name as in GPU_PEAKS, its dense bf16 peak FLOP/s), or None: a CPU, another GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((k, v) for k, v in GPU_PEAKS.items() if k in name), None)
 
 
 @torch.no_grad()

@@ -376,25 +376,25 @@ def main():
 
     handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
     raw_model.train()
-    clock = (time.perf_counter(), step)
+    clock = new_clock(step)  # the step lines' speed
     for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
             optimizer.zero_grad(set_to_none=True)
-            for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
-                                            world):
-                with no_sync(model, last):
-                    loss = train_step(forward, tokenizer, [sentences[i] for i in rows], layers,
-                                      device, a.temp, a.max_len, a.objective, a.no_aug,
-                                      a.bf16 or device.type == "cuda", world, a.grad_accum,
-                                      common.gather)
-                check_loss(loss, step, lr, out)
+            with metered(clock, forward):  # the step's FLOPs
+                for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
+                                                world):
+                    with no_sync(model, last):
+                        loss = train_step(forward, tokenizer, [sentences[i] for i in rows],
+                                          layers, device, a.temp, a.max_len, a.objective,
+                                          a.no_aug, a.bf16 or device.type == "cuda", world,
+                                          a.grad_accum, common.gather)
+                    check_loss(loss, step, lr, out)
             optimizer.step()
             scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
-                rate = per_step * (step - clock[1]) / (time.perf_counter() - clock[0])
                 log(f"step {step:>5}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
-                    f"sent/s {rate:.2f}")
-                clock = (time.perf_counter(), step)
+                    f"{rates(clock, step, per_step, 'sent', world, device)}")
+                clock = new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 or step == len(steps)
         if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
@@ -405,7 +405,7 @@ def main():
                                     new_run, log)
             new_run = None
         if evaluate or halt:
-            clock = saved(world, step)
+            clock = saved(world, step, clock)
         if halt:
             break
 
@@ -771,11 +771,50 @@ def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_r
     return curve, best
 
 
-def saved(world, step):
-    """Every rank waits for rank 0's save; the clock of the throughput restarts after it."""
+def saved(world, step, clock):
+    """Every rank waits for rank 0's save. -> the clock, restarted after it"""
     if world > 1:
         torch.distributed.barrier()
-    return time.perf_counter(), step
+    return new_clock(step, clock)
+
+
+def new_clock(step, clock=None):
+    """The step lines' clock from this step on: the time, the FLOPs and real tokens since, and the
+    run's FLOPs a padded token slot once its first step has been counted (metered)."""
+    return {"time": time.perf_counter(), "step": step, "flops": 0, "tokens": 0,
+            "per_slot": clock and clock["per_slot"]}
+
+
+@contextlib.contextmanager
+def metered(clock, forward):
+    """One optimisation step inside: its matrix products' FLOPs into clock["flops"]. The run's first
+    step is counted (common.FlopCount), which gives its FLOPs a padded token slot (forward.slots,
+    common.in_length_groups); any other step is that times its own slots: within 0.2% of a count,
+    since attention, whose FLOPs grow with a length's square, is a small part."""
+    slots = forward.slots
+    if clock["per_slot"] is None:
+        with common.FlopCount() as counted:
+            yield
+        clock["per_slot"] = counted.flops / max(forward.slots - slots, 1)
+    else:
+        yield
+    clock["flops"] += clock["per_slot"] * (forward.slots - slots)
+
+
+def rates(clock, step, per_step, unit, world, device):
+    """The step line's speed since the clock started, all ranks together: sentences (or rows) a
+    second, real tokens a second where counted, the matrix products' FLOP/s, and on a GPU whose
+    peak is known (common.gpu_peak) the share of it (MFU)."""
+    dt = time.perf_counter() - clock["time"]
+    text = f"{unit}/s {per_step * (step - clock['step']) / dt:.2f}"
+    if clock["tokens"]:
+        text += f"  tok/s {summed(clock['tokens'], world, device) / dt:.0f}"
+    flops = summed(clock["flops"], world, device) / dt
+    text += f"  TFLOP/s {flops / 1e12:.1f}" if device.type == "cuda" else \
+        f"  GFLOP/s {flops / 1e9:.1f}"
+    if peak := common.gpu_peak(device):
+        text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
+    return text
 
 
 def stopped(step, out_dir, log):

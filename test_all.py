@@ -1406,6 +1406,20 @@ def test_common_by_length_sees_each_row_once_unpadded_and_returns_row_order(side
     assert torch.equal(got[1][1][1], want[1][1][1])
 
 
+def test_common_in_length_groups_counts_the_padded_token_slots_it_computes():
+    """in_length_groups' .slots: rows x length of every forward it ran, grouped or in one batch."""
+    lengths = [3, 7, 1, 7, 5, 2]
+    mask = torch.tensor([[1] * n + [0] * (7 - n) for n in lengths])
+    batch = {"input_ids": torch.ones(6, 7, dtype=torch.long), "attention_mask": mask}
+    grouped, padded = (common.in_length_groups(lambda b: b["input_ids"].sum(1), g)
+                       for g in (True, False))
+    for _ in range(2):
+        grouped(batch), padded(batch)
+    cuts = common.length_groups(lengths)
+    assert grouped.slots == 2 * sum(len(g) * max(lengths[i] for i in g) for g in cuts)
+    assert padded.slots == 2 * 6 * 7
+
+
 def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
     return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
 
@@ -3390,6 +3404,51 @@ def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
         names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
         assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
     assert rest["sscl"] == rest["jtcse"] == rest["bellm"]
+
+
+def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(bert_dir, tok_dir,
+                                                                              tmp_path):
+    """common.FlopCount (torch's formulas, without the per-module bookkeeping) counts what
+    torch.utils.flop_counter.FlopCounterMode counts, on a training step of each script (forward,
+    loss and backward: SSCL's two views and layer-M negatives, the twin's cross stream, BeLLM with
+    LoRA)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoTokenizer
+    cpu, rng = torch.device("cpu"), random.Random(0)
+    sents, tok = [sentence(rng) for _ in range(6)], AutoTokenizer.from_pretrained(bert_dir)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls", 8)
+    twin = jtcse.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2)
+    btok, dec = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
+    bellm.add_lora(dec, 4, 8, 0.0)
+    net = bellm.BeLLM(dec, 1, "parallel", "convert")
+    rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
+    steps = [lambda: sscl.train_step(common.in_length_groups(enc), tok, sents, [2], cpu),
+             lambda: jtcse.train_step(common.in_length_groups(twin), tok, sents, 1, cpu),
+             lambda: bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
+                                      btok, rows, "nli", bellm.PROMPT, cpu)]
+    for step in steps:
+        with FlopCounterMode(display=False) as theirs:
+            step()
+        with common.FlopCount() as ours:
+            step()
+        assert ours.flops == theirs.get_total_flops() > 0
+
+
+def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of_a_count(
+        bert_dir):
+    """metered: the first step is counted (FlopCount), the others are its FLOPs a padded token
+    slot times their own slots; on steps of very different lengths (length groups on), each
+    estimate is within 0.5% of the step's count, and the first is the count."""
+    from transformers import AutoTokenizer
+    cpu, tok = torch.device("cpu"), AutoTokenizer.from_pretrained(bert_dir)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls")
+    forward, clock = common.in_length_groups(enc), sscl.new_clock(0)
+    for i in range(5):
+        sents = uneven(random.Random(i), 8)
+        before = clock["flops"]
+        with sscl.metered(clock, forward), common.FlopCount() as exact:
+            sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
+        assert clock["flops"] - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
 
 
 COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
