@@ -1,0 +1,133 @@
+"""The three scripts' training steps on this machine, at the quick-run settings of their docs pages,
+against its matrix-multiply roof: each step's seconds, sentences (rows) a second and FLOP/s (the
+matrix products, counted by common.FlopCount: forward, loss and backward), fp32 or --bf16, eager or
+--compile; --profile prints torch.profiler's top rows (self CPU time) of one step.
+
+  SSCL:   MiniLM, --layer 5, batch 64, --max-len 32 (README's quick run)
+  JTCSE:  MiniLM twin (a CAEL every 2nd layer), batch 64, --max-len 32
+  BeLLM:  SmolLM2-135M, K = 1 parallel, LoRA r 32, 16 NLI triplets, --max-len 32
+
+The same batches in every configuration (the first --steps + 1 of the training file, in order); the
+first step is a warm-up (and with --compile, the compilation: timed apart). Each step is the
+script's own train_step with its length groups, then its AdamW step (fused).
+
+  python bench/step_speed.py sscl jtcse bellm              # fp32, eager
+  python bench/step_speed.py sscl --bf16 --compile
+  python bench/step_speed.py sscl --profile
+  (MINILM, SMOLLM: model folders or hub names; WIKI, NLI: the training files; defaults: the hub's
+  all-MiniLM-L6-v2, SmolLM2-135M-Instruct, wiki1m_head.txt, snli_devtest.csv)
+"""
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import bellm  # noqa: E402
+import common  # noqa: E402
+import jtcse  # noqa: E402
+import sscl  # noqa: E402
+
+
+def roof(dtype, n=2048, reps=10):
+    """This machine's matrix-multiply roof: the best FLOP/s of an n x n torch.matmul."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
+    best = min(timed(lambda: torch.matmul(a, b)) for _ in range(reps))
+    return 2 * n ** 3 / best
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def build(name, bf16, compiled):
+    """(the trained module, step(i): the script's train_step on batch i (compiled or not) and its
+    AdamW step, count(i): the eager train_step alone, rows a step)"""
+    from transformers import AutoModel, AutoTokenizer
+    cpu = torch.device("cpu")
+    minilm = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+    if name in ("sscl", "jtcse"):
+        sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))
+        tok = AutoTokenizer.from_pretrained(minilm)
+        if name == "sscl":
+            model = sscl.SentenceEncoder(AutoModel.from_pretrained(minilm), "cls").train()
+        else:
+            model = jtcse.Twin([AutoModel.from_pretrained(minilm) for _ in "ab"]).train()
+        net = torch.compile(model, dynamic=True) if compiled else model
+        if name == "sscl":
+            run = lambda i, m: sscl.train_step(  # noqa: E731
+                common.in_length_groups(m), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
+                max_len=32, bf16=bf16)
+        else:
+            run = lambda i, m: jtcse.train_step(  # noqa: E731
+                common.in_length_groups(m), tok, sents[64 * i:64 * (i + 1)], i % 2, cpu,
+                max_len=32, bf16=bf16)
+        rows = 64
+    else:
+        rows_ = bellm.read_csv(os.environ.get("NLI", "snli_devtest.csv"))[1]
+        smollm = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+        tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
+        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16)  # as bellm.py: frozen Linears in bf16
+        model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
+        net = torch.compile(model, dynamic=True) if compiled else model
+        run = lambda i, m: bellm.train_step(  # noqa: E731
+            common.in_length_groups(functools.partial(bellm.embed, m)), tok,
+            rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32, bf16=bf16)
+        rows = 16
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5,
+                            fused=True)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        run(i, net)
+        opt.step()
+    return model, step, functools.partial(run, m=model), rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scripts", nargs="+", choices=["sscl", "jtcse", "bellm"])
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
+    p.add_argument("--compile", action="store_true", help="torch.compile(dynamic=True)")
+    p.add_argument("--steps", type=common.POS_INT, default=5, help="timed steps (default 5)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler's top rows of a step")
+    common.show_ranges(p)
+    a = p.parse_args()
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cpu = f"{torch.get_num_threads()} threads; bf16 instructions: " + (
+        "yes" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        else "no")
+    top = roof(torch.bfloat16 if a.bf16 else torch.float32)
+    print(f"torch {torch.__version__}, {cpu}; matmul roof (2048^3, "
+          f"{'bf16' if a.bf16 else 'fp32'}): {top / 1e9:.0f} GFLOP/s")
+    for name in a.scripts:
+        model, step, eager, rows = build(name, a.bf16, a.compile)
+        first = timed(lambda: step(0))  # warm-up; with --compile, the compilation
+        with common.FlopCount() as counted:
+            eager(1)  # compiled or not, the same matrix products (counted eager, on one step)
+        times = [timed(lambda i=i: step(i)) for i in range(2, 2 + a.steps)]
+        s = statistics.median(times)
+        print(f"{name}: first step {first:.1f} s; median of {a.steps} steps {s:.3f} s: "
+              f"{rows / s:.1f} rows/s, {counted.flops / s / 1e9:.0f} GFLOP/s "
+              f"({counted.flops / 1e9:.0f} GFLOP a step), {100 * counted.flops / s / top:.0f}% "
+              "of the roof")
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step(2 + a.steps)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
+                                            max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
