@@ -74,6 +74,8 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--compile", action="store_true", help="torch.compile the model, for training and "
+               "evaluation (dynamic shapes: its first step compiles, then every length reuses it)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -362,9 +364,9 @@ def make_encode(dec, tok, cfg, device, cpu_bf16=False):
     def encode(sentences, conditions=None):
         texts, max_len = prompted(tok, cfg, sentences, conditions)
         with common.autocast(device, cpu_bf16):
-            return common.encode_in_batches(functools.partial(embed, net), tok, texts, max_len,
-                                            device, 64)
+            return common.encode_in_batches(encode.embed, tok, texts, max_len, device, 64)
     encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
+    encode.embed = functools.partial(embed, net)  # what it runs (common.compiled_encode)
     return encode
 
 
@@ -605,13 +607,14 @@ def main():
                     a.bf16 or device.type == "cuda")
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = ddp(raw_model, world)  # DDP: the LoRA weights' gradients averaged over the ranks
-    forward = common.in_length_groups(functools.partial(embed, model), a.length_grouping)
+    forward = common.in_length_groups(functools.partial(embed, common.compiled(model, a.compile)),
+                                      a.length_grouping)
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
                 base_checksum=base_checksum(dec))  # sentemb.json: how it encodes
-    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
+    encode = common.compiled_encode(make_encode(dec, tokenizer, meta, device, a.bf16), a.compile)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)
     params = [q for q in raw_model.parameters() if q.requires_grad]
@@ -677,8 +680,8 @@ def main():
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "bellm"  # this script: the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "quiet", "length_grouping", "tasks", "eval_first",
-             "grad_ckpt"}  # --resume may change
+             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping", "tasks",
+             "eval_first", "grad_ckpt"}  # --resume may change
 # ---- (the table ends here)
 # A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
 # for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power

@@ -672,12 +672,28 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
 
 def encoder(embed, tokenizer, max_len, device):
     """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, under
-    autocast (bf16 on CUDA), without gradients: each method's encode function."""
+    autocast (bf16 on CUDA), without gradients: each method's encode function. Its .embed is what
+    it runs (compiled_encode replaces it)."""
     @torch.no_grad()
     def encode(sentences):
         with autocast(device):
-            return encode_in_batches(embed, tokenizer, sentences, max_len, device)
+            return encode_in_batches(encode.embed, tokenizer, sentences, max_len, device)
     encode.tokenizer, encode.max_len = tokenizer, max_len  # what it reads (eval_sts.py --ensemble)
+    encode.embed = embed
+    return encode
+
+
+def compiled(fn, on=True, backend="inductor"):
+    """fn under torch.compile when on, with dynamic shapes from its first call, so that batches and
+    length groups of other sizes reuse its code (a size of 1 compiles once more); else fn itself.
+    The first call compiles: seconds to minutes (--compile in docs/operations.md)."""
+    return torch.compile(fn, dynamic=True, backend=backend) if on else fn
+
+
+def compiled_encode(encode, on=True, backend="inductor"):
+    """An encode function (encoder, bellm.make_encode) whose embed runs compiled when on."""
+    if on:
+        encode.embed = compiled(encode.embed, backend=backend)
     return encode
 
 

@@ -273,6 +273,9 @@ p.add_argument("--exact", action="store_true",
 p.add_argument("--bf16", action="store_true",
                help="bf16 autocast on CPU as well (about 2x faster where the CPU has bf16 "
                     "instructions; numbers move by ~0.01)")
+p.add_argument("--compile", action="store_true",
+               help="torch.compile each model's forward (dynamic shapes: compiled once, then "
+                    "reused for every batch; the compilation takes seconds to minutes)")
 p.add_argument("--quiet", action="store_true",
                help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -345,14 +348,14 @@ def one_each(poolers, names):
 
 
 def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None, cut=None,
-                  size=None, num_layers=None):
+                  size=None, num_layers=None, compile=False):
     """encode(list[str]) -> (N, H): the SUM of the members' embeddings, as JTCSE's twin sums its
     towers' CLS (its +UC rows, Table I, add an existing encoder). Each member loads as
     load_model loads it: a run folder of ours with its own pooling, a plain model with its entry
     of `poolers` (one entry: the same for all). One member: that member's encode. size: (H, whose)
-    when the embedding must have H dimensions."""
-    members = [load_model(n, q, max_len, device, prompt, cut, num_layers)
-               for n, q in zip(names, one_each(poolers, names))]
+    when the embedding must have H dimensions; compile: each member's forward compiled."""
+    members = [common.compiled_encode(load_model(n, q, max_len, device, prompt, cut, num_layers),
+                                      compile) for n, q in zip(names, one_each(poolers, names))]
     # a sum of embeddings of one text, as JTCSE's twin sums its towers': one vocabulary, one limit
     for n, m in zip(names[1:], members[1:]):
         if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
@@ -463,7 +466,8 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=()
     dict (results, transfer, probing, mteb, align, uniform, seconds)."""
     t0 = time.perf_counter()
     names, poolers = zip(*members)
-    encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt, num_layers=a.num_layers)
+    encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt, num_layers=a.num_layers,
+                           compile=a.compile)
     name = " + ".join(names)
     out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):

@@ -66,6 +66,8 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--compile", action="store_true", help="torch.compile the model, for training and "
+               "evaluation (dynamic shapes: its first step compiles, then every length reuses it)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -340,8 +342,8 @@ def described(state):
 
 def load_encoder(run_dir, meta, device):
     """eval_sts.py's entry point for a run folder of this script (twin or distilled tower)."""
-    towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]])
-    towers = [drop_layernorm(t, meta.get("drop_layernorm", 0)) for t in towers]  # Fig. 8
+    towers, tokenizer = load_towers([os.path.join(run_dir, t) for t in meta["towers"]],
+                                    meta.get("drop_layernorm", 0))  # Fig. 8
     return make_encode([t.to(device).eval() for t in towers], tokenizer, meta["max_len"], device)
 
 
@@ -383,11 +385,15 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
                    f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
 
 
-def load_towers(names):
+def load_towers(names, drop=0, pooler=True):
     """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base, without pooler
-    weights, gets a fresh pooler for eq. 13, said on stderr), and their tokenizer."""
+    weights, gets a fresh pooler for eq. 13, said on stderr), and their tokenizer. drop: Fig. 8's
+    LayerNorms removed; pooler=False: BERT's pooler, which feeds only eq. 13, frozen."""
     from transformers import AutoModel, AutoTokenizer
-    towers = [common.load_pretrained(AutoModel, n, strict=True, fresh="pooler.") for n in names]
+    towers = [drop_layernorm(common.load_pretrained(AutoModel, n, strict=True, fresh="pooler."),
+                             drop) for n in names]
+    for tower in towers:
+        tower.pooler.requires_grad_(pooler)
     return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
@@ -522,17 +528,17 @@ def main():
     common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
-    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b])
-    towers = [drop_layernorm(t, a.drop_layernorm) for t in towers]  # Fig. 8; 0: the stock towers
+    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
+                                    a.drop_layernorm,  # Fig. 8; the pooler feeds only eq. 13:
+                                    not (a.distill or a.no_ictm or a.drop_layernorm))
     raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
     teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)  # D
-    for tower in towers:  # BERT's pooler feeds only eq. 13: frozen when unused (DDP: all are used)
-        tower.pooler.requires_grad_(not (a.distill or a.no_ictm or a.drop_layernorm))
     model = ddp(raw_model, world)
-    forward = common.in_length_groups(functools.partial(cls, model) if a.distill else model,
-                                      a.length_grouping)  # JTCSE D: the student's CLS
+    net = common.compiled(model, a.compile)  # JTCSE D: the student's CLS
+    forward = common.in_length_groups(functools.partial(cls, net) if a.distill else net,
+                                      a.length_grouping)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = make_encode(towers, tokenizer, eval_len, device)
+    encode = common.compiled_encode(make_encode(towers, tokenizer, eval_len, device), a.compile)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
                 objective=None if a.distill else a.objective,
                 num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
@@ -601,7 +607,8 @@ def main():
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "jtcse"  # this script: the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}  # --resume may change
+             "data_dir", "output_dir", "bf16", "compile", "quiet",
+             "length_grouping"}  # --resume may change
 # ---- (the table ends here)
 # A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
 # for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power

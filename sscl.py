@@ -62,6 +62,8 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--compile", action="store_true", help="torch.compile the model, for training and "
+               "evaluation (dynamic shapes: its first step compiles, then every length reuses it)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -357,9 +359,9 @@ def main():
     bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
     raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
     model = ddp(raw_model, world)
-    forward = common.in_length_groups(model, a.length_grouping)  # the same outputs, faster
+    forward = common.in_length_groups(common.compiled(model, a.compile), a.length_grouping)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
-    encode = make_encode(raw_model, tokenizer, eval_len, device)
+    encode = common.compiled_encode(make_encode(raw_model, tokenizer, eval_len, device), a.compile)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
                 layers=layers, objective=a.objective, select_on=a.select_on,
                 num_layers=bert.config.num_hidden_layers)  # sentemb.json: how it encodes
@@ -423,7 +425,8 @@ def main():
 # table (test_all.py holds them equal); a reader who copies the method leaves it behind.
 METHOD = "sscl"  # this script: the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "quiet", "length_grouping"}  # --resume may change
+             "data_dir", "output_dir", "bf16", "compile", "quiet",
+             "length_grouping"}  # --resume may change
 # ---- (the table ends here)
 # A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
 # for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power

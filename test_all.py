@@ -2992,8 +2992,8 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
         code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
                                  "--data-dir", data, "--output-dir", tmp_path / f"run{i}",
                                  "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
-                                 "--log-steps", 1, "--bi-layers", 2, "--tasks", "STS-B",
-                                 "--lora-r", 4, *(["--no-final-eval"] if i == 0 else []))
+                                 "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4,
+                                 *(["--no-final-eval"] if i == 0 else ["--tasks", "STS-B"]))
         assert code == 0, err
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
@@ -3449,6 +3449,74 @@ def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of
         with sscl.metered(clock, forward), common.FlopCount() as exact:
             sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
         assert clock["flops"] - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
+
+
+def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_graphs(
+        bert_nodrop_dir):
+    """common.compiled (here with dynamo's aot_eager backend: --compile's graphs, guards and
+    autograd trace, without inductor's C++ build; the slow tier runs inductor) on SSCL's step,
+    dropout off: the loss and the gradients of the eager step, fp32 and bf16, on steps of other
+    batch sizes and lengths (length groups on); and after the first step of each precision those
+    steps compile no new graph (torch._dynamo's count)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
+    cpu, tok = torch.device("cpu"), AutoTokenizer.from_pretrained(bert_nodrop_dir)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), "cls", 8).train()
+    torch._dynamo.reset()
+    net = common.compiled(enc, backend="aot_eager")
+    graphs = []
+    for i, (n, bf16) in enumerate([(8, False), (6, False), (12, False), (8, True), (5, True),
+                                   (11, True)]):
+        sents = uneven(random.Random(i), n)
+        out = []
+        for model in (net, enc):
+            enc.zero_grad(set_to_none=True)
+            loss = sscl.train_step(common.in_length_groups(model), tok, sents, [2], cpu,
+                                   max_len=24, bf16=bf16)
+            out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
+        (lc, gc), (le, ge) = out
+        tol = 1e-2 if bf16 else 1e-5  # bf16 keeps 8 significant bits, fp32 24
+        torch.testing.assert_close(lc, le, rtol=tol / 10, atol=1e-6)
+        assert len(gc) == len(ge) > 0  # the gradient as one vector: its relative distance
+        gc, ge = torch.cat([g.flatten() for g in gc]), torch.cat([g.flatten() for g in ge])
+        assert (gc - ge).norm() <= tol * ge.norm()
+        graphs.append(counters["stats"]["unique_graphs"])
+    # bf16 autocast is a guard: its first step compiles once more (a run is one or the other)
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3 + [graphs[3]] * 3, graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_compile_flag_gives_the_eager_runs_losses_and_dev_scores(
+        script, bert_nodrop_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path):
+    """Each script with --compile (inductor, as a user runs it) and without, dropout off: the same
+    step losses and dev scores, to the log's 4 and 2 decimals (within one unit of the last)."""
+    if script == "sscl":
+        args = lambda out: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
+                                     "--no-final-eval", steps=3, eval_steps=3)
+    elif script == "jtcse":
+        d, _ = jt_env
+        jt_nodrop(jt_env, tmp_path)
+        args = lambda out: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa
+                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                            "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
+                            "--eval-steps", 3, "--log-steps", 1, "--no-add-sick", "--no-final-eval"]
+    else:
+        model, data = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path)
+        args = lambda out: ["--model", model, "--train", nli_csv(tmp_path, rows=24),  # noqa
+                            "--data-dir", data, "--output-dir", out, "--batch-size", 4,
+                            "--max-steps", 3, "--eval-steps", 3, "--log-steps", 1,
+                            "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
+                            "--no-final-eval"]
+    eager = run(f"{script}.py", *args(tmp_path / "eager"))
+    compiled = run(f"{script}.py", *args(tmp_path / "compiled"), "--compile")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    dev = lambda out: [float(x) for x in re.findall(r"  \S+ (\S+)  \(best", out)]  # noqa
+    assert len(losses(eager.stdout)) == 3 and len(dev(eager.stdout)) >= 1
+    assert ([float(x) for x in losses(compiled.stdout)]
+            == pytest.approx([float(x) for x in losses(eager.stdout)], abs=2e-4))
+    assert dev(compiled.stdout) == pytest.approx(dev(eager.stdout), abs=0.015)
+    assert "recompil" not in compiled.stderr, compiled.stderr[-3000:]
 
 
 COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
@@ -4339,7 +4407,7 @@ def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
                             "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
                             "--max-steps", 2, "--eval-steps", 100,
                             "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
+                            "--no-eval-first", "--no-final-eval"]
     one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
@@ -4508,19 +4576,42 @@ def test_harness_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("method", ["sscl", "jtcse"])
+def test_harness_cuda_compiled_train_step_is_the_eager_step(
+        method, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """--compile on CUDA (inductor's Triton kernels) under bf16 autocast: the step's loss and
+    gradient within bf16 rounding of the eager step's on the GPU, same weights, dropout off."""
+    [_, (model, gpu, a)], step, _ = bf16_runs(method, tmp_path, bert_wide_dir,
+                                              bert_tokenizer_dir, tok_dir)
+    torch._dynamo.reset()
+    out = []
+    for m in (common.compiled(model), model):
+        model.zero_grad(set_to_none=True)
+        loss = step(m, gpu, a).item()
+        out.append((loss, torch.cat([q.grad.flatten() for q in model.parameters()
+                                     if q.grad is not None])))
+    (lc, gc), (le, ge) = out
+    assert math.isfinite(lc) and lc == pytest.approx(le, rel=1e-2, abs=1e-3)
+    assert (gc - ge).norm() <= 2e-2 * ge.norm()
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
     """sscl.py's and jtcse.py's optimiser, AdamW(fused=True), on CUDA: 3 steps on the same fp32
     gradients (an sscl.py step's) leave the weights of the CPU's fused kernel within rtol 1e-6,
     atol 1e-6 (a float32 rounding or two: the kernels order their arithmetic differently; a
     weight decay or bias correction done otherwise is off by ~1e-5) and the moments within rtol
-    1e-5."""
+    2e-5 (on an H100, exp_avg_sq differs by 1.3e-5 relative: 1 - β2 taken in float32,
+    0.00099998713, by one kernel and in double by the other)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(bert_wide_dir)
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
     gpu = copy.deepcopy(enc).to(GPU)
     sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
                     torch.device("cpu"), max_len=16)
-    pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
+    has_grad = [q.grad is not None for q in enc.parameters()]  # BERT's pooler: unused by CLS
+    pc, pg = ([q for q, g in zip(m.parameters(), has_grad) if g] for m in (enc, gpu))
     for qg, qc in zip(pg, pc, strict=True):
         qg.grad = qc.grad.to(GPU)
     opts = [torch.optim.AdamW(ps, lr=1e-3, fused=True) for ps in (pc, pg)]
@@ -4532,7 +4623,7 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
         torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
-                                       rtol=1e-5, atol=1e-12)
+                                       rtol=2e-5, atol=1e-12)
 
 
 @pytest.mark.cuda
@@ -4627,7 +4718,7 @@ def test_harness_cuda_torchrun_nccl_trains_two_steps_and_resumes(
         def args(n):
             return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
                     "--batch-size", 4, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1,
-                    "--lora-r", 4, "--tasks", "STS-B", "--no-final-eval", "--no-eval-first"]
+                    "--lora-r", 4, "--no-final-eval", "--no-eval-first"]
     first = torchrun(f"{script}.py", 1, *args(2))
     assert first.returncode == 0, first.stderr[-3000:]
     head = next(line for line in first.stdout.splitlines() if "process(es)" in line)

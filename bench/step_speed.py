@@ -34,33 +34,37 @@ import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
 
-def roof(dtype, n=2048, reps=10):
-    """This machine's matrix-multiply roof: the best FLOP/s of an n x n torch.matmul."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def roof(dtype, device, reps=10):
+    """The device's matrix-multiply roof: the best FLOP/s of an n x n torch.matmul (n = 2048 on a
+    CPU, 8192 on a GPU)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab")
     torch.matmul(a, b)
-    best = min(timed(lambda: torch.matmul(a, b)) for _ in range(reps))
+    best = min(timed(lambda: torch.matmul(a, b), device) for _ in range(reps))
     return 2 * n ** 3 / best
 
 
-def timed(fn):
+def timed(fn, device):
     t = time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def build(name, bf16, compiled):
+def build(name, bf16, compiled, dev):
     """(the trained module, step(i): the script's train_step on batch i (compiled or not) and its
     AdamW step, count(i): the eager train_step alone, rows a step)"""
     from transformers import AutoModel, AutoTokenizer
-    cpu = torch.device("cpu")
+    cpu = dev
     minilm = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     if name in ("sscl", "jtcse"):
         sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))
         tok = AutoTokenizer.from_pretrained(minilm)
         if name == "sscl":
-            model = sscl.SentenceEncoder(AutoModel.from_pretrained(minilm), "cls").train()
+            model = sscl.SentenceEncoder(AutoModel.from_pretrained(minilm), "cls").to(dev).train()
         else:
-            model = jtcse.Twin([AutoModel.from_pretrained(minilm) for _ in "ab"]).train()
+            model = jtcse.Twin([AutoModel.from_pretrained(minilm) for _ in "ab"]).to(dev).train()
         net = torch.compile(model, dynamic=True) if compiled else model
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
@@ -75,7 +79,7 @@ def build(name, bf16, compiled):
         rows_ = bellm.read_csv(os.environ.get("NLI", "snli_devtest.csv"))[1]
         smollm = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
-        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16)  # as bellm.py: frozen Linears in bf16
+        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen Linears in bf16
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
         net = torch.compile(model, dynamic=True) if compiled else model
         run = lambda i, m: bellm.train_step(  # noqa: E731
@@ -89,44 +93,57 @@ def build(name, bf16, compiled):
         opt.zero_grad(set_to_none=True)
         run(i, net)
         opt.step()
-    return model, step, functools.partial(run, m=model), rows
+    return model, step, lambda i: run(i, model), rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scripts", nargs="+", choices=["sscl", "jtcse", "bellm"])
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16 "
+                   "(always on CUDA, as in the scripts)")
     p.add_argument("--compile", action="store_true", help="torch.compile(dynamic=True)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=common.POS_INT, default=5, help="timed steps (default 5)")
     p.add_argument("--profile", action="store_true", help="torch.profiler's top rows of a step")
     common.show_ranges(p)
     a = p.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
-    cpu = f"{torch.get_num_threads()} threads; bf16 instructions: " + (
-        "yes" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        else "no")
-    top = roof(torch.bfloat16 if a.bf16 else torch.float32)
-    print(f"torch {torch.__version__}, {cpu}; matmul roof (2048^3, "
-          f"{'bf16' if a.bf16 else 'fp32'}): {top / 1e9:.0f} GFLOP/s")
+    dev = torch.device(a.device)
+    bf16 = a.bf16 or dev.type == "cuda"
+    if dev.type == "cuda":
+        here = f"{torch.cuda.get_device_name()} (CUDA)"
+    else:
+        here = f"CPU, {torch.get_num_threads()} threads; bf16 instructions: " + (
+            "yes" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+            else "no")
+    top = roof(torch.bfloat16 if bf16 else torch.float32, dev)
+    print(f"torch {torch.__version__}, {here}; matmul roof ({'bf16' if bf16 else 'fp32'}): "
+          f"{top / 1e9:.0f} GFLOP/s; {'compiled' if a.compile else 'eager'}")
     for name in a.scripts:
-        model, step, eager, rows = build(name, a.bf16, a.compile)
-        first = timed(lambda: step(0))  # warm-up; with --compile, the compilation
-        with common.FlopCount() as counted:
-            eager(1)  # compiled or not, the same matrix products (counted eager, on one step)
-        times = [timed(lambda i=i: step(i)) for i in range(2, 2 + a.steps)]
-        s = statistics.median(times)
-        print(f"{name}: first step {first:.1f} s; median of {a.steps} steps {s:.3f} s: "
-              f"{rows / s:.1f} rows/s, {counted.flops / s / 1e9:.0f} GFLOP/s "
-              f"({counted.flops / 1e9:.0f} GFLOP a step), {100 * counted.flops / s / top:.0f}% "
-              "of the roof")
+        model, step, eager, rows = build(name, bf16, a.compile, dev)
+        first = timed(lambda: step(0), dev)  # warm-up; with --compile, the compilation
+        second = timed(lambda: step(1), dev)  # (CUDA: the allocator's and cuBLAS's warm-up)
+        flops = []
+        for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
+            with common.FlopCount() as counted:
+                eager(i)
+            flops.append(counted.flops)
+        times = [timed(lambda i=i: step(i), dev) for i in range(2, 2 + a.steps)]
+        s, rate = statistics.median(times), sum(flops) / sum(times)
+        print(f"{name}: first step {first:.1f} s, second {second:.2f} s; median of {a.steps} "
+              f"steps {s:.3f} s: {rows / s:.1f} rows/s, {rate / 1e9:.0f} GFLOP/s "
+              f"({statistics.mean(flops) / 1e9:.0f} GFLOP a step), {100 * rate / top:.0f}% of "
+              "the roof", flush=True)
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                step(2 + a.steps)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                            max_name_column_width=40))
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda"
+                                             else [])
+            with profile(activities=acts) as prof:
+                step(2)
+            key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=40))
 
 
 if __name__ == "__main__":
