@@ -2978,8 +2978,8 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
         code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
                                  "--data-dir", data, "--output-dir", tmp_path / f"run{i}",
                                  "--batch-size", 4, "--max-steps", 3, "--eval-steps", 2,
-                                 "--log-steps", 1, "--bi-layers", 2, "--tasks", "STS-B",
-                                 "--lora-r", 4, *(["--no-final-eval"] if i == 0 else []))
+                                 "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4,
+                                 *(["--no-final-eval"] if i == 0 else ["--tasks", "STS-B"]))
         assert code == 0, err
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
@@ -4280,7 +4280,7 @@ def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
                             "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
                             "--max-steps", 2, "--eval-steps", 100,
                             "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-eval-first", "--no-final-eval", "--tasks", "STS-B"]
+                            "--no-eval-first", "--no-final-eval"]
     one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
@@ -4454,14 +4454,16 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
     gradients (an sscl.py step's) leave the weights of the CPU's fused kernel within rtol 1e-6,
     atol 1e-6 (a float32 rounding or two: the kernels order their arithmetic differently; a
     weight decay or bias correction done otherwise is off by ~1e-5) and the moments within rtol
-    1e-5."""
+    2e-5 (on an H100, exp_avg_sq differs by 1.3e-5 relative: 1 - β2 taken in float32,
+    0.00099998713, by one kernel and in double by the other)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(bert_wide_dir)
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
     gpu = copy.deepcopy(enc).to(GPU)
     sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
                     torch.device("cpu"), max_len=16)
-    pc, pg = ([q for q in m.parameters() if q.requires_grad] for m in (enc, gpu))
+    has_grad = [q.grad is not None for q in enc.parameters()]  # BERT's pooler: unused by CLS
+    pc, pg = ([q for q, g in zip(m.parameters(), has_grad) if g] for m in (enc, gpu))
     for qg, qc in zip(pg, pc, strict=True):
         qg.grad = qc.grad.to(GPU)
     opts = [torch.optim.AdamW(ps, lr=1e-3, fused=True) for ps in (pc, pg)]
@@ -4473,7 +4475,7 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
         torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
-                                       rtol=1e-5, atol=1e-12)
+                                       rtol=2e-5, atol=1e-12)
 
 
 @pytest.mark.cuda
@@ -4568,7 +4570,7 @@ def test_harness_cuda_torchrun_nccl_trains_two_steps_and_resumes(
         def args(n):
             return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
                     "--batch-size", 4, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1,
-                    "--lora-r", 4, "--tasks", "STS-B", "--no-final-eval", "--no-eval-first"]
+                    "--lora-r", 4, "--no-final-eval", "--no-eval-first"]
     first = torchrun(f"{script}.py", 1, *args(2))
     assert first.returncode == 0, first.stderr[-3000:]
     head = next(line for line in first.stdout.splitlines() if "process(es)" in line)
