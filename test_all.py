@@ -2626,7 +2626,8 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
                  if k.startswith(f"towers.{i}.")}
         frozen = {k for k in before
                   if k.startswith(("pooler.", "encoder.layer.3.output.LayerNorm"))}
-        assert len(frozen) == 4 and all(torch.equal(before[k], after[k]) for k in frozen)
+        # the training state holds the trained weights alone: neither these nor their changes
+        assert len(frozen) == 4 and not frozen & after.keys()
         assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
                                after["encoder.layer.3.output.dense.weight"])
     s = ["a man is playing a guitar", "the cat sits on the mat"]
