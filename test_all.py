@@ -3520,6 +3520,20 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_dev_scores(
     assert "recompil" not in compiled.stderr, compiled.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_harness_compiled_sscl_run_with_dropout_gives_the_same_numbers_twice(bert_dir, train_txt,
+                                                                           sts_dir, tmp_path):
+    """--compile with dropout on: inductor draws the masks with its own kernels, seeded from
+    torch's generator, so one seed gives the same losses and dev scores twice (an eager run's only
+    in distribution: other masks)."""
+    runs = [run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / f"run{i}",
+                                      "--no-final-eval", "--compile", steps=3, eval_steps=3))
+            for i in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    numbers = [re.findall(r"(?:loss|best) (\S+)", r.stdout) for r in runs]
+    assert len(numbers[0]) >= 4 and numbers[0] == numbers[1]
+
+
 COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "the loss"}
 
 
