@@ -687,7 +687,13 @@ def compiled(fn, on=True, backend="inductor"):
     """fn under torch.compile when on, with dynamic shapes from its first call, so that batches and
     length groups of other sizes reuse its code (a size of 1 compiles once more); else fn itself.
     The first call compiles: seconds to minutes (--compile in docs/operations.md)."""
-    return torch.compile(fn, dynamic=True, backend=backend) if on else fn
+    if not on:
+        return fn
+    import torch._dynamo
+    if not torch._dynamo.is_dynamo_supported():  # e.g. a Python that torch.compile does not know
+        die(f"--compile: torch.compile does not run on this platform (Python {sys.version.split()[0]}"
+            f", torch {torch.__version__}): drop --compile")
+    return torch.compile(fn, dynamic=True, backend=backend)
 
 
 def compiled_encode(encode, on=True, backend="inductor"):
