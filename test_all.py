@@ -283,6 +283,20 @@ def st_python(code):
                           cwd=ROOT, timeout=300)
 
 
+def st_encodes_as_we_do(out):
+    """SentenceTransformer(out) gives eval_sts.py's embeddings of SENTS (within 1e-5), without our
+    code: a run folder is also a sentence-transformers folder."""
+    r = st_python(f"""
+import torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s = {SENTS!r}
+st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
+ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
+print(float((st - ours).abs().max()))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) <= 1e-5
+
+
 def same_step(params, loss_of):
     """loss_of(grouped) -> loss; asserts equal loss (<= 1e-5) and gradients (<= 1e-5 of each
     tensor's largest). The models run in float64: in float32 the two orders of summation differ by
@@ -2003,15 +2017,7 @@ def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir
     assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
     if proj != "0":
         assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
-    r = st_python(f"""
-import torch, eval_sts
-from sentence_transformers import SentenceTransformer
-s = {SENTS!r}
-st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
-print(float((st - ours).abs().max()))""")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert float(r.stdout.split()[-1]) <= 1e-5  # the same embeddings, without our code
+    st_encodes_as_we_do(out)
 
 
 # ---- SSCL: Table 1 (--num-layers), Table 3 (--select-on transfer), Fig. 6 (--convergence) ----
@@ -2109,15 +2115,7 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
              "--tasks", "STS-B", "--split", "dev")
     assert ev.returncode == 0, ev.stderr
     assert f"{float(ev.stdout.split()[2]):.2f}" == re.findall(r"best (\S+)\)", proc.stdout)[-1]
-    r = st_python(f"""
-import torch, eval_sts
-from sentence_transformers import SentenceTransformer
-s = {SENTS!r}
-st = SentenceTransformer({str(out)!r}, device="cpu").encode(s, convert_to_tensor=True)
-ours = eval_sts.load_model({str(out)!r}, device=torch.device("cpu"))(s)
-print(float((st - ours).abs().max()))""")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert float(r.stdout.split()[-1]) <= 1e-5
+    st_encodes_as_we_do(out)
 
 
 # ---------------------------------------------------------------- JTCSE ---------------------------
