@@ -66,8 +66,7 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
-p.add_argument("--compile", action="store_true", help="torch.compile the model, for training and "
-               "evaluation (dynamic shapes: its first step compiles, then every length reuses it)")
+p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -386,14 +385,13 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
 
 
 def load_towers(names, drop=0, pooler=True):
-    """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base, without pooler
-    weights, gets a fresh pooler for eq. 13, said on stderr), and their tokenizer. drop: Fig. 8's
-    LayerNorms removed; pooler=False: BERT's pooler, which feeds only eq. 13, frozen."""
+    """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base's fresh pooler for
+    eq. 13 is said on stderr), their tokenizer; drop: Fig. 8 (pooler frozen); pooler: trained."""
     from transformers import AutoModel, AutoTokenizer
     towers = [drop_layernorm(common.load_pretrained(AutoModel, n, strict=True, fresh="pooler."),
                              drop) for n in names]
     for tower in towers:
-        tower.pooler.requires_grad_(pooler)
+        tower.pooler.requires_grad_(pooler and not drop)  # it feeds only eq. 13
     return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
@@ -429,11 +427,9 @@ def teacher_run(name):
 
 
 def load_teacher(names, max_len, hidden, device):
-    """JTCSE D's teacher (None without names): encode(list[str]) -> (N, hidden), the sum of its
-    members' embeddings (+UC D: the twin and another encoder, Table I), each reading the student's
-    text up to max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
-    if not names:
-        return None
+    """JTCSE D's teacher: encode(list[str]) -> (N, hidden), the sum of its members' embeddings
+    (+UC D: the twin plus another encoder, Table I), each reading the student's text up to
+    max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
     members = []
     for name in names:
         if run := teacher_run(name):
@@ -529,14 +525,13 @@ def main():
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
     towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
-                                    a.drop_layernorm,  # Fig. 8; the pooler feeds only eq. 13:
-                                    not (a.distill or a.no_ictm or a.drop_layernorm))
+                                    a.drop_layernorm, not (a.distill or a.no_ictm))  # eq. 13's
     raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
-    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)  # D
+    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
+        if a.distill else None  # it encodes the text the student reads (cut to --max-len)
     model = ddp(raw_model, world)
-    net = common.compiled(model, a.compile)  # JTCSE D: the student's CLS
-    forward = common.in_length_groups(functools.partial(cls, net) if a.distill else net,
-                                      a.length_grouping)
+    forward = common.in_length_groups(common.compiled(  # JTCSE D: the student's CLS
+        functools.partial(cls, model) if a.distill else model, a.compile), a.length_grouping)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = common.compiled_encode(make_encode(towers, tokenizer, eval_len, device), a.compile)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,

@@ -62,8 +62,7 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
-p.add_argument("--compile", action="store_true", help="torch.compile the model, for training and "
-               "evaluation (dynamic shapes: its first step compiles, then every length reuses it)")
+p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
