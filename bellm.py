@@ -602,8 +602,8 @@ def main():
     tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
     longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt,
-                    a.bf16 or device.type == "cuda")
+    bf16 = a.bf16 or device.type == "cuda"  # autocast: --bf16, always on CUDA
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = ddp(raw_model, world)  # DDP: the LoRA weights' gradients averaged over the ranks
     forward = common.in_length_groups(functools.partial(embed, common.compiled(model, a.compile)),
@@ -627,7 +627,7 @@ def main():
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
         f"{common.device_line(world, device, a.bf16)}")
     log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
-                    dtype == torch.bfloat16 or a.bf16 or device.type == "cuda", grad_ckpt))
+                    dtype == torch.bfloat16 or bf16, grad_ckpt))
 
     handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
     raw_model.train()
@@ -640,9 +640,8 @@ def main():
                                                world):
                     with no_sync(model, last):
                         loss, n = train_step(forward, tokenizer, [rows[i] for i in ids], kind,
-                                             a.prompt, device, a.temp, a.max_len,
-                                             a.bf16 or device.type == "cuda", world, a.grad_accum,
-                                             common.gather)
+                                             a.prompt, device, a.temp, a.max_len, bf16, world,
+                                             a.grad_accum, common.gather)
                     clock["tokens"] += n  # real ones
                     check_loss(loss, step, lr, out)
             optimizer.step()
