@@ -3854,6 +3854,20 @@ def numbers(log):
             if l.startswith("step ")]
 
 
+def whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir, bert_tokenizer_dir, tmp_path,
+                   capsys, monkeypatch):
+    """kill_runs' run of one script, run whole into tmp_path/whole: -> (module, args, data,
+    checkpoint key, its log, the fixtures' namespace)"""
+    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir,
+                  llama=bl_make_model(tok_dir, tmp_path),
+                  bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
+                  bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
+    m, args, data, key = kill_runs(c)[script]
+    code, whole, err = main_of(m, capsys, monkeypatch, *args(tmp_path / "whole"))
+    assert code == 0, err
+    return m, args, data, key, whole, c
+
+
 def kill_runs(c):
     """Per script: (module, its arguments of a run into out, the run's STS data, the checkpoint key
     of the trained weights): runs of 3 steps, each evaluated and saved, that save a new best model
@@ -3928,13 +3942,8 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
     step, a best model of the uninterrupted run (or, before the first best model is whole, refuses
     in one line), and --resume (a new run where no checkpoint.pt was left) ends on the
     uninterrupted run's weights, sentemb.json and dev curve, logging its numbers."""
-    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir,
-                  llama=bl_make_model(tok_dir, tmp_path),
-                  bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
-                  bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
-    m, args, data, key = kill_runs(c)[script]
-    code, whole, err = main_of(m, capsys, monkeypatch, *args(tmp_path / "whole"))
-    assert code == 0, err
+    m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
+                                               bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
     instants, ref = m.STOP["writes"], numbers(whole)
     bests = {(e["step"], f"{e['score']:.2f}") for e in curve_of(tmp_path / "whole")}
     saves = [e for i, e in enumerate(curve_of(tmp_path / "whole"))  # new bests: a save replaces
@@ -3997,13 +4006,8 @@ def test_harness_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
     """A run of 3 steps killed once its step 2 is saved (SENTEMB_KILL_AT), its checkpoint.pt
     rewritten as the scripts wrote it before (older keys): eval_sts.py reads the folder, and
     --resume ends on the weights, sentemb.json and numbers of the uninterrupted run."""
-    c = Namespace(bert=bert_dir, train=train_txt, sts=sts_dir,
-                  llama=bl_make_model(tok_dir, tmp_path),
-                  bert_b=tiny_bert(tmp_path / "bert_b", bert_tokenizer_dir, seed=1),
-                  bl_sts=bl_sts_dir(tmp_path), nli=nli_csv(tmp_path))
-    m, args, data, key = kill_runs(c)[script]
-    code, whole, err = main_of(m, capsys, monkeypatch, *args(tmp_path / "whole"))
-    assert code == 0, err
+    m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
+                                               bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
     instants, out = m.STOP["writes"], tmp_path / "old"
     for k in range(instants, 0, -1):  # the last instant of a save at which step 2's is whole
         shutil.rmtree(out, ignore_errors=True)
