@@ -578,13 +578,15 @@ def length_groups(lengths, cost=GROUP_COST):
     return groups[::-1]
 
 
-def by_length(forward, batch, cost=GROUP_COST, slots=None):
+def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=()):
     """forward(batch) computed on length groups of the batch's rows, each padded only to its own
     longest, and put back in row order: the same rows and the same result as forward(batch) (up to
     float rounding) for the cost of the real tokens. batch: dict of (N, L) tensors with an
     attention_mask, padded on either side; forward's outputs: (N, ...) tensors, or tuples / lists of
     them (nested; None kept). slots: a list that receives the padded token slots computed (rows x
-    length, summed over the groups)."""
+    length, summed over the groups). lookups: word-embedding modules (trained) that forward applies
+    to the group's input_ids: each looks the whole batch up once, and every group reads its rows of
+    that, so that the backward builds one vocabulary-sized gradient, not one a group."""
     mask = batch["attention_mask"]  # (N, L)
     lengths = mask.sum(1).tolist()
     groups = length_groups(lengths, cost)
@@ -593,11 +595,21 @@ def by_length(forward, batch, cost=GROUP_COST, slots=None):
     if len(groups) == 1:
         return forward(batch)
     left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
+    cut = lambda v, idx, L: v[idx, -L:] if left else v[idx, :L]  # noqa: E731  (n_g, L_g, ...)
+    group = {}  # the group being computed: its rows and length
+
+    def reader(whole):  # a forward hook: the group's rows of the whole batch's lookup (N, L, H)
+        return lambda e, args, out: cut(whole, group["idx"], group["L"])
+    hooks = [e.register_forward_hook(reader(e(batch["input_ids"]))) for e in lookups]
     parts = []
-    for g in groups:
-        idx, L = torch.tensor(g, device=mask.device), max(lengths[i] for i in g)
-        parts.append(forward({k: v[idx, -L:] if left else v[idx, :L]
-                              for k, v in batch.items()}))  # (n_g, L_g)
+    try:
+        for g in groups:
+            group.update(idx=torch.tensor(g, device=mask.device), L=max(lengths[i] for i in g))
+            parts.append(forward({k: cut(v, group["idx"], group["L"])
+                                  for k, v in batch.items()}))  # (n_g, L_g)
+    finally:
+        for h in hooks:
+            h.remove()
     # grouped row -> row
     inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()
 
@@ -610,18 +622,36 @@ def by_length(forward, batch, cost=GROUP_COST, slots=None):
     return merge(parts)
 
 
-def in_length_groups(forward, grouped=True):
+def in_length_groups(forward, grouped=True, model=None):
     """forward(batch, ...) as a function computed in length groups (by_length): the same outputs,
-    for the cost of the real tokens; grouped=False: in one padded batch. Its .slots counts the
-    padded token slots it has computed (rows x length), which the scripts turn into FLOPs."""
+    for the cost of the real tokens; grouped=False: in one padded batch. model: the module forward
+    runs, whose trained word embeddings then look a batch up once (by_length's lookups), unless
+    forward is compiled (hooks that change every call would recompile its graphs). Its .slots
+    counts the padded token slots it has computed (rows x length), which the scripts turn into
+    FLOPs."""
+    compiled = hasattr(forward, "_orig_mod") or hasattr(forward, "_torchdynamo_orig_callable")
+    lookups = word_embeddings(model) if model is not None and not compiled else []
+
     def run(batch, *args, **kw):
         slots = []
-        out = by_length(lambda b: forward(b, *args, **kw), batch, slots=slots) if grouped else \
+        out = by_length(lambda b: forward(b, *args, **kw), batch, slots=slots,
+                        lookups=lookups if torch.is_grad_enabled() else []) if grouped else \
             forward(batch, *args, **kw)
         run.slots += slots[0] if grouped else batch["attention_mask"].numel()
         return out
     run.slots = 0
     return run
+
+
+def word_embeddings(model):
+    """The trained input-embedding modules of the Hugging Face models in model (each once)."""
+    from transformers import PreTrainedModel
+    found = []
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and (e := m.get_input_embeddings()) is not None \
+                and e.weight.requires_grad and all(e is not f for f in found):
+            found.append(e)
+    return found
 
 
 class FlopCount(TorchDispatchMode):
@@ -691,8 +721,8 @@ def compiled(fn, on=True, backend="inductor"):
         return fn
     import torch._dynamo
     if not torch._dynamo.is_dynamo_supported():  # e.g. a Python that torch.compile does not know
-        die(f"--compile: torch.compile does not run on this platform (Python {sys.version.split()[0]}"
-            f", torch {torch.__version__}): drop --compile")
+        die("--compile: torch.compile does not run on this platform (Python "
+            f"{sys.version.split()[0]}, torch {torch.__version__}): drop --compile")
     return torch.compile(fn, dynamic=True, backend=backend)
 
 

@@ -358,7 +358,8 @@ def main():
     bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
     raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
     model = ddp(raw_model, world)
-    forward = common.in_length_groups(common.compiled(model, a.compile), a.length_grouping)
+    forward = common.in_length_groups(common.compiled(model, a.compile), a.length_grouping,
+                                      raw_model)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
     encode = common.compiled_encode(make_encode(raw_model, tokenizer, eval_len, device), a.compile)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,

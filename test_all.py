@@ -1474,6 +1474,48 @@ def test_common_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
                                    target))
 
 
+def test_common_grouped_step_looks_each_batch_up_once_in_each_trained_word_embedding(
+        bert_nodrop_dir, jt_env, tmp_path):
+    """in_length_groups(forward, True, model): the trained word embeddings of model look the whole
+    batch up once and the groups read their rows, so the backward builds one vocabulary-sized
+    gradient a tower (embedding_dense_backward), not one a group; the loss and every gradient are
+    the groups' own lookups' (float64), and no hook is left on the model. SSCL's encoder, the JTCSE
+    twin (two towers: two lookups) and the distilled tower."""
+    from transformers import AutoTokenizer
+    cpu, sents = torch.device("cpu"), uneven(random.Random(4), 16)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), "cls").train().double()
+    twin = jtcse.Twin(jt_nodrop(jt_env, tmp_path), 2).train().double()
+    tok, jt_tok = AutoTokenizer.from_pretrained(bert_nodrop_dir), jt_env[1]
+    backward = lambda loss: loss.backward() or loss  # noqa: E731
+    cases = [(enc, enc, lambda f: sscl.train_step(f, tok, sents, [1], cpu), 1),
+             (twin, twin, lambda f: jtcse.train_step(f, jt_tok, sents, 1, cpu)[0], 2),
+             (functools.partial(jtcse.cls, twin.towers[0]), twin.towers[0], lambda f: backward(
+                 F.mse_loss(f(jt_batch_of(jt_tok, sents)), torch.ones(16, 32).double())), 1)]
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Backwards(TorchDispatchMode):  # counts the word embeddings' embedding_dense_backward
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n = getattr(self, "n", 0) + (func._overloadpacket.__name__ ==
+                                              "embedding_dense_backward" and args[2] == vocab)
+            return func(*args, **(kwargs or {}))
+    for forward, model, loss_of, towers in cases:
+        out, vocab = [], common.word_embeddings(model)[0].num_embeddings
+        for lookups in (None, model):
+            model.zero_grad(set_to_none=True)
+            grouped = common.in_length_groups(forward, True, lookups)
+            with Backwards() as counted:
+                loss = loss_of(grouped)  # and its backward (as train_step)
+            out.append((counted.n, loss.item(),
+                        [q.grad.clone() for q in model.parameters() if q.grad is not None]))
+        (n0, l0, g0), (n1, l1, g1) = out
+        assert len(common.word_embeddings(model)) == towers and n1 == towers < n0
+        assert abs(l1 - l0) <= 1e-12 * abs(l0) and len(g1) == len(g0) > 0
+        for a, b in zip(g1, g0):
+            assert (a - b).abs().max() <= 1e-10 * b.abs().max() + 1e-15
+        assert all(not e._forward_hooks for e in common.word_embeddings(model))
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_common_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 2, "convert", bl_CPU)
@@ -3474,7 +3516,7 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
         out = []
         for model in (net, enc):
             enc.zero_grad(set_to_none=True)
-            loss = sscl.train_step(common.in_length_groups(model), tok, sents, [1], cpu,
+            loss = sscl.train_step(common.in_length_groups(model, True, enc), tok, sents, [1], cpu,
                                    max_len=24, bf16=bf16)
             out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
         (lc, gc), (le, ge) = out
@@ -4340,8 +4382,8 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
             bert_wide_dir)
 
     def step(copy, rows, world):
-        return sscl.train_step(common.in_length_groups(copy[0]), copy[1], rows, layers,
-                               torch.device("cpu"), a.temp, a.max_len, world=world,
+        return sscl.train_step(common.in_length_groups(copy[0], True, copy[0]), copy[1], rows,
+                               layers, torch.device("cpu"), a.temp, a.max_len, world=world,
                                gather=common.gather)
 
     rng = random.Random(0)
@@ -4416,7 +4458,7 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
 
     def step(copy, rows, world):
         model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
-        return jtcse.train_step(common.in_length_groups(model), copy[1], rows, 1,
+        return jtcse.train_step(common.in_length_groups(model, True, copy[0]), copy[1], rows, 1,
                                 torch.device("cpu"), a.temp, a.max_len, a.objective,
                                 teacher=(copy[2:] or [None])[0], world=world,
                                 gather=common.gather)[0]

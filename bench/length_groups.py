@@ -13,6 +13,8 @@ round, then median of --reps rounds.
   python bench/length_groups.py bellm [--bf16]
   # what bellm.py --bf16 does
   python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16
+  # the word embeddings' lookup: once for the batch (the scripts), or in every group
+  python bench/length_groups.py sscl --lookups once,group
   (MINILM, SMOLLM: model names or folders; WIKI, NLI: the data files; --costs 16,64,256 --reps 5)
 """
 import argparse
@@ -48,6 +50,13 @@ def frozen(s):
     return s.split(",")
 
 
+def lookups(s):
+    """--lookups: once and / or group."""
+    if bad := [w for w in s.split(",") if w not in ("once", "group")]:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not once or group")
+    return s.split(",")
+
+
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("method", choices=["sscl", "jtcse", "bellm"])
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
@@ -61,6 +70,9 @@ p.add_argument("--frozen", type=frozen, default="float32",
                help="bellm: dtype(s) of the frozen base Linears to compare; with --bf16, "
                     "bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead "
                     "of at every pass")
+p.add_argument("--lookups", type=lookups, default="once",
+               help="sscl, jtcse: the trained word embeddings look the batch up once (the scripts: "
+                    "one vocabulary-sized gradient a step) or in each group; comma-separated")
 common.show_ranges(p)
 a = p.parse_args()
 common.seed_everything(42)
@@ -117,31 +129,34 @@ opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
 lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn.split(",") if a.method == "bellm" else [None]
-configs = [(c, at, f) for f in forwards for at in attns
-           for c in [None] + a.costs]
+ways = a.lookups if a.method != "bellm" else ["once"]  # (BeLLM's embeddings are frozen)
+configs = [(c, at, f, w) for f in forwards for at in attns
+           for c, w in [(None, None)] + [(c, w) for c in a.costs for w in ways]]
 slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
          sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c))
-         for c, _, _ in configs}
+         for c, _, _, _ in configs}
 times = {k: [] for k in configs}
 for rep in range(a.reps + 1):
-    for c, at, f in configs:
+    for c, at, f, w in configs:
         if at:
             models[f].base_model.model.set_attn_implementation(at)
         t = time.perf_counter()
         with common.autocast(dev, a.bf16):
-            out = forwards[f](batch) if c is None else common.by_length(forwards[f], batch, c)
+            out = forwards[f](batch) if c is None else common.by_length(
+                forwards[f], batch, c, lookups=common.word_embeddings(models[f]) * (w == "once"))
         loss_of(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rep:
-            times[c, at, f].append(time.perf_counter() - t)
+            times[c, at, f, w].append(time.perf_counter() - t)
 print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads, "
       f"{len(lengths)} texts, {real} real tokens, median of {a.reps} steps")
 base = statistics.median(times[configs[0]])
-for c, at, f in configs:
-    m = statistics.median(times[c, at, f])
+for c, at, f, w in configs:
+    m = statistics.median(times[c, at, f, w])
     name = (("padded (--no-length-grouping)" if c is None else
              f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups")
-            + (f", {at}" if at else "") + (f", frozen {f}" if f else ""))
+            + (f", {at}" if at else "") + (f", frozen {f}" if f else "")
+            + (f", lookups {w}" if w and len(ways) > 1 else ""))
     print(f"{name:<68} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
           f"{real / m:7.0f} real tok/s  x{base / m:.2f}")

@@ -143,14 +143,14 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
             m = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers)
             return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc), tokenizer(False), texts(n), m, run, a.temp,
+                common.in_length_groups(enc, True, enc), tokenizer(False), texts(n), m, run, a.temp,
                 a.max_len, bf16=gpu)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
             return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin), tokenizer(False), texts(n), 1, run, a.temp,
-                a.max_len, bf16=gpu)
+                common.in_length_groups(twin, True, twin), tokenizer(False), texts(n), 1, run,
+                a.temp, a.max_len, bf16=gpu)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
             student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
@@ -158,7 +158,8 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
                                         tokenizer(False), a.max_len, run)
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(functools.partial(jtcse.cls, student)), tokenizer(False),
+                common.in_length_groups(functools.partial(jtcse.cls, student), True, student),
+                tokenizer(False),
                 texts(n), 1, run, max_len=a.max_len, bf16=gpu, teacher=teacher)[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
         a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])

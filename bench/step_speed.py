@@ -68,18 +68,18 @@ def build(name, bf16, compiled, dev):
         net = torch.compile(model, dynamic=True) if compiled else model
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
-                common.in_length_groups(m), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
+                common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
                 max_len=32, bf16=bf16)
         else:
             run = lambda i, m: jtcse.train_step(  # noqa: E731
-                common.in_length_groups(m), tok, sents[64 * i:64 * (i + 1)], i % 2, cpu,
-                max_len=32, bf16=bf16)
+                common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], i % 2,
+                cpu, max_len=32, bf16=bf16)
         rows = 64
     else:
         rows_ = bellm.read_csv(os.environ.get("NLI", "snli_devtest.csv"))[1]
         smollm = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
-        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen Linears in bf16
+        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
         net = torch.compile(model, dynamic=True) if compiled else model
         run = lambda i, m: bellm.train_step(  # noqa: E731
