@@ -773,6 +773,7 @@ def test_eval_mteb_flag_prints_and_writes_json(bert_dir, sts_dir, tmp_path, caps
     assert "mteb" in r["seconds"]
 
 
+@pytest.mark.slow
 def test_eval_mteb_bad_inputs(bert_dir, sts_dir, capsys, monkeypatch):
     """--mteb: mteb missing, an unknown task, an empty list -> one error line naming the fix."""
     def bad(*args):
@@ -1740,6 +1741,7 @@ def paper_scale():
     return module
 
 
+@pytest.mark.slow
 def test_bench_paper_scale_counts_on_fake_tensors_what_the_real_step_gives():
     """bench/paper_scale.py counts each run's train_step on fake tensors (shapes, no storage): on
     tiny configurations its FLOPs and the bytes autograd keeps for the backward equal those of the
@@ -2092,6 +2094,7 @@ def test_sscl_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(be
     assert torch.equal(z1, want.hidden_states[1][:, 0])
 
 
+@pytest.mark.slow
 def test_sscl_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(
         bert_dir, train_txt, tmp_path, capsys, monkeypatch):
     """--select-on transfer: every dev evaluation is the mean fasttest dev accuracy of the 7
