@@ -1785,6 +1785,7 @@ BENCH_BAD = [
      ["--scripts", "'simcse' is not one of sscl, jtcse, bellm"]),
     ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
     ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
+    ("length_groups.py", ["sscl", "--lookups", "once,twice"], ["--lookups", "'twice' is not once"]),
     ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
     ("bellm_files.py", ["csts-synthetic", "nli.csv", "200", "100"],
      ["LAST (100) must be greater than FIRST (200)"]),
