@@ -530,9 +530,8 @@ def main():
     teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
         if a.distill else None  # it encodes the text the student reads (cut to --max-len)
     model = ddp(raw_model, world)
-    forward = common.in_length_groups(common.compiled(  # JTCSE D: the student's CLS
-        functools.partial(cls, model) if a.distill else model, a.compile), a.length_grouping,
-        raw_model)
+    forward = common.in_length_groups(common.compiled(functools.partial(cls, model) if a.distill
+                                      else model, a.compile), a.length_grouping, raw_model)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = common.compiled_encode(make_encode(towers, tokenizer, eval_len, device), a.compile)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
