@@ -43,18 +43,13 @@ def costs(s):
 costs.range = "integers >= 0"  # for show_ranges
 
 
-def frozen(s):
-    """--frozen: dtypes the frozen Linears can have (another would run silently as float32)."""
-    if bad := [f for f in s.split(",") if f not in ("float32", "bfloat16")]:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not float32 or bfloat16")
-    return s.split(",")
-
-
-def lookups(s):
-    """--lookups: once and / or group."""
-    if bad := [w for w in s.split(",") if w not in ("once", "group")]:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not once or group")
-    return s.split(",")
+def one_of(*allowed):
+    """A comma-separated list of the allowed words (another would be ignored silently)."""
+    def parse(s):
+        if bad := [w for w in s.split(",") if w not in allowed]:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not {' or '.join(allowed)}")
+        return s.split(",")
+    return parse
 
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,11 +61,11 @@ p.add_argument("--reps", type=common.POS_INT, default=5, help="timed rounds (def
 p.add_argument("--attn", default="eager",
                help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
                     "(bellm.py uses eager on CPU)")
-p.add_argument("--frozen", type=frozen, default="float32",
+p.add_argument("--frozen", type=one_of("float32", "bfloat16"), default="float32",
                help="bellm: dtype(s) of the frozen base Linears to compare; with --bf16, "
                     "bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead "
                     "of at every pass")
-p.add_argument("--lookups", type=lookups, default="once",
+p.add_argument("--lookups", type=one_of("once", "group"), default="once",
                help="sscl, jtcse: the trained word embeddings look the batch up once (the scripts: "
                     "one vocabulary-sized gradient a step) or in each group; comma-separated")
 common.show_ranges(p)
@@ -130,6 +125,7 @@ lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn.split(",") if a.method == "bellm" else [None]
 ways = a.lookups if a.method != "bellm" else ["once"]  # (BeLLM's embeddings are frozen)
+lookups = {f: common.word_embeddings(m) for f, m in models.items()}  # the trained ones
 configs = [(c, at, f, w) for f in forwards for at in attns
            for c, w in [(None, None)] + [(c, w) for c in a.costs for w in ways]]
 slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
@@ -143,7 +139,7 @@ for rep in range(a.reps + 1):
         t = time.perf_counter()
         with common.autocast(dev, a.bf16):
             out = forwards[f](batch) if c is None else common.by_length(
-                forwards[f], batch, c, lookups=common.word_embeddings(models[f]) * (w == "once"))
+                forwards[f], batch, c, lookups=lookups[f] * (w == "once"))
         loss_of(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -159,8 +159,7 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
                                         tokenizer(False), a.max_len, run)
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
                 common.in_length_groups(functools.partial(jtcse.cls, student), True, student),
-                tokenizer(False),
-                texts(n), 1, run, max_len=a.max_len, bf16=gpu, teacher=teacher)[0]
+                tokenizer(False), texts(n), 1, run, max_len=a.max_len, bf16=gpu, teacher=teacher)[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
         a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])
         cfg = LlamaConfig(**{**llama, "num_hidden_layers": layers or llama["num_hidden_layers"]})
