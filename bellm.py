@@ -74,7 +74,7 @@ p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
-p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
+p.add_argument("--compile", action="store_true", help="torch.compile each layer (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -365,7 +365,7 @@ def make_encode(dec, tok, cfg, device, cpu_bf16=False):
         with common.autocast(device, cpu_bf16):
             return common.encode_in_batches(encode.embed, tok, texts, max_len, device, 64)
     encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
-    encode.embed = functools.partial(embed, net)  # what it runs (common.compiled_encode)
+    encode.embed, encode.layers = functools.partial(embed, net), net  # common.compiled_encode
     return encode
 
 
@@ -606,14 +606,14 @@ def main():
     lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = ddp(raw_model, world)  # DDP: the LoRA weights' gradients averaged over the ranks
-    forward = common.in_length_groups(functools.partial(embed, common.compiled(model, a.compile)),
-                                      a.length_grouping)
+    forward = common.in_length_groups(  # --compile: each decoder layer, in place (training, eval)
+        functools.partial(embed, common.compiled_layers(model, a.compile)), a.length_grouping)
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
                 base_checksum=base_checksum(dec))  # sentemb.json: how it encodes
-    encode = common.compiled_encode(make_encode(dec, tokenizer, meta, device, a.bf16), a.compile)
+    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
 
     # the optimiser: AdamW with linear decay (the authors' HF Trainer)
     params = [q for q in raw_model.parameters() if q.requires_grad]

@@ -3577,6 +3577,22 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
 
 
 @pytest.mark.slow
+def test_eval_compiled_decoder_encodes_as_eager_with_each_layer_compiled(tok_dir, tmp_path):
+    """eval_sts.py --compile on a decoder read as BeLLM reads it (--pooler last): its decoder layers
+    compiled in place (common.compiled_layers, inductor), one graph for the four, and the eager
+    vectors, fp32."""
+    from torch._dynamo.utils import counters
+    model, cpu = str(bl_make_model(tok_dir, tmp_path)), torch.device("cpu")
+    load = functools.partial(eval_sts.load_model, model, "last", device=cpu, prompt=bellm.PROMPT)
+    want = load()(SENTS)
+    torch._dynamo.reset()
+    encode = common.compiled_encode(load())
+    assert sum(m._compiled_call_impl is not None for m in encode.layers.modules()) == 4
+    torch.testing.assert_close(encode(SENTS), want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]  # a group with no padding
+
+
+@pytest.mark.slow
 def test_harness_compiled_sscl_run_with_dropout_gives_the_same_numbers_twice(bert_dir, train_txt,
                                                                            sts_dir, tmp_path):
     """--compile with dropout on: inductor draws the masks with its own kernels, seeded from
@@ -4651,23 +4667,27 @@ def test_harness_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("method", ["sscl", "jtcse"])
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "bellm"])
 def test_harness_cuda_compiled_train_step_is_the_eager_step(
         method, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir):
     """--compile on CUDA (inductor's Triton kernels) under bf16 autocast: the step's loss and
-    gradient within bf16 rounding of the eager step's on the GPU, same weights, dropout off."""
+    gradient within bf16 rounding of the eager step's on the GPU, same weights, dropout off (2 %;
+    BeLLM, its decoder layers compiled through its frozen bf16 base, 5 %: inductor keeps fp32
+    between the ops it fuses where eager rounds each op's output to bf16; an H100 gave 3.0 %)."""
     [_, (model, gpu, a)], step, _ = bf16_runs(method, tmp_path, bert_wide_dir,
                                               bert_tokenizer_dir, tok_dir)
     torch._dynamo.reset()
     out = []
-    for m in (common.compiled(model), model):
-        model.zero_grad(set_to_none=True)
+    net = common.compiled_layers(copy.deepcopy(model)) if method == "bellm" else \
+        common.compiled(model)  # bellm.py's --compile, sscl.py's and jtcse.py's
+    for m in (net, model):
+        m.zero_grad(set_to_none=True)
         loss = step(m, gpu, a).item()
-        out.append((loss, torch.cat([q.grad.flatten() for q in model.parameters()
+        out.append((loss, torch.cat([q.grad.flatten() for q in m.parameters()
                                      if q.grad is not None])))
     (lc, gc), (le, ge) = out
     assert math.isfinite(lc) and lc == pytest.approx(le, rel=1e-2, abs=1e-3)
-    assert (gc - ge).norm() <= 2e-2 * ge.norm()
+    assert (gc - ge).norm() <= (5e-2 if method == "bellm" else 2e-2) * ge.norm()
 
 
 @pytest.mark.cuda

@@ -52,9 +52,9 @@ def timed(fn, device):
     return time.perf_counter() - t
 
 
-def build(name, bf16, compiled, dev):
-    """(the trained module, step(i): the script's train_step on batch i (compiled or not) and its
-    AdamW step, count(i): the eager train_step alone, rows a step)"""
+def build(name, bf16, dev):
+    """(the trained module, step(i, net): the script's train_step on batch i, run by net (the
+    module, or it compiled), and its AdamW step, run(i, net): the train_step alone, rows a step)"""
     from transformers import AutoModel, AutoTokenizer
     cpu = dev
     minilm = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
@@ -65,7 +65,6 @@ def build(name, bf16, compiled, dev):
             model = sscl.SentenceEncoder(AutoModel.from_pretrained(minilm), "cls").to(dev).train()
         else:
             model = jtcse.Twin([AutoModel.from_pretrained(minilm) for _ in "ab"]).to(dev).train()
-        net = torch.compile(model, dynamic=True) if compiled else model
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
                 common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
@@ -81,7 +80,6 @@ def build(name, bf16, compiled, dev):
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
-        net = torch.compile(model, dynamic=True) if compiled else model
         run = lambda i, m: bellm.train_step(  # noqa: E731
             common.in_length_groups(functools.partial(bellm.embed, m)), tok,
             rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32, bf16=bf16)
@@ -89,11 +87,11 @@ def build(name, bf16, compiled, dev):
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5,
                             fused=True)
 
-    def step(i):
+    def step(i, net):
         opt.zero_grad(set_to_none=True)
         run(i, net)
         opt.step()
-    return model, step, lambda i: run(i, model), rows
+    return model, step, run, rows
 
 
 def main():
@@ -102,7 +100,9 @@ def main():
     p.add_argument("scripts", nargs="+", choices=["sscl", "jtcse", "bellm"])
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16 "
                    "(always on CUDA, as in the scripts)")
-    p.add_argument("--compile", action="store_true", help="torch.compile(dynamic=True)")
+    p.add_argument("--compile", action="store_true",
+                   help="as the scripts' --compile: torch.compile(dynamic=True) of the model "
+                   "(bellm: of each decoder layer)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=common.POS_INT, default=5, help="timed steps (default 5)")
     p.add_argument("--profile", action="store_true", help="torch.profiler's top rows of a step")
@@ -122,15 +122,17 @@ def main():
     print(f"torch {torch.__version__}, {here}; matmul roof ({'bf16' if bf16 else 'fp32'}): "
           f"{top / 1e9:.0f} GFLOP/s; {'compiled' if a.compile else 'eager'}")
     for name in a.scripts:
-        model, step, eager, rows = build(name, bf16, a.compile, dev)
-        first = timed(lambda: step(0), dev)  # warm-up; with --compile, the compilation
-        second = timed(lambda: step(1), dev)  # (CUDA: the allocator's and cuBLAS's warm-up)
+        model, step, run, rows = build(name, bf16, dev)
         flops = []
         for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
             with common.FlopCount() as counted:
-                eager(i)
+                run(i, model)
             flops.append(counted.flops)
-        times = [timed(lambda i=i: step(i), dev) for i in range(2, 2 + a.steps)]
+        net = common.compiled_layers(model, a.compile) if name == "bellm" else \
+            common.compiled(model, a.compile)  # as the scripts' --compile (bellm's: in place)
+        first = timed(lambda: step(0, net), dev)  # warm-up; with --compile, the compilation
+        second = timed(lambda: step(1, net), dev)  # (CUDA: the allocator's, cuBLAS's warm-up)
+        times = [timed(lambda i=i: step(i, net), dev) for i in range(2, 2 + a.steps)]
         s, rate = statistics.median(times), sum(flops) / sum(times)
         print(f"{name}: first step {first:.1f} s, second {second:.2f} s; median of {a.steps} "
               f"steps {s:.3f} s: {rows / s:.1f} rows/s, {rate / 1e9:.0f} GFLOP/s "
@@ -141,7 +143,7 @@ def main():
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda"
                                              else [])
             with profile(activities=acts) as prof:
-                step(2)
+                step(2, net)
             key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=40))
 
