@@ -274,8 +274,8 @@ p.add_argument("--bf16", action="store_true",
                help="bf16 autocast on CPU as well (about 2x faster where the CPU has bf16 "
                     "instructions; numbers move by ~0.01)")
 p.add_argument("--compile", action="store_true",
-               help="torch.compile each model's forward (dynamic shapes: compiled once, then "
-                    "reused for every batch; the compilation takes seconds to minutes)")
+               help="torch.compile each model's forward, a decoder's layer by layer (dynamic "
+                    "shapes: compiled once, then reused for every batch; seconds to minutes)")
 p.add_argument("--quiet", action="store_true",
                help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")

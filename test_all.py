@@ -3540,12 +3540,13 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm", "bellm-ckpt"])
 def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
         script, bert_nodrop_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path):
     """Each script with --compile (inductor, as a user runs it) and without, dropout off: the same
     step losses (to the log's 4 decimals, within 2 units of the last) and trained weights (the dev
-    scores of these tiny untrained models rank near-equal cosines, so rounding may reorder them)."""
+    scores of these tiny untrained models rank near-equal cosines, so rounding may reorder them).
+    bellm-ckpt: with --grad-ckpt (CUDA's default), checkpointed inside each compiled layer."""
     if script == "sscl":
         args = lambda out: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
                                      "--no-final-eval", steps=3, eval_steps=3)
@@ -3562,7 +3563,8 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
                             "--data-dir", data, "--output-dir", out, "--batch-size", 4,
                             "--max-steps", 3, "--eval-steps", 3, "--log-steps", 1,
                             "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-final-eval"]
+                            "--no-final-eval", *(["--grad-ckpt"] if script == "bellm-ckpt" else [])]
+    script = script.removesuffix("-ckpt")
     eager = run(f"{script}.py", *args(tmp_path / "eager"))
     compiled = run(f"{script}.py", *args(tmp_path / "compiled"), "--compile")
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
@@ -3587,10 +3589,10 @@ def test_eval_compiled_decoder_encodes_as_eager_with_each_layer_compiled(tok_dir
     load = functools.partial(eval_sts.load_model, model, "last", device=cpu, prompt=bellm.PROMPT)
     want = load()(SENTS)
     torch._dynamo.reset()
-    encode = common.compiled_encode(load())
+    graphs, encode = counters["stats"]["unique_graphs"], common.compiled_encode(load())
     assert sum(m._compiled_call_impl is not None for m in encode.layers.modules()) == 4
     torch.testing.assert_close(encode(SENTS), want, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]  # a group with no padding
+    assert counters["stats"]["unique_graphs"] - graphs <= 2  # and a batch with no padding
 
 
 @pytest.mark.slow
