@@ -3539,6 +3539,38 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_harness_compiled_layers_bellm_step_is_the_eager_step(tok_dir, tmp_path):
+    """common.compiled_layers (bellm.py's --compile; dynamo's eager backend here, inductor in the
+    slow and CUDA tiers) compiles each of a tiny LLaMA's 4 decoder layers in place, keeping the
+    state_dict's keys; BeLLM's step (K = 1, LoRA with B != 0, dropout off) then gives the loss and
+    LoRA gradients of an eager copy's step, fp32, and the layers share their graphs."""
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    cpu = torch.device("cpu")
+    tok, dec = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
+    torch.manual_seed(0)
+    get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                   target_modules="all-linear")).train()
+    eager, keys = copy.deepcopy(dec), list(dec.state_dict())
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    assert common.compiled_layers(dec, backend="eager") is dec and list(dec.state_dict()) == keys
+    assert sum(m._compiled_call_impl is not None for m in dec.modules()) == 4
+    rows = [[SENTS[i], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(6)]
+    out = []
+    for m in (dec, eager):
+        net = bellm.BeLLM(m, 1, "parallel", "convert")
+        loss = bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)), tok,
+                                rows, "nli", bellm.PROMPT, cpu, 0.05, 32)[0]  # and backward
+        out.append((loss.detach(), torch.cat([q.grad.flatten() for q in m.parameters()
+                                              if q.grad is not None])))
+    (lc, gc), (le, ge) = out
+    torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-6)
+    assert gc.numel() > 0 and (gc - ge).norm() <= 1e-5 * ge.norm()
+    # fewer graphs than layers: they share them (2 here; other masks may add one)
+    assert 0 < counters["stats"]["unique_graphs"] - graphs < 4, counters["stats"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm", "bellm-ckpt"])
 def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
