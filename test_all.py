@@ -3614,8 +3614,8 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
 @pytest.mark.slow
 def test_eval_compiled_decoder_encodes_as_eager_with_each_layer_compiled(tok_dir, tmp_path):
     """eval_sts.py --compile on a decoder read as BeLLM reads it (--pooler last): its decoder layers
-    compiled in place (common.compiled_layers, inductor), one graph for the four, and the eager
-    vectors, fp32."""
+    compiled in place (common.compiled_layers, inductor), the four sharing their graphs, and the
+    eager vectors, fp32."""
     from torch._dynamo.utils import counters
     model, cpu = str(bl_make_model(tok_dir, tmp_path)), torch.device("cpu")
     load = functools.partial(eval_sts.load_model, model, "last", device=cpu, prompt=bellm.PROMPT)
