@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
+from transformers import get_linear_schedule_with_warmup
 
 import common
 
@@ -68,6 +69,15 @@ p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, defau
                help="a step's texts in length groups: the same loss, the real tokens' cost")
 p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 2e-4 (batch: one of 16, 32, 64, "
                "128); --resume: the run's own unless given")
+# NOTE(authors' code): 4AI/BeLLM's AnglE.fit (model.py L417-430) sets only warm-up and lr of HF
+# TrainingArguments (transformers >= 4.38.2, which billm 0.1.3 needs; training_args.py L769,
+# L773): weight decay 0.0, clipping at 1.0; warm-up: train.py L70's default, 100 steps
+p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.0, help="AdamW's, biases and "
+               "norms excluded (authors' code: 0.0)")
+p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=1.0, help="clip the gradients' "
+               "global norm to this before each update (authors' code: 1.0); 0: no clipping")
+p.add_argument("--warmup-steps", type=common.NONNEG_INT, default=100, help="the rate's linear "
+               "warm-up before its linear decay to 0 (authors' code: 100)")
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
                "(paper: 64)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
@@ -615,10 +625,10 @@ def main():
                 base_checksum=base_checksum(dec))  # sentemb.json: how it encodes
     encode = make_encode(dec, tokenizer, meta, device, a.bf16)
 
-    # the optimiser: AdamW with linear decay (the authors' HF Trainer)
-    params = [q for q in raw_model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / len(steps))
+    # the update; NOTE(authors' code): HF Trainer (4.38.2), torch's AdamW (training_args.py L1142)
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # clipped: trainer.py L1998
+    optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
+    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))  # L781
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
         (0, -math.inf)
     check_base(meta["base_checksum"], state and state.get("base_checksum"), a.model, CKPT)
@@ -644,10 +654,12 @@ def main():
                                              a.grad_accum, common.gather)
                     clock["tokens"] += n  # real ones
                     check_loss(loss, step, lr, out)
+            gnorm = common.clip_gradients(params, a.max_grad_norm)  # before clipping: gnorm
             optimizer.step()
             scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
-                log(f"step {step:>5}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
+                    f"{scheduler.get_last_lr()[0]:.2e}  "
                     f"{rates(clock, step, per_step, 'rows', world, device)}")
                 clock = new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
@@ -688,6 +700,8 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
 RECOPY = "copy the whole run folder again, or train again"
+EARLIER = {"weight_decay": 0.01, "max_grad_norm": 0.0, "warmup_steps": 0}  # the update of runs
+# saved before these flags: torch's AdamW defaults, unclipped, no warm-up
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -919,7 +933,8 @@ def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
                    f"the training state {METHOD}.py writes): {fix}")
     defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
     state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
+    state["args"] = {**defaults, **{k: v for k, v in EARLIER.items() if k in defaults},
+                     **state["args"]}
     return state
 
 

@@ -118,6 +118,26 @@ def seed_everything(seed):
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def decay_groups(model, weight_decay):
+    """HF Trainer's AdamW parameter groups: the trained weights decay by weight_decay, but biases
+    and norm weights (LayerNorm, RMSNorm) do not (transformers 4.2.1's trainer.py L553:
+    `no_decay = ["bias", "LayerNorm.weight"]`; 4.38's L962-970, by the norm's type)."""
+    norms = {id(q) for m in model.modules() if "norm" in type(m).__name__.lower()
+             for q in m.parameters(recurse=False)}
+    groups = ([], [])  # decayed, not decayed
+    for name, q in model.named_parameters():
+        if q.requires_grad:
+            groups["bias" in name or id(q) in norms].append(q)
+    return [{"params": g, "weight_decay": wd} for g, wd in zip(groups, (weight_decay, 0.0)) if g]
+
+
+def clip_gradients(params, max_norm):
+    """The gradients' global 2-norm before clipping, after scaling them to max_norm if it exceeds
+    it (HF Trainer's torch.nn.utils.clip_grad_norm_; max_norm 0: measured, left as they are). Under
+    torchrun the gradients are the all-reduced ones, so the norm is the global batch's."""
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))
+
+
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
 
 
@@ -228,6 +248,7 @@ NONNEG_INT = _typed(int, lambda v: v >= 0, "an integer >= 0")
 STEPS = _typed(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1")
 SEED = _typed(int, lambda v: 0 <= v < 2**32, "an integer in 0..2**32-1")
 POS_FLOAT = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+NONNEG_FLOAT = _typed(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 PROB = _typed(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
 FRACTION = _typed(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 

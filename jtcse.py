@@ -60,6 +60,12 @@ p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, defau
                help="a step's texts in length groups: the same loss, the real tokens' cost")
 p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 1.3e-6 (the towers are trained "
                "already); --distill: 1e-5; --resume: the run's own unless given")
+# NOTE(authors' code): train_jtcse_bert.py L245, torch.optim.AdamW(model.parameters(), lr=lr):
+# torch's defaults (weight decay 0.01 on every weight; betas 0.9/0.999, ε 1e-8); L77-79: unclipped
+p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.01, help="AdamW's, on every "
+               "trained weight (authors' code: 0.01, torch's default)")
+p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=0.0, help="clip the gradients' "
+               "global norm to this before each update; 0: no clipping (authors' code)")
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
                "(paper: 64)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
@@ -539,9 +545,9 @@ def main():
                 num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
                 drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
 
-    # the optimiser; NOTE(authors' code): AdamW at a constant learning rate, no warm-up
-    params = [q for q in raw_model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
+    # the update; NOTE(authors' code): AdamW (train_jtcse_bert.py L245) at a constant rate
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # (a frozen pooler: none)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen) \
         if state else (0, -math.inf)
@@ -567,12 +573,14 @@ def main():
                             a.bf16 or device.type == "cuda", teacher, world, a.grad_accum,
                             common.gather)
                     check_loss(loss, step, lr, out)
+            gnorm = common.clip_gradients(params, a.max_grad_norm)  # before clipping: gnorm
             optimizer.step()
             scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
                 parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
-                    f"  R {R}") + f"  {rates(clock, step, per_step, 'sent', world, device)}")
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}  gnorm {gnorm:.3g}"
+                    + ("" if a.distill else f"  R {R}")
+                    + f"  {rates(clock, step, per_step, 'sent', world, device)}")
                 clock = new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 or step == len(steps)
@@ -612,6 +620,8 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
 RECOPY = "copy the whole run folder again, or train again"
+EARLIER = {"weight_decay": 0.01, "max_grad_norm": 0.0, "warmup_steps": 0}  # the update of runs
+# saved before these flags: torch's AdamW defaults, unclipped, no warm-up
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -843,7 +853,8 @@ def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
                    f"the training state {METHOD}.py writes): {fix}")
     defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
     state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
+    state["args"] = {**defaults, **{k: v for k, v in EARLIER.items() if k in defaults},
+                     **state["args"]}
     return state
 
 

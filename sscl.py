@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
 
 import common
 
@@ -56,6 +56,14 @@ p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, defau
                help="a step's texts in length groups: the same loss, the real tokens' cost")
 p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 3e-5 (1e-5 for large models); "
                "--resume: the run's own unless given")
+# NOTE(authors' code): the update of their Trainer, transformers 4.2.1 (training_args.py L289,
+# L293, L304: weight decay 0.0, clipping at 1.0, no warm-up; run_unsup_example.sh keeps them)
+p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.0, help="AdamW's, biases and "
+               "LayerNorm excluded (authors' code: 0.0)")
+p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=1.0, help="clip the gradients' "
+               "global norm to this before each update (authors' code: 1.0); 0: no clipping")
+p.add_argument("--warmup-steps", type=common.NONNEG_INT, default=0, help="the rate's linear "
+               "warm-up before its linear decay to 0 (authors' code: 0)")
 p.add_argument("--max-len", type=common.POS_INT, default=32, help="training tokens a sentence "
                "(paper: 32)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every N steps")
@@ -166,6 +174,21 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
     # Trainer does not scale by world, which AdamW cancels up to its eps)
     (loss * world / accum).backward()
     return loss
+
+
+# ---------------------------------------------------------------- the authors' update -------------
+class AdamW421(torch.optim.AdamW):
+    """NOTE(authors' code): the AdamW of their Trainer, transformers 4.2.1's (optimization.py
+    L347-355): ε is added to √v before the bias correction, torch's AdamW adds it after. With
+    b1 = 1 - β1^t, b2 = 1 - β2^t at step t, theirs is lr·√b2/b1 · m / (√v + ε) = lr/b1 · m /
+    (√(v/b2) + ε/√b2): torch's update with ε/√b2 (docs/sscl.md, detail 11), in torch's fused
+    kernel. Weight decay (theirs: 0.0) acts before torch's step and after 4.2.1's (L366)."""
+
+    def step(self, closure=None):
+        for g in self.param_groups:  # the step t about to run and its ε, saved with the state
+            g["t"] = g.get("t", 0) + 1
+            g["eps"] = g.setdefault("eps_421", g["eps"]) / (1 - g["betas"][1] ** g["t"]) ** 0.5
+        return super().step(closure)
 
 
 # ---------------------------------------------------------------- the data loader -----------------
@@ -366,10 +389,11 @@ def main():
                 layers=layers, objective=a.objective, select_on=a.select_on,
                 num_layers=bert.config.num_hidden_layers)  # sentemb.json: how it encodes
 
-    # the optimiser: SimCSE's Trainer defaults, AdamW with linear decay to 0, no warm-up
-    params = [q for q in raw_model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # one kernel for all parameters
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / len(steps))
+    # the update: the authors' Trainer (transformers 4.2.1): AdamW (trainer.py L553-583, betas
+    # 0.9/0.999, ε 1e-8), the global norm clipped (sscl/trainers.py L472-488), linear decay (L585)
+    groups = common.decay_groups(raw_model, a.weight_decay)  # no decay: biases, LayerNorm
+    optimizer = AdamW421(groups, lr=lr, eps=1e-8, fused=True)  # one kernel for all parameters
+    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
         (0, -math.inf)
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
@@ -391,10 +415,12 @@ def main():
                                           a.no_aug, a.bf16 or device.type == "cuda", world,
                                           a.grad_accum, common.gather)
                     check_loss(loss, step, lr, out)
+            gnorm = common.clip_gradients(raw_model.parameters(), a.max_grad_norm)  # before: gnorm
             optimizer.step()
             scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
-                log(f"step {step:>5}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
+                    f"{scheduler.get_last_lr()[0]:.2e}  "
                     f"{rates(clock, step, per_step, 'sent', world, device)}")
                 clock = new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
@@ -435,6 +461,8 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
 CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
                                        ".best.pending", ".lock")
 RECOPY = "copy the whole run folder again, or train again"
+EARLIER = {"weight_decay": 0.01, "max_grad_norm": 0.0, "warmup_steps": 0}  # the update of runs
+# saved before these flags: torch's AdamW defaults, unclipped, no warm-up
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -666,7 +694,8 @@ def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
                    f"the training state {METHOD}.py writes): {fix}")
     defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
     state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **state["args"]}
+    state["args"] = {**defaults, **{k: v for k, v in EARLIER.items() if k in defaults},
+                     **state["args"]}
     return state
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, BertConfig, BertModel, PreTrainedTokenizerFast
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, PreTrainedTokenizerFast
 
 import bellm
 import bellm_analysis
@@ -3757,6 +3757,231 @@ def test_harness_bellm_copied_beside_common_alone_trains_is_killed_resumes_and_e
         "STS-B"], tmp_path)
 
 
+# ---- harness: the update (optimiser, clipping, schedule) over 20 steps, against the authors' ----
+def adamw_4_2_1(groups, state, lr, betas=(0.9, 0.999), eps=1e-8):
+    """transformers 4.2.1's AdamW.step (optimization.py L318-367), transcribed: the groups as its
+    Trainer builds them, betas and eps those of its TrainingArguments."""
+    for group in groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad.data
+            st = state.setdefault(p, {})
+            if len(st) == 0:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p.data)
+                st["exp_avg_sq"] = torch.zeros_like(p.data)
+            exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+            beta1, beta2 = betas
+            st["step"] += 1
+            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            denom = exp_avg_sq.sqrt().add_(eps)
+            step_size = lr
+            bias_correction1 = 1.0 - beta1 ** st["step"]
+            bias_correction2 = 1.0 - beta2 ** st["step"]
+            step_size = step_size * math.sqrt(bias_correction2) / bias_correction1
+            p.data.addcdiv_(exp_avg, denom, value=-step_size)
+            if group["weight_decay"] > 0.0:
+                p.data.add_(p.data, alpha=-lr * group["weight_decay"])
+
+
+def hf_linear(step, warmup, total):
+    """transformers' get_linear_schedule_with_warmup factor (4.2.1's optimization.py L91-96, 4.38's
+    L101-104), transcribed."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def hf_groups(model, weight_decay, no_decay=("bias", "LayerNorm.weight")):
+    """HF Trainer's two parameter groups (4.2.1's trainer.py L553-563), transcribed."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not any(nd in n for nd in no_decay)],
+             "weight_decay": weight_decay},
+            {"params": [p for n, p in named if any(nd in n for nd in no_decay)],
+             "weight_decay": 0.0}]
+
+
+def trained(model):
+    return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+            if v.requires_grad}
+
+
+def update_gap(run_dir, w0, ref):
+    """|Δ_run - Δ_ref| / |Δ_ref| over every trained weight, Δ = its change from w0: the weights the
+    run saved (checkpoint.pt) after its last step against the transcribed loop's."""
+    saved = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    assert sorted(saved) == sorted(ref)
+    d_run = torch.cat([(saved[k].float() - w0[k]).flatten() for k in sorted(ref)])
+    d_ref = torch.cat([(ref[k] - w0[k]).flatten() for k in sorted(ref)])
+    return float((d_run - d_ref).norm() / d_ref.norm())
+
+
+def step_gnorms(stdout):
+    return [float(g) for g in re.findall(r" gnorm (\S+)", stdout)]
+
+
+UPDATE_NOISE = 5e-5  # the bound on the gap; measured on a 2-core AMD EPYC: SSCL 6.6e-6, JTCSE
+# 1.3e-5, BeLLM 1.6e-6 (float32; length groups round otherwise); the controls: 4.3e-4 to 0.64
+
+
+def test_sscl_adamw421_is_transformers_4_2_1_adamw():
+    """sscl.AdamW421 (torch's fused AdamW with ε/√(1-β2^t)) = transformers 4.2.1's AdamW,
+    transcribed, over 30 steps with a changing rate, on gradients small enough (1e-9..1e-6) that ε's
+    place matters; torch's AdamW with ε after the bias correction (what sscl.py ran before) does
+    not."""
+    torch.manual_seed(0)
+    w = torch.randn(64, dtype=torch.float64)
+    runs = {name: w.clone().requires_grad_() for name in ("ours", "4.2.1", "torch")}
+    ours = sscl.AdamW421([runs["ours"]], lr=1e-3, eps=1e-8, weight_decay=0.0)
+    plain = torch.optim.AdamW([runs["torch"]], lr=1e-3, eps=1e-8, weight_decay=0.0)
+    state = {}
+    for t in range(30):
+        g = torch.randn(64, dtype=torch.float64) * 10.0 ** -(6 + t % 4)
+        for q in runs.values():
+            q.grad = g.clone()
+        lr = 1e-3 * (1 - t / 30)
+        for opt in (ours, plain):
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+        adamw_4_2_1([{"params": [runs["4.2.1"]], "weight_decay": 0.0}], state, lr)
+    runs = {k: v.detach() for k, v in runs.items()}
+    moved = runs["4.2.1"] - w
+    assert float((runs["ours"] - runs["4.2.1"]).norm() / moved.norm()) < 1e-12
+    assert float((runs["torch"] - runs["4.2.1"]).norm() / moved.norm()) > 1e-2
+
+
+def test_sscl_update_over_20_steps_is_the_authors_loop(bert_nodrop_dir, train_txt, sts_dir,
+                                                      tmp_path, capsys, monkeypatch):
+    """sscl.py's main() for 20 steps (dropout off, default update) changes the weights as the
+    authors' loop does (sscl/trainers.py on transformers 4.2.1): clip_grad_norm_ at 1.0, their
+    AdamW (transcribed) over their two groups with weight decay 0.0, linear decay to 0. The gap is
+    below UPDATE_NOISE, the step lines' gnorm are their norms before clipping; unclipped, or with
+    torch's weight decay 0.01 (sscl.py's earlier update), the gap is far above it."""
+    code, out, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_nodrop_dir, train_txt, sts_dir, tmp_path / "run", "--no-final-eval", "--lr", "1e-3",
+        steps=20, eval_steps=20))
+    assert code == 0, err
+
+    def authors(clip=1.0, weight_decay=0.0):
+        common.seed_everything(42)  # the model as main() builds it
+        model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, str(bert_nodrop_dir)),
+                                     "cls").train()
+        tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
+        w0, sentences = trained(model), common.read_sentences(str(train_txt))
+        steps = sscl.step_rows(len(sentences), 8, 1, 20, 42)
+        groups, state, norms = hf_groups(model, weight_decay), {}, []
+        for t, rows in enumerate(steps):
+            model.zero_grad(set_to_none=True)
+            sscl.train_step(model, tok, [sentences[i] for i in rows], [2], torch.device("cpu"),
+                            max_len=16)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              clip or math.inf)))
+            adamw_4_2_1(groups, state, 1e-3 * hf_linear(t, 0, len(steps)))
+        return w0, trained(model), norms
+
+    w0, ref, norms = authors()
+    gap = update_gap(tmp_path / "run", w0, ref)
+    assert gap < UPDATE_NOISE, gap
+    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
+    assert sum(n > 1.0 for n in norms) >= 10  # clipping acts on most steps
+    for control in (dict(clip=0), dict(weight_decay=0.01)):  # (measured: 0.17, 4.3e-4)
+        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+
+
+def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys, monkeypatch):
+    """jtcse.py's main() for 20 steps (dropout off, default update) changes the twin's weights as
+    the authors' loop does (train_jtcse_bert.py: torch.optim.AdamW(model.parameters(), lr), so
+    torch's weight decay 0.01 on every weight; zero_grad, backward, step: no clipping, a constant
+    rate). The gap is below UPDATE_NOISE and the step lines' gnorm are the gradients' norms; with
+    weight decay 0, or clipped at 1.0, the gap is far above it."""
+    d, _ = jt_env
+    jt_nodrop(jt_env, tmp_path)
+    towers = [str(tmp_path / "a"), str(tmp_path / "b")]
+    out = jt_main(capsys, monkeypatch, "--model-a", towers[0], "--model-b", towers[1], "--train",
+                  d / "train.txt", "--output-dir", tmp_path / "run", "--batch-size", "8",
+                  "--max-len", "16", "--max-steps", "20", "--eval-steps", "20", "--log-steps", "1",
+                  "--lr", "1e-3", "--no-add-sick", "--no-final-eval")[1]
+
+    def authors(clip=0.0, **decay):
+        common.seed_everything(42)  # the twin as main() builds it, and R's generator
+        r_gen = torch.Generator().manual_seed(42)
+        model = jtcse.Twin(*jtcse.load_towers(towers, 0, True)[:1], None).train()
+        tok = AutoTokenizer.from_pretrained(towers[0])
+        w0, sentences = trained(model), common.read_sentences(str(d / "train.txt"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **decay)  # their L245
+        norms = []
+        for rows in jtcse.step_rows(len(sentences), 8, 1, 20, 42):
+            R = int(torch.randint(0, 2, (1,), generator=r_gen))
+            optimizer.zero_grad()
+            jtcse.train_step(model, tok, [sentences[i] for i in rows], R, torch.device("cpu"),
+                             max_len=16)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              clip or math.inf)))
+            optimizer.step()
+        return w0, trained(model), norms
+
+    w0, ref, norms = authors()
+    gap = update_gap(tmp_path / "run", w0, ref)
+    assert gap < UPDATE_NOISE, gap
+    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
+    assert sum(n > 1.0 for n in norms) >= 10  # so that clipping at 1.0 would act
+    for control in (dict(weight_decay=0.0), dict(clip=1.0)):  # (measured: 2.3e-3, 0.64)
+        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+
+
+def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsys, monkeypatch):
+    """bellm.py's main() for 20 steps (LoRA dropout off; --warmup-steps 5 so that both parts of the
+    schedule run) changes the LoRA weights as the authors' HF Trainer does (transformers >= 4.38,
+    AnglE.fit's TrainingArguments): clip_grad_norm_ at 1.0, torch's AdamW over HF's decay groups
+    with weight decay 0.0, linear warm-up then linear decay to 0. The gap is below UPDATE_NOISE and
+    the step lines' gnorm are the norms before clipping; unclipped, with torch's weight decay 0.01
+    (bellm.py's earlier update), or without the warm-up, the gap is far above it."""
+    model_dir, data, nli = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    code, out, err = bl_main(capsys, monkeypatch, "--model", model_dir, "--train", nli,
+                             "--data-dir", data, "--output-dir", tmp_path / "run", "--batch-size",
+                             4, "--max-steps", 20, "--eval-steps", 20, "--log-steps", 1,
+                             "--lora-r", 4, "--lora-dropout", 0, "--warmup-steps", 5, "--lr",
+                             "1e-3", "--no-final-eval")
+    assert code == 0, err
+
+    def authors(clip=1.0, weight_decay=0.0, warmup=5):
+        cpu = torch.device("cpu")
+        common.seed_everything(42)  # the model as main() builds it
+        tok, dec = bellm.load_decoder(str(model_dir), 1, "convert", cpu, torch.float32)
+        bellm.add_lora(dec, 4, 32, 0.0)
+        model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
+        w0, (kind, rows) = trained(model), bellm.read_csv(str(nli))
+        norm_params = {id(q) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"
+                       for q in m.parameters()}  # 4.38's get_decay_parameter_names, L962-970
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        decay = [q for n, q in named if "bias" not in n and id(q) not in norm_params]
+        optimizer = torch.optim.AdamW([  # its default optim adamw_torch: torch's AdamW
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": [q for n, q in named if not any(q is p for p in decay)],
+             "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+        norms = []
+        for t, ids in enumerate(bellm.step_rows(len(rows), 4, 1, 20, 42)):
+            optimizer.zero_grad()
+            bellm.train_step(functools.partial(bellm.embed, model), tok, [rows[i] for i in ids],
+                             kind, bellm.PROMPT, cpu)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              clip or math.inf)))
+            for g in optimizer.param_groups:  # LambdaLR: the factor of the steps done so far
+                g["lr"] = 1e-3 * hf_linear(t, warmup, 20)
+            optimizer.step()
+        return w0, trained(model), norms
+
+    w0, ref, norms = authors()
+    gap = update_gap(tmp_path / "run", w0, ref)
+    assert gap < UPDATE_NOISE, gap
+    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
+    assert sum(n > 1.0 for n in norms) >= 10  # clipping acts on most steps
+    for control in (dict(clip=0), dict(weight_decay=0.01), dict(warmup=0)):  # 0.16, 1.6e-3, 0.56
+        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+
+
 # ---- harness: nothing lost: kills, signals, full disks, locks, resume, run folders ----
 def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
         bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
@@ -5336,6 +5561,20 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
      ["--bi-strategy convert (its default", "--bi-strategy add"],
      lambda c: edit_args(c.brun / sscl.CKPT, bi_strategy=None)),
+    # ---- the update (optimiser, clipping, schedule) is the run's: --resume keeps it ----
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume", "--max-grad-norm", "0"),
+     ["--max-grad-norm 1.0", "--max-grad-norm 0.0"], None),
+    ("jtcse", lambda c: JT_RUN(c, "--resume", "--weight-decay", "0"),
+     ["--weight-decay 0.01", "--weight-decay 0.0"], None),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--warmup-steps", "3"),
+     ["--warmup-steps 100", "--warmup-steps 3"], None),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"),  # a run of torch's AdamW, unclipped
+     ["--weight-decay 0.01 (its default: the run predates the flag)", "--weight-decay 0.0"],
+     lambda c: edit_args(c.srun / sscl.CKPT, weight_decay=None, max_grad_norm=None,
+                         warmup_steps=None)),
+    *[(m, lambda c, m=m, f=f: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, f, "-1"),
+       [f, "-1", ">= 0"], None)
+      for m in ("sscl", "jtcse", "bellm") for f in ("--weight-decay", "--max-grad-norm")],
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
