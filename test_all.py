@@ -4673,17 +4673,20 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
 @pytest.mark.slow
 def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, train_txt, sts_dir,
                                                             tmp_path):
-    """In-batch negatives gathered across ranks: 2 × B gives the loss and the updated weights of 1 ×
-    2B (with 2 accumulated micro-batches, so the no_sync path is covered too)."""
+    """In-batch negatives gathered across ranks: 2 × B gives the loss, the gradient norm (clipped
+    at 0.1, below it: the all-reduced gradient's) and the updated weights of 1 × 2B (with 2
+    accumulated micro-batches, so the no_sync path is covered too)."""
     args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
                                      "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
-                                     steps=3, eval_steps=100, layer="1,3")
+                                     "--max-grad-norm", 0.1, steps=3, eval_steps=100, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
     assert len(losses(one.stdout)) == 3
     for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
         assert float(x) == pytest.approx(float(y), abs=2e-4)
+    assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
+    assert min(step_gnorms(one.stdout)) > 0.1  # clipping acts on every step
     w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
     for k in w1:
@@ -4694,22 +4697,26 @@ def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, tra
 @pytest.mark.parametrize("objective", ["paper", "authors"])
 def test_harness_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tmp_path, objective):
     """torchrun, gloo: 2 ranks x 4 sentences x 2 accumulated micro-batches give the losses (all
-    terms, the same R) and the updated towers of 1 rank x 8 x 2, under either objective. Dropout is
-    off so that both see the same computation."""
+    terms, the same R), the gradient norm (clipped at 1.0: the all-reduced gradient's) and the
+    updated towers of 1 rank x 8 x 2, under either objective. Dropout is off so that both see the
+    same computation."""
     d, _ = jt_env
     jt_nodrop(jt_env, tmp_path)  # the towers without dropout
     args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa: E731
                             "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
                             "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
                             "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
-                            "--no-add-sick", "--no-final-eval", "--objective", objective]
+                            "--no-add-sick", "--no-final-eval", "--objective", objective,
+                            "--max-grad-norm", 1.0]
     one = run("jtcse.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})  # as a rank
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
                          for x, y, z, w, r in re.findall(
-        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  R (\d)", out)]
+        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  gnorm \S+  R (\d)", out)]
     assert len(terms(one.stdout)) == 2
+    assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
+    assert max(step_gnorms(one.stdout)) > 1.0  # clipping acts
     for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
         # the log prints 4 decimals: two runs' float sums may round to neighbours, 1e-4 apart
         assert x[:4] == pytest.approx(y[:4], abs=2e-4) and x[4] == y[4]
@@ -4751,20 +4758,23 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
 def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     """torchrun, gloo: 2 ranks x 2 triplets x 2 accumulated micro-batches give the losses and the
     updated LoRA weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks;
-    no_sync accumulation)."""
+    no_sync accumulation), and the same gradient norm (clipped at 1.0: the all-reduced
+    gradient's)."""
     model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
                           nli_csv(tmp_path, rows=24))
     args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
                             "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
                             "--max-steps", 2, "--eval-steps", 100,
                             "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-eval-first", "--no-final-eval"]
+                            "--warmup-steps", 0, "--no-eval-first", "--no-final-eval"]
     one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
     loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
     assert (len(loss(one.stdout)) == 2
             and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
+    assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
+    assert max(step_gnorms(one.stdout)) > 1.0  # clipping acts
     w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
     w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
     assert w1.keys() == w2.keys() and len(w1) > 0
