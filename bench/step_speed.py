@@ -9,11 +9,14 @@ matrix products, counted by common.FlopCount: forward, loss and backward), fp32 
 
 The same batches in every configuration (the first --steps + 1 of the training file, in order); the
 first step is a warm-up (and with --compile, the compilation: timed apart). Each step is the
-script's own train_step with its length groups, then its AdamW step (fused).
+script's own train_step with its length groups, then its update as the script runs it: the gradient
+norm (clipped: SSCL, BeLLM) and its AdamW step (fused; SSCL's AdamW421). --earlier-update: torch's
+fused AdamW alone, the scripts' update before they ran the authors'.
 
   python bench/step_speed.py sscl jtcse bellm              # fp32, eager
   python bench/step_speed.py sscl --bf16 --compile
   python bench/step_speed.py sscl --profile
+  python bench/step_speed.py sscl --earlier-update
   (MINILM, SMOLLM: model folders or hub names; WIKI, NLI: the training files; defaults: the hub's
   all-MiniLM-L6-v2, SmolLM2-135M-Instruct, wiki1m_head.txt, snli_devtest.csv)
 """
@@ -52,9 +55,10 @@ def timed(fn, device):
     return time.perf_counter() - t
 
 
-def build(name, bf16, dev):
+def build(name, bf16, dev, earlier=False):
     """(the trained module, step(i, net): the script's train_step on batch i, run by net (the
-    module, or it compiled), and its AdamW step, run(i, net): the train_step alone, rows a step)"""
+    module, or it compiled), and its update (earlier: torch's fused AdamW alone), run(i, net): the
+    train_step alone, rows a step)"""
     from transformers import AutoModel, AutoTokenizer
     cpu = dev
     minilm = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
@@ -84,12 +88,22 @@ def build(name, bf16, dev):
             common.in_length_groups(functools.partial(bellm.embed, m)), tok,
             rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32, bf16=bf16)
         rows = 16
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5,
-                            fused=True)
+    params = [q for q in model.parameters() if q.requires_grad]
+    if earlier:  # the scripts' update before the authors': no norm, torch's weight decay 0.01
+        opt, clip = torch.optim.AdamW(params, lr=1e-5, fused=True), None
+    elif name == "jtcse":  # the authors': weight decay 0.01, no clipping (the norm is logged)
+        opt, clip = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True), 0.0
+    else:  # HF Trainer's: clipped at 1.0, weight decay 0.0 (SSCL: transformers 4.2.1's AdamW)
+        groups = common.decay_groups(model, 0.0)
+        opt = (sscl.AdamW421 if name == "sscl" else torch.optim.AdamW)(groups, lr=1e-5,
+                                                                        eps=1e-8, fused=True)
+        clip = 1.0
 
     def step(i, net):
         opt.zero_grad(set_to_none=True)
         run(i, net)
+        if clip is not None:
+            common.clip_gradients(params, clip)
         opt.step()
     return model, step, run, rows
 
@@ -106,6 +120,8 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=common.POS_INT, default=5, help="timed steps (default 5)")
     p.add_argument("--profile", action="store_true", help="torch.profiler's top rows of a step")
+    p.add_argument("--earlier-update", action="store_true", help="torch's fused AdamW alone (the "
+                   "scripts' update before the authors': no gradient norm, no clipping)")
     common.show_ranges(p)
     a = p.parse_args()
     import transformers
@@ -122,7 +138,7 @@ def main():
     print(f"torch {torch.__version__}, {here}; matmul roof ({'bf16' if bf16 else 'fp32'}): "
           f"{top / 1e9:.0f} GFLOP/s; {'compiled' if a.compile else 'eager'}")
     for name in a.scripts:
-        model, step, run, rows = build(name, bf16, dev)
+        model, step, run, rows = build(name, bf16, dev, a.earlier_update)
         flops = []
         for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
             with common.FlopCount() as counted:
