@@ -924,10 +924,10 @@ def restore(state, model, optimizer, scheduler, lr, log, **generators):
     np.random.set_state(state["rng"][2])
     for k, g in generators.items():
         g.set_state(state[k].cpu())
+    for g in optimizer.param_groups:  # the rate over this command's schedule: a larger
+        g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)  # --max-steps stretches it (HF's way)
     if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-        for g in optimizer.param_groups:
-            g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
         log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
     return state["step"], state["best"]
 

@@ -4490,6 +4490,53 @@ def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
     for key, a in weights(tmp_path / "whole", "model").items():
         assert torch.equal(a, weights(out, "model")[key]), key
 
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_resume_with_a_larger_max_steps_is_the_longer_run(script, bert_dir, train_txt,
+                                                                   sts_dir, jt_env, tok_dir,
+                                                                   tmp_path, capsys, monkeypatch):
+    """A finished run of 2 steps resumed with --max-steps 4 (what 'the run is complete' advises)
+    trains on as a run started with --max-steps 4 would: the schedule's rate is recomputed over the
+    new total (HF Trainer's way), so steps 3-4 log the same losses and rates, and the weights and
+    the dev curve end the same. (Both runs' first 2 steps are equal where their rate does not
+    depend on the total: a warm-up of 2 steps for SSCL and BeLLM, JTCSE's constant rate; after a
+    decay began, a resumed run goes on with the longer schedule's rate from its step.)"""
+    module = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}[script]
+    if script == "sscl":
+        args = lambda out, n: sscl_args(  # noqa: E731
+            bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--warmup-steps", 2, steps=n,
+            eval_steps=2)
+    elif script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        args = lambda out, n: ["--model-a", jt_env[0] / "a",  # noqa: E731
+                               "--model-b", jt_env[0] / "b",
+                               "--train", jt_env[0] / "train.txt", "--output-dir", out,
+                               "--batch-size", 8, "--max-len", 16, "--max-steps", n,
+                               "--eval-steps", 2, "--log-steps", 1, "--lr", "1e-3",
+                               "--no-add-sick", "--no-final-eval"]
+    else:
+        model, data, nli = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+        args = lambda out, n: ["--model", model, "--train", nli, "--data-dir", data,  # noqa: E731
+                               "--output-dir", out, "--batch-size", 4, "--max-steps", n,
+                               "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
+                               "--warmup-steps", 2, "--lr", "1e-3", "--no-final-eval"]
+    code, longer, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "long", 4))
+    assert code == 0, err
+    code, _, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "res", 2))
+    assert code == 0, err
+    code, resumed, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "res", 4),
+                                 "--resume")
+    assert code == 0, err
+    tail = lambda log: [l for l in numbers(log) if int(l.split()[1]) > 2]  # noqa: E731
+    assert len(tail(longer)) >= 2 and tail(resumed) == tail(longer)
+    assert "lr 0.00e+00" not in resumed.split("step     3")[1].splitlines()[0]
+    w = [torch.load(tmp_path / r / "checkpoint.pt", weights_only=False)["model"]
+         for r in ("long", "res")]
+    assert w[0].keys() == w[1].keys()
+    for k in w[0]:
+        torch.testing.assert_close(w[1][k], w[0][k], rtol=1e-6, atol=1e-7, msg=k)
+    assert curve_of(tmp_path / "res") == curve_of(tmp_path / "long")
+
+
 
 @pytest.mark.slow
 def test_harness_resume_with_a_new_lr_applies_it(bert_dir, train_txt, sts_dir, tmp_path, capsys,
