@@ -141,6 +141,12 @@ def clip_gradients(params, max_norm):
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
 
 
+def world_size():
+    """The number of processes training (torchrun's world; 1 without it)."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def gather(z):
     """(B, D) on each rank -> (world·B, D), ranks in order. all_gather returns tensors without a
     graph, so the local slot is replaced by z itself: gradients flow into this rank's embeddings."""

@@ -811,6 +811,21 @@ def read_resume(out_dir, a, device):
     now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
            for k, v in vars(a).items()}
     old = state["args"]  # with the defaults of flags the run predates
+    kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
+    ok = {"opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
+          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
+          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
+          "sched": lambda v: isinstance(v, dict), "world": lambda v: type(v) is int and v >= 1,
+          **{k: lambda v, k=k: None in (v, now[k]) or kind(v) == kind(now[k])
+             for k in old if k in now}}  # each flag of the type this command's has
+    fields = {**{k: state[k] for k in ("opt", "rng", "sched", "world") if k in state}, **old}
+    if bad := [k for k, v in fields.items() if k in ok and not ok[k](v)]:
+        common.die(f"--resume: {os.path.join(out_dir, CKPT)} is damaged ({bad[0]} of the wrong "
+                   f"type; not the training state {METHOD}.py writes): {RECOPY}")
+    if state.get("world", world := common.world_size()) != world:  # the global batch's rows
+        common.die(f"--resume: the run was trained by {state['world']} process(es), this command "
+                   f"runs {world}: resume it with torchrun --nproc_per_node {state['world']} (1: "
+                   "without torchrun), so that its steps keep their global batch")
     if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
                    and (k in now or old[k])]:  # a flag now gone: ignored where it was off
         flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
@@ -897,6 +912,7 @@ def training_state(model, optimizer, scheduler, a, lr, step, **extra):
             "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                         for k, v in vars(a).items()}, "lr": lr},
             "step": step, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+            "world": common.world_size(),
             **{k: v.get_state() if isinstance(v, torch.Generator) else v for k, v in extra.items()}}
 
 
@@ -923,6 +939,8 @@ def restore(state, model, optimizer, scheduler, lr, log, **generators):
     random.setstate(state["rng"][1])
     np.random.set_state(state["rng"][2])
     for k, g in generators.items():
+        if not torch.is_tensor(state.get(k)):  # (the method's own, e.g. JTCSE's R)
+            common.die(f"--resume: {CKPT} is damaged ({k} missing or of the wrong type): {RECOPY}")
         g.set_state(state[k].cpu())
     for g in optimizer.param_groups:  # the rate over this command's schedule: a larger
         g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)

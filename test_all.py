@@ -5632,6 +5632,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     *[(m, lambda c, m=m, f=f: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, f, "-1"),
        [f, "-1", ">= 0"], None)
       for m in ("sscl", "jtcse", "bellm") for f in ("--weight-decay", "--max-grad-norm")],
+    # ---- every field a resume reads, checked: one line naming it ----
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["trained by 2 process",
+                                                          "--nproc_per_node 2", "runs 1"],
+     lambda c: edit_state(c.srun / sscl.CKPT, world=2)),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["damaged", "rng of the wrong type"],
+     lambda c: edit_state(c.brun / sscl.CKPT, rng=None)),
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["damaged", "bi_layers of the wrong type"],
+     lambda c: edit_args(c.brun / sscl.CKPT, bi_layers="1")),
+    ("jtcse", lambda c: JT_RUN(c, "--resume", "--max-steps", "3"), ["damaged", "r_gen missing"],
+     lambda c: edit_state(c.jrun / sscl.CKPT, r_gen=None)),
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
