@@ -317,18 +317,26 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     return tok, dec.to(device)
 
 
-def base_checksum(dec):
-    """The base model's fingerprint (float64 sum of |weights| of the token embeddings and the final
-    norm): an adapter is applied only to the base it was trained on, not to another of its shape."""
-    w = [dec.embed_tokens.weight.detach(), dec.norm.weight.detach()]
-    return float(sum(x.double().abs().sum() for x in w))
+def base_checksums(dec):
+    """The base model's fingerprints, so that an adapter is applied only to the base it was trained
+    on, never to another of its shape: base_fingerprint, every base weight (LoRA's left out)
+    reduced to Σ|w| in bf16 (the precision a base may be stored in), weighted by its position;
+    base_checksum, the token embeddings' and final norm's Σ|w| (all that older runs record)."""
+    w = [q.detach() for n, q in dec.named_parameters() if "lora_" not in n]
+    reduce = lambda x: x.to(torch.bfloat16).float().abs().sum(dtype=torch.float64)  # noqa: E731
+    return {"base_checksum": float(sum(x.double().abs().sum() for x in (
+                dec.embed_tokens.weight.detach(), dec.norm.weight.detach()))),
+            "base_fingerprint": float(sum(i * reduce(x) for i, x in enumerate(w, 1)))}
 
 
-def check_base(checksum, recorded, name, where):
-    if recorded is not None and not math.isclose(checksum, recorded, rel_tol=1e-6):
-        common.die(f"'{name}' is not the base model the adapter was trained on (its weights' "
-                   f"checksum is {checksum:.6g}, {where} records {recorded:.6g}): name the model "
-                   "bellm.py --model trained it on")
+def check_base(given, recorded, name, where):
+    """The base_checksums of the base given against those a run recorded (dicts holding them)."""
+    for key in ("base_checksum", "base_fingerprint"):
+        if recorded.get(key) is not None and not math.isclose(given[key], recorded[key],
+                                                              rel_tol=1e-6):
+            common.die(f"'{name}' is not the base model the adapter was trained on (its weights' "
+                       f"{key} is {given[key]:.6g}, {where} records {recorded[key]:.6g}): name the "
+                       "model bellm.py --model trained it on")
 
 
 def cast_frozen_linears(dec, dtype=torch.bfloat16):
@@ -418,7 +426,7 @@ META_OPTIONAL = {  # keys that older runs may lack
     "bi_strategy": ("convert", "add").__contains__, "dtype": ("float32", "bfloat16").__contains__,
     "max_len": lambda v: type(v) is int and v >= 1, "lora_r": lambda v: type(v) is int and v >= 1,
     "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
-    "base_checksum": lambda v: type(v) in (int, float),
+    **{k: lambda v: type(v) in (int, float) for k in ("base_checksum", "base_fingerprint")},
     "step": lambda v: type(v) is int and v >= 0,
     **{k: lambda v: v is None or type(v) in (int, float) for k in ("stsb_dev", "csts_dev")}}
 # adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
@@ -470,7 +478,7 @@ def described(state):
     a = state["args"]
     return {**{k: a[k] for k in ("bi_layers", "bi_mode", "bi_strategy", "prompt", "lora_r",
                                  "lora_alpha", "dtype")},
-            "base_checksum": state.get("base_checksum")}
+            **{k: state.get(k) for k in ("base_checksum", "base_fingerprint")}}
 
 
 def load_encoder(run_dir, meta, device):
@@ -486,8 +494,7 @@ def load_adapted(run_dir, meta, device):
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None  # the base as trained
     tok, dec = load_decoder(cfg["base_model"], cfg["bi_layers"], cfg["bi_strategy"], device, dtype)
     cfg.setdefault("max_len", dec.config.max_position_embeddings)  # evaluation does not cut
-    check_base(base_checksum(dec), cfg.get("base_checksum"), cfg["base_model"],
-               f"{run_dir}/sentemb.json")
+    check_base(base_checksums(dec), cfg, cfg["base_model"], f"{run_dir}/sentemb.json")
     if run_dir:  # wraps the LoRA layers into dec in place; a damaged adapter file stops here
         load_adapter(dec, run_dir)
     check_prompt(cfg["prompt"], "{condition}" in cfg["prompt"])
@@ -622,7 +629,7 @@ def main():
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
-                base_checksum=base_checksum(dec))  # sentemb.json: how it encodes
+                **base_checksums(dec))  # sentemb.json: how it encodes
     encode = make_encode(dec, tokenizer, meta, device, a.bf16)
 
     # the update; NOTE(authors' code): HF Trainer (4.38.2), torch's AdamW (training_args.py L1142)
@@ -631,7 +638,7 @@ def main():
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))  # L781
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
         (0, -math.inf)
-    check_base(meta["base_checksum"], state and state.get("base_checksum"), a.model, CKPT)
+    check_base(meta, state or {}, a.model, CKPT)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
@@ -666,8 +673,8 @@ def main():
         evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
         if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
             dev = dev_eval(raw_model, dev_score, encode, data, csts_dev) if evaluate else None
-            state = training_state(raw_model, optimizer, scheduler, a, lr, step,
-                                   base_checksum=meta["base_checksum"])
+            state = training_state(raw_model, optimizer, scheduler, a, lr, step, **{
+                k: meta[k] for k in ("base_checksum", "base_fingerprint")})
             curve, best = save_step(out, curve, step, metric, dev, best, state, meta,
                                     lora.save_pretrained, new_run, log)
             new_run = None

@@ -3004,6 +3004,26 @@ def test_bellm_loss_is_eq6():
     torch.testing.assert_close(bellm.cosent_loss(h, hp, y), want)
 
 
+def test_bellm_base_fingerprint_covers_every_base_weight(tok_dir, tmp_path):
+    """bellm.base_checksums: base_fingerprint is the same for the base loaded in fp32 or bf16 and
+    after LoRA with its frozen Linears cast to bf16 (--bf16), and changes when any one base weight
+    does (a layer's, which the older base_checksum of the embeddings and final norm misses)."""
+    d = bl_make_model(tok_dir, tmp_path)
+    prints = []
+    for dtype, lora in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+        _, dec = bellm.load_decoder(str(d), 1, "convert", bl_CPU, dtype)
+        if lora:
+            bellm.add_lora(dec, 4, 4, 0.0, autocast=True)  # frozen Linears stored in bf16
+        prints.append(bellm.base_checksums(dec))
+    for p in prints[1:]:
+        assert p["base_fingerprint"] == pytest.approx(prints[0]["base_fingerprint"], rel=1e-9)
+    with torch.no_grad():
+        dec.layers[1].mlp.up_proj.base_layer.weight[0, 0] += 0.5
+    changed = bellm.base_checksums(dec)
+    assert changed["base_checksum"] == prints[0]["base_checksum"]
+    assert changed["base_fingerprint"] != pytest.approx(prints[0]["base_fingerprint"], rel=1e-6)
+
+
 def test_bellm_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     path = str(bl_make_model(tok_dir, tmp_path))
@@ -5645,6 +5665,11 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
+         edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
+    ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on",  # a layer
+                                   "base_fingerprint"],  # (not the embeddings or the final norm)
+     lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
+         c.tmp / "base2" / "model.safetensors", "model.layers.1.mlp.up_proj.weight", 1.01),
          edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
     # ---- a flag that would do nothing under another is refused, never ignored ----
     *[("jtcse", lambda c, x=x: JT(c, "--distill", c.jrun, *x), ["--distill", x[0], "twin"], None)
