@@ -227,6 +227,28 @@ def read_text(path):
             "(e.g. iconv -f latin1 -t utf8)")
 
 
+def env_input(var, default, kind="model"):
+    """An input that an environment variable names (bench/: MINILM, SMOLLM, WIKI, NLI), checked as
+    a flag's is: a file (kind "file"), or a model folder or hub name (a path that is not a folder:
+    one line naming the variable). -> its value"""
+    value = os.environ.get(var, default)
+    if kind == "file" and not os.path.isfile(value):
+        die(f"{var}='{value}' is not a file: set {var} to the training file")
+    if kind == "model" and not os.path.isdir(value) and (
+            os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") > 1):
+        die(f"{var}='{value}' is not a model folder: set {var} to one, or to a hub name")
+    return value
+
+
+def env_rows(var, default, n, read):
+    """The first n rows of the training file an environment variable names (bench/: WIKI, NLI),
+    read(path) -> its rows; a missing or shorter file is one line naming the variable."""
+    path = env_input(var, default, "file")
+    if len(rows := read(path)) < n:
+        die(f"{var}='{path}' has {len(rows)} rows; {n} are needed here: set {var} to a longer file")
+    return rows[:n]
+
+
 def read_sentences(path):
     """One sentence per line; blank lines are skipped; a file with no sentence is an error."""
     sents = [line.strip() for line in read_text(path).split("\n") if line.strip()]
@@ -260,10 +282,13 @@ FRACTION = _typed(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 def parse(p):
-    """The command line; --quiet silences our progress bars, Hugging Face's are always off."""
+    """The command line; --quiet silences our progress bars, Hugging Face's are always off;
+    --compile is checked to work before anything is read or written."""
     a = p.parse_args()
     if getattr(a, "max_steps", -1) != -1 and a.epochs != p.get_default("epochs"):
         die("--max-steps sets the run's length, so --epochs would do nothing: drop one of them")
+    if getattr(a, "compile", False):
+        check_compile()
     global QUIET
     QUIET = a.quiet
     import transformers
@@ -458,7 +483,7 @@ def check_weights(folder, where, fix=REFETCH):
                    f"the two files are of different models; {fix}")
 
 
-def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, **kw):
+def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=None, **kw):
     """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
     local folder, or one line naming the broken file and the fix. A local folder is checked first:
     its JSON files parse, it has a config.json with a model_type (models, configs), a tokenizer file
@@ -468,19 +493,21 @@ def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, **kw):
     it. fresh: a prefix of weights that may be missing and are then trained from transformers'
     initialisation (said on stderr). num_layers: the model cut to its first N layers (SSCL Table 1;
     check_num_layers first): transformers builds N layers and loads their weights; those of the
-    layers above are dropped. Saved, it is an N-layer model for every loader."""
+    layers above are dropped. Saved, it is an N-layer model for every loader. label: what names
+    the model (an environment variable: MINILM), said in every error."""
     name = str(name)
     if num_layers:  # transformers' load report would list each dropped weight of the cut
         import transformers
         level = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()
         try:
-            return load_pretrained(cls, name, strict, fresh, num_hidden_layers=num_layers, **kw)
+            return load_pretrained(cls, name, strict, fresh, label=label,
+                                   num_hidden_layers=num_layers, **kw)
         finally:
             transformers.logging.set_verbosity(level)
     kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
         "config" if "Config" in cls.__name__ else "model"
-    where, local = f"cannot load '{name}'", os.path.isdir(name)
+    where, local = f"cannot load {label + '=' if label else ''}'{name}'", os.path.isdir(name)
     if local:
         check_hf_folder(name, kind, where)
     try:
@@ -746,16 +773,24 @@ def compiled(fn, on=True, backend="inductor"):
     The first call compiles: seconds to minutes (--compile in docs/operations.md)."""
     if not on:
         return fn
-    check_compile()
+    check_compile(backend)
     return torch.compile(fn, dynamic=True, backend=backend)
 
 
-def check_compile():
-    """--compile where torch.compile cannot run: one line naming the fix."""
+def check_compile(backend="inductor"):
+    """--compile where torch.compile cannot run, found before any work: one line naming the fix. A
+    tiny function is compiled and run on the device training uses, which needs what the model's
+    compilation will (inductor on a CPU: a working C++ compiler)."""
     import torch._dynamo
     if not torch._dynamo.is_dynamo_supported():  # e.g. a Python that torch.compile does not know
         die("--compile: torch.compile does not run on this platform (Python "
             f"{sys.version.split()[0]}, torch {torch.__version__}): drop --compile")
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(2, device=pick_device()))
+    except Exception as e:  # inductor's InvalidCxxCompiler, a missing Triton, ...
+        die(f"--compile: torch.compile cannot run here ({type(e).__name__}: {first_line(e)}): "
+            "install what it names (a C++ compiler: e.g. apt-get install g++), or drop --compile: "
+            "the run works without it")
 
 
 def compiled_layers(model, on=True, backend="inductor"):
@@ -766,7 +801,7 @@ def compiled_layers(model, on=True, backend="inductor"):
     a quarter of an hour); the rest runs eager. Dynamic shapes, as compiled(); returns model."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     if on:
-        check_compile()
+        check_compile(backend)
         for m in model.modules():
             if isinstance(m, GradientCheckpointingLayer):
                 m.compile(dynamic=True, backend=backend)  # in place: the state_dict keeps its keys
@@ -828,7 +863,7 @@ def load_sts(data, task, split="test"):
                     "sentences); fix it or re-download senteval.tar")
             subsets[name] = [_row(base % "gs", i, *p, g)
                              for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
-        return subsets
+        return check_gold(subsets, os.path.dirname(base))
     if task == "STS-B":  # gold = 5th field, sentences = 6th and 7th
         path, skip, cols = (os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0,
                             (5, 6, 4))
@@ -844,7 +879,17 @@ def load_sts(data, task, split="test"):
             die(f"{path}, line {i}: malformed line (expected at least "
                 f"{max(cols) + 1} tab-separated fields); fix it or re-download senteval.tar")
         rows.append(_row(path, i, *(t[c] for c in cols)))
-    return {split: rows}
+    return check_gold({split: rows}, path)
+
+
+def check_gold(subsets, where):
+    """A task's pairs whose gold scores can give a Spearman correlation (two values at least; the
+    subsets pooled, SentEval's "all" setting), else one line naming the file or folder."""
+    gold = {r[2] for rows in subsets.values() for r in rows}
+    if len(gold) < 2:
+        die(f"{where}: {'its gold scores are all ' + str(gold.pop()) if gold else 'no scored pair'}"
+            ": a Spearman correlation needs two gold values or more; re-download senteval.tar")
+    return subsets
 
 
 # ---------------------------------------------------------------- STS evaluation ----------------

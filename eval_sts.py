@@ -35,7 +35,6 @@ import sys
 import time
 
 import torch
-import transformers
 
 import bellm
 import common
@@ -405,9 +404,7 @@ def check_num_layers(num_layers, names, poolers):
 
 
 def main():
-    a = p.parse_args()
-    common.QUIET = a.quiet
-    transformers.logging.disable_progress_bar()
+    a = common.parse(p)
     no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for
     sts_tasks, transfer_tasks, probing_tasks = ([], [], []) if no_tasks else parse_tasks(
         "sts" if a.tasks is None else a.tasks)

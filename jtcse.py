@@ -956,6 +956,10 @@ def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_r
     too (write(folder) saves it; meta: its sentemb.json, with the step and its score) as one save
     (save_best), else alone. Weights no longer finite are never saved. A save that fails is one
     line (a new run leaves its folder as it found it). -> (the dev curve, the best score so far)"""
+    if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
+        save_step(out_dir, curve, step, metric, None, best, state, meta, write, new_run, log)
+        common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
+                   f"(all alike?); the training state is saved in {out_dir}")
     new_best, best = dev is not None and dev > best, max(best, -math.inf if dev is None else dev)
     if dev is not None:
         curve = curve + [{"step": step, "metric": metric, "score": dev}]

@@ -51,10 +51,11 @@ def scores(path):
         out = json.loads(common.read_text(path))
     except ValueError:
         out = None
-    parts = ("results", "transfer")
-    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts):
-        common.die(f"'{path}' is not an eval_sts.py --json result: "
-                   "write one with eval_sts.py --json FILE")
+    parts, found = ("results", "transfer"), ("results", "transfer", "align", "uniform")
+    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts) \
+            or not any(k in out for k in found):  # e.g. a run's sentemb.json
+        common.die(f"'{path}' is not an eval_sts.py --json result (it holds no "
+                   f"{', '.join(found)}): write one with eval_sts.py --json FILE")
     sts = {t: number(path, f"results.{t}", v) for t, v in out.get("results", {}).items()}
     transfer = {t: number(path, f"transfer.{t}.acc", v.get("acc") if isinstance(v, dict) else v)
                 for t, v in out.get("transfer", {}).items()}

@@ -41,10 +41,14 @@ args = p.parse_args()  # (`a` names a sentence below)
 if args.what == "csts-synthetic" and args.last <= args.first:  # else an empty file, silently
     csts.error(f"LAST ({args.last}) must be greater than FIRST ({args.first})")
 if args.what == "flickr30k":  # Karpathy's: {"images": [{"split", "imgid", "sentences": [{"raw"}]}]}
-    for img in json.loads(common.read_text(args.json))["images"]:
-        if img["split"] == "test":
-            for s in img["sentences"]:  # the first caption listed is the query
-                print(f"{img['imgid']}\t{' '.join(s['raw'].split())}")
+    try:
+        lines = [f"{img['imgid']}\t{' '.join(s['raw'].split())}"
+                 for img in json.loads(common.read_text(args.json))["images"]
+                 if img["split"] == "test" for s in img["sentences"]]  # the first: the query
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or other keys
+        common.die(f"'{args.json}' is not Karpathy's dataset_flickr30k.json, whose images hold "
+                   "split, imgid and sentences (with raw): pass that file")
+    print("\n".join(lines))
 elif args.what == "stsb-groups":  # union-find over STS-B test sentences linked by gold >= 4
     pairs = common.load_sts(common.senteval_dir(None), "STS-B")["test"]
     parent = {}
@@ -65,7 +69,11 @@ elif args.what == "stsb-groups":  # union-find over STS-B test sentences linked 
         for s in sents:
             print(f"{g}\t{s}")
 elif args.what == "csts-synthetic":  # premise/entailment high, premise/contradiction low
-    rows = bellm.read_csv(args.csv)[1][args.first:args.last]
+    kind, rows = bellm.read_csv(args.csv)
+    if kind != "nli" or args.last > len(rows):  # else fewer rows than asked for, silently
+        common.die(f"'{args.csv}' holds {len(rows)} {kind} rows: LAST must be at most "
+                   f"{len(rows) if kind == 'nli' else 0} (a csv of NLI triplets, SimCSE's format)")
+    rows = rows[args.first:args.last]
     conditions = ["the main action", "the people involved", "the place"]
     w = csv.writer(sys.stdout, lineterminator=os.linesep)
     w.writerow(["sentence1", "sentence2", "condition", "label"])

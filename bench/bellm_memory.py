@@ -29,9 +29,12 @@ p.add_argument("--lora-r", type=common.POS_INT, default=32, help="as bellm.py --
 p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
 common.show_ranges(p)
 a = p.parse_args()
-cfg = AutoConfig.from_pretrained(a.model)
+cfg = common.load_pretrained(AutoConfig, a.model)
 with torch.device("meta"):
     dec = AutoModel.from_config(cfg, dtype=getattr(torch, a.dtype)).requires_grad_(False)
+if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "norm")):
+    common.die(f"'{a.model}' is a {cfg.model_type} model ({type(dec).__name__}), not a decoder LLM "
+               "with embed_tokens, layers and norm: pass a LLaMA / Mistral / Qwen2-style model")
 # LoRA on every Linear of the layers (A: r x in, B: out x r)
 n_lora = sum(a.lora_r * (m.in_features + m.out_features) for m in dec.layers.modules()
              if isinstance(m, torch.nn.Linear))

@@ -11,8 +11,6 @@ next to bellm.py's estimate.
   snli_devtest.csv)
 """
 import argparse
-import csv
-import os
 import resource
 import sys
 from pathlib import Path
@@ -35,15 +33,15 @@ a = p.parse_args()
 ckpt, bf16 = a.grad_ckpt, a.bf16
 dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
-tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"), 1,
-                              "convert", dev, dtype)
+rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                              1, "convert", dev, dtype)
 if ckpt:
     dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                        target_modules="all-linear")).train()
 net = bellm.BeLLM(dec, 1, "parallel", "convert")
-with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:
-    texts = [s for r in list(csv.reader(f))[1:17] for s in r]
+texts = [s for r in rows for s in r]
 b = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts), dev)
 params = [q for q in model.parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-9)

@@ -6,7 +6,6 @@ a SPEC: K bidirectional layers, their wiring, the prompt.
   (SMOLLM=model name or folder; default HuggingFaceTB/SmolLM2-135M-Instruct)
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -32,7 +31,7 @@ common.show_ranges(p)
 a = p.parse_args()
 torch.set_num_threads(2)
 dev = torch.device("cpu")
-M = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")  # or a local folder
+M = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")  # or a local folder
 data = common.senteval_dir(None)
 for k, mode, prompt in a.specs:
     meta = dict(method="bellm", base_model=M, bi_layers=k, bi_mode=mode, prompt=prompt,

@@ -25,11 +25,9 @@ from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, Llam
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import bellm  # noqa: E402
 import common  # noqa: E402
 
-MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
-SMOLLM = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
-WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
 SCRIPTS = ("sscl", "jtcse", "bellm")
 
 
@@ -48,16 +46,23 @@ p.add_argument("--scripts", type=scripts, default=",".join(SCRIPTS),
                help="the scripts to run, comma-separated (default: all three)")
 common.show_ranges(p)
 a = p.parse_args()
+MINILM = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # their tokenizers
+SMOLLM = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+if {"sscl", "jtcse"} & {*a.scripts}:  # a step's rows, at least (the scripts run the epochs)
+    common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
+if "bellm" in a.scripts:
+    common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()
 
 torch.manual_seed(0)
-bert_tok = AutoTokenizer.from_pretrained(MINILM)
+bert_tok = common.load_pretrained(AutoTokenizer, MINILM, label="MINILM")
 for name in ("bert_a", "bert_b"):
     BertModel(BertConfig(vocab_size=len(bert_tok), hidden_size=256, num_hidden_layers=4,
                          num_attention_heads=4, intermediate_size=1024)).save_pretrained(tmp / name)
     bert_tok.save_pretrained(tmp / name)
-llama_tok = AutoTokenizer.from_pretrained(SMOLLM)
+llama_tok = common.load_pretrained(AutoTokenizer, SMOLLM, label="SMOLLM")
 LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=256, intermediate_size=688,
                        num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2)).save_pretrained(tmp / "llama")
@@ -84,8 +89,10 @@ def throughput(script, nproc, threads, batch):
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    if r.returncode:  # its own error line, else its last
+        said = [l for l in r.stderr.splitlines() if l.startswith("error:")] or r.stderr.splitlines()
+        common.die(f"{script}.py ({nproc} process(es)) failed: "
+                   f"{(said or ['?'])[-1].removeprefix('error: ')}")
     return float(re.findall(rf"{unit} (\S+)", r.stdout)[-1])
 
 

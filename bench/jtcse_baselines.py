@@ -22,7 +22,7 @@ a = p.parse_args()
 torch.set_grad_enabled(False)
 data = common.senteval_dir(None)
 names = [a.tower_i, a.tower_ii]
-tok = AutoTokenizer.from_pretrained(names[0])
+tok = common.load_pretrained(AutoTokenizer, names[0])
 sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).values()
                 for r in rs for s in r[:2]}
                | {s for rs in common.load_sts(data, "STS-B", "dev").values()
@@ -30,7 +30,7 @@ sents = sorted({s for t in common.TASKS for rs in common.load_sts(data, t).value
 emb = []
 for n in names:
     t0 = time.time()
-    m = BertModel.from_pretrained(n).eval()
+    m = common.load_pretrained(BertModel, n).eval()
     emb.append(dict(zip(sents, jtcse.make_encode([m], tok, 512, torch.device("cpu"))(sents))))
     print(f"encoded {len(sents)} sentences with {n} in {time.time() - t0:.0f} s", flush=True)
 for label, f in [("tower I", lambda s: emb[0][s]), ("tower II", lambda s: emb[1][s]),

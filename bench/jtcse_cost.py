@@ -4,7 +4,7 @@ same text.
 Usage: [MINILM=..] [WIKI=..] python bench/jtcse_cost.py simcse|jtcse [num_cael] [tower_b].
 1 warm-up step + 4 timed steps, AdamW (fused) as both scripts.
 Memory: peak RSS (ru_maxrss) of the process after the steps minus RSS after loading the model(s)."""
-import argparse, os, resource, sys, time
+import argparse, resource, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
@@ -27,19 +27,19 @@ p.add_argument("tower_b", nargs="?", default="runs/sscl_minilm",
 common.show_ranges(p)
 a = p.parse_args()
 mode = a.mode
-A = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
+A = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
 B = a.tower_b
-# the README's wiki1m head
-sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:5 * 64]
+sents = common.env_rows("WIKI", "wiki1m_head.txt", 5 * 64, common.read_sentences)  # README's
 common.seed_everything(42)
-tok = AutoTokenizer.from_pretrained(A)
+tok = common.load_pretrained(AutoTokenizer, A, label="MINILM")
 if mode == "simcse":
-    model = sscl.SentenceEncoder(AutoModel.from_pretrained(A), "cls")
+    model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, A, label="MINILM"), "cls")
     def step_loss(batch, n):
         z, _ = model(batch, [])
         return sscl.sscl_loss(z[:n], z[n:], [], 0.05)
 else:
-    model = jtcse.Twin([BertModel.from_pretrained(A), BertModel.from_pretrained(B)], a.num_cael)
+    model = jtcse.Twin([common.load_pretrained(BertModel, A, label="MINILM"),
+                        common.load_pretrained(BertModel, B)], a.num_cael)
     def step_loss(batch, n):
         h, hP, c = model(batch)
         return jtcse.jtcse_loss(h, hP, c, 1, 0.05)[0]

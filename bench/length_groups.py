@@ -19,8 +19,6 @@ round, then median of --reps rounds.
 """
 import argparse
 import copy
-import csv
-import os
 import statistics
 import sys
 import time
@@ -58,7 +56,7 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the script
 p.add_argument("--costs", type=costs, default=str(common.GROUP_COST),
                help="GROUP_COST values to compare, comma-separated")
 p.add_argument("--reps", type=common.POS_INT, default=5, help="timed rounds (default 5)")
-p.add_argument("--attn", default="eager",
+p.add_argument("--attn", type=one_of("eager", "sdpa"), default="eager",
                help="bellm: attention implementation(s) to compare, e.g. sdpa,eager "
                     "(bellm.py uses eager on CPU)")
 p.add_argument("--frozen", type=one_of("float32", "bfloat16"), default="float32",
@@ -72,10 +70,10 @@ common.show_ranges(p)
 a = p.parse_args()
 common.seed_everything(42)
 dev = torch.device("cpu")
-MINILM = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
-    tok, dec = bellm.load_decoder(os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+    tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                                   1, "convert", dev)
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                            target_modules="all-linear"))
@@ -87,9 +85,7 @@ if a.method == "bellm":
             bellm.cast_frozen_linears(m.base_model.model)
         forwards[f] = (lambda net: lambda b: net(b["input_ids"], b["attention_mask"]))(
             bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
-    # SimCSE's NLI csv format
-    with open(os.environ.get("NLI", "snli_devtest.csv"), newline="") as f:
-        texts = [s for r in list(csv.reader(f))[1:17] for s in r]  # 16 triplets: 48 texts
+    texts = [s for r in rows[:16] for s in r]  # 16 triplets: 48 texts
     batch = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
                                                  texts), dev)
 
@@ -98,20 +94,22 @@ if a.method == "bellm":
         return bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05)
 else:
     from transformers import AutoModel, AutoTokenizer, BertModel
-    tok = AutoTokenizer.from_pretrained(MINILM)
-    sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))[:64]
+    minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+    sents = common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
+    tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
     batch = common.tokenize(tok, sents, 32, dev)
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (128, L)
     if a.method == "sscl":
-        model = sscl.SentenceEncoder(AutoModel.from_pretrained(MINILM), "cls")
+        model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, minilm, label="MINILM"),
+                                     "cls")
         forwards = {None: lambda b: model(b, (5,))}
 
         def loss_of(out):
             z, (zm,) = out
             return sscl.sscl_loss(z[:64].float(), z[64:].float(), [zm[:64].float()], 0.05)
     else:
-        model = jtcse.Twin([BertModel.from_pretrained(MINILM), BertModel.from_pretrained(MINILM)],
-                           2)
+        model = jtcse.Twin([common.load_pretrained(BertModel, minilm, label="MINILM")
+                            for _ in "ab"], 2)
         forwards = {None: model}
 
         def loss_of(out):
@@ -123,7 +121,7 @@ opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
 
 lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
-attns = a.attn.split(",") if a.method == "bellm" else [None]
+attns = a.attn if a.method == "bellm" else [None]
 ways = a.lookups if a.method != "bellm" else ["once"]  # (BeLLM's embeddings are frozen)
 lookups = {f: common.word_embeddings(m) for f, m in models.items()}  # the trained ones
 configs = [(c, at, f, w) for f in forwards for at in attns

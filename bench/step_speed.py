@@ -22,7 +22,6 @@ fused AdamW alone, the scripts' update before they ran the authors'.
 """
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -55,20 +54,23 @@ def timed(fn, device):
     return time.perf_counter() - t
 
 
-def build(name, bf16, dev, earlier=False):
+def build(name, bf16, dev, steps, earlier=False):
     """(the trained module, step(i, net): the script's train_step on batch i, run by net (the
     module, or it compiled), and its update (earlier: torch's fused AdamW alone), run(i, net): the
     train_step alone, rows a step)"""
     from transformers import AutoModel, AutoTokenizer
     cpu = dev
-    minilm = os.environ.get("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     if name in ("sscl", "jtcse"):
-        sents = common.read_sentences(os.environ.get("WIKI", "wiki1m_head.txt"))
-        tok = AutoTokenizer.from_pretrained(minilm)
+        minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+        sents = common.env_rows("WIKI", "wiki1m_head.txt", 64 * (steps + 2),
+                                common.read_sentences)  # the steps' batches
+        tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
+        towers = [common.load_pretrained(AutoModel, minilm, label="MINILM")
+                  for _ in ("a", "b")[:1 + (name == "jtcse")]]
         if name == "sscl":
-            model = sscl.SentenceEncoder(AutoModel.from_pretrained(minilm), "cls").to(dev).train()
+            model = sscl.SentenceEncoder(towers[0], "cls").to(dev).train()
         else:
-            model = jtcse.Twin([AutoModel.from_pretrained(minilm) for _ in "ab"]).to(dev).train()
+            model = jtcse.Twin(towers).to(dev).train()
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
                 common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
@@ -79,8 +81,9 @@ def build(name, bf16, dev, earlier=False):
                 cpu, max_len=32, bf16=bf16)
         rows = 64
     else:
-        rows_ = bellm.read_csv(os.environ.get("NLI", "snli_devtest.csv"))[1]
-        smollm = os.environ.get("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+        rows_ = common.env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
+                                lambda f: bellm.read_csv(f)[1])
+        smollm = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
@@ -124,6 +127,11 @@ def main():
                    "scripts' update before the authors': no gradient norm, no clipping)")
     common.show_ranges(p)
     a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        common.die(f"--device cuda: torch {torch.__version__} sees no CUDA device here: drop "
+                   "--device cuda (the CPU is the default)")
+    if a.compile:
+        common.check_compile()
     import transformers
     transformers.logging.set_verbosity_error()
     dev = torch.device(a.device)
@@ -138,7 +146,7 @@ def main():
     print(f"torch {torch.__version__}, {here}; matmul roof ({'bf16' if bf16 else 'fp32'}): "
           f"{top / 1e9:.0f} GFLOP/s; {'compiled' if a.compile else 'eager'}")
     for name in a.scripts:
-        model, step, run, rows = build(name, bf16, dev, a.earlier_update)
+        model, step, run, rows = build(name, bf16, dev, a.steps, a.earlier_update)
         flops = []
         for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
             with common.FlopCount() as counted:
