@@ -1786,6 +1786,8 @@ BENCH_BAD = [
     ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
     ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
     ("length_groups.py", ["sscl", "--lookups", "once,twice"], ["--lookups", "'twice' is not once"]),
+    ("length_groups.py", ["bellm", "--attn", "sdpa,flash"],
+     ["--attn", "'flash' is not eager or sdpa"]),
     ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
     ("bellm_files.py", ["csts-synthetic", "nli.csv", "200", "100"],
      ["LAST (100) must be greater than FIRST (200)"]),
@@ -1813,6 +1815,115 @@ def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stderr
     assert all(w in errors[0] for w in words), errors[0]
+
+
+def bench_inputs(tmp, bert_dir, nli, sts):
+    """The bad inputs of every bench/ script, each -> (script, arguments, environment, the words
+    of its one error line). Environment variables name inputs as flags do, so their errors name
+    the variable."""
+    tmp.mkdir(exist_ok=True)
+    short = tmp / "short.txt"
+    short.write_text("one sentence\ntwo sentences\nthree sentences\n")
+    broken = tmp / "broken"
+    shutil.copytree(bert_dir, broken, dirs_exist_ok=True)
+    cut(broken / "config.json")
+    (tmp / "other.json").write_text('{"annotations": []}')
+    gone = "/nonexistent/model"
+    return [
+        ("step_speed.py", ["sscl"], {"MINILM": gone}, [f"MINILM='{gone}'", "not a model folder"]),
+        ("step_speed.py", ["sscl"], {"MINILM": str(short)}, ["MINILM=", "not a model folder"]),
+        ("step_speed.py", ["sscl"], {"MINILM": str(broken), "WIKI": str(nli)},  # (64 x 7 rows)
+         ["WIKI=", "has 13 rows", "448 are needed"]),
+        ("step_speed.py", ["sscl"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
+        ("step_speed.py", ["sscl"], {"WIKI": str(tmp / "none.txt")}, ["WIKI=", "is not a file"]),
+        ("step_speed.py", ["bellm"], {"NLI": str(tmp / "none.csv")}, ["NLI=", "is not a file"]),
+        ("step_speed.py", ["sscl", "--steps", "1"], {"MINILM": str(broken), "WIKI": str(
+            tmp / "wiki256.txt")}, ["MINILM=", "config.json", "damaged"]),
+        ("ddp_overhead.py", [], {"MINILM": gone}, [f"MINILM='{gone}'"]),
+        ("ddp_overhead.py", ["--scripts", "sscl"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
+        ("jtcse_cost.py", ["simcse"], {"MINILM": gone}, ["MINILM="]),
+        ("jtcse_cost.py", ["simcse"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
+        ("length_groups.py", ["bellm"], {"NLI": str(tmp / "none.csv")}, ["NLI=", "not a file"]),
+        ("length_groups.py", ["sscl"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
+        ("length_groups.py", ["sscl"], {"MINILM": gone}, [f"MINILM='{gone}'"]),
+        ("bellm_memory.py", [str(bert_dir)], {}, ["is a bert model", "not a decoder LLM"]),
+        ("bellm_memory.py", [str(broken)], {}, ["config.json", "damaged"]),
+        ("bellm_files.py", ["flickr30k", str(tmp / "other.json")], {},
+         ["other.json' is not Karpathy's dataset_flickr30k.json"]),
+        ("bellm_files.py", ["flickr30k", str(tmp / "none.json")], {}, ["cannot read"]),
+        ("bellm_files.py", ["csts-synthetic", str(nli), "0", "200"], {},
+         ["holds 12 nli rows", "LAST must be at most 12"]),
+        ("bellm_speed.py", [], {"NLI": str(short)}, ["short.txt", "sent0,sent1,hard_neg"]),
+        ("bellm_step_memory.py", [], {"NLI": str(tmp / "none.csv")}, ["NLI=", "not a file"]),
+        ("bellm_sweep.py", [gone], {}, [f"cannot load '{gone}'"]),
+        ("bellm_zeroshot.py", ["1:parallel"], {"SMOLLM": gone}, [f"SMOLLM='{gone}'"]),
+        ("jtcse_baselines.py", [gone, gone], {"SENTEMB_DATA": str(sts)},
+         [f"cannot load '{gone}'"]),
+    ]
+
+
+@pytest.mark.slow
+def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, sts_dir, tmp_path):
+    """Every bench/ script, given a model folder or data file that is missing, broken, short or of
+    the wrong kind (by its argument or its environment variable), or --device cuda without CUDA:
+    exit code 2 and one `error:` line naming the input and the fix, no traceback."""
+    (tmp_path / "wiki256.txt").write_text("".join(f"sentence number {i}\n" for i in range(256)))
+    cases = bench_inputs(tmp_path, bert_dir, nli_csv(tmp_path), sts_dir)
+    if not torch.cuda.is_available():
+        cases.append(("step_speed.py", ["sscl", "--device", "cuda"], {},
+                      ["--device cuda", "no CUDA device", "drop --device cuda"]))
+    for script, args, env, words in cases:
+        proc = run(f"bench/{script}", *args, env={"HF_HUB_OFFLINE": "1", **env}, timeout=300)
+        assert proc.returncode == 2, (script, args, env, proc.stdout + proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (script, args, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1, (script, args, proc.stderr[-3000:])
+        assert all(w in errors[0] for w in words), (script, args, env, errors[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["sscl.py", "eval_sts.py"])
+def test_compile_without_a_cpp_compiler_refuses_before_any_work(script, bert_dir, train_txt,
+                                                                 sts_dir, tmp_path):
+    """--compile where inductor finds no working C++ compiler (CXX names none; a fresh kernel
+    cache): exit 2 and one line saying what is missing and that the run works without --compile,
+    before the output folder is made or a model is read."""
+    args = sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "out", "--compile") \
+        if script == "sscl.py" else ["--model", bert_dir, "--data-dir", sts_dir, "--compile"]
+    proc = run(script, *args, env={"CXX": str(tmp_path / "no-g++"),
+                                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and all(w in errors[0] for w in (
+        "--compile", "C++ compiler", "drop --compile", "works without it")), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt, sts_dir, jt_env,
+                                                      tok_dir, tmp_path, capsys, monkeypatch):
+    """A dev score that is not a number (a model whose embeddings all agree) never passes silently:
+    the training state of that step is saved (resumable), no model is described as the best, and
+    the run stops with one line naming the score and the step."""
+    monkeypatch.setattr(common, "stsb_dev", lambda *a: float("nan"))
+    out = tmp_path / "run"
+    if script == "sscl":
+        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval")
+    elif script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        args = ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
+                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
+                "--max-steps", 2, "--no-add-sick", "--no-final-eval"]
+    else:
+        args = ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path),
+                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
+                "--max-steps", 2, "--lora-r", 4, "--no-final-eval"]
+    module = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}[script]
+    code, _, err = main_of(module, capsys, monkeypatch, *args)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "stsb_dev at step 0 is nan" in errors[0], err
+    assert torch.load(out / sscl.CKPT, weights_only=False)["step"] == 0
+    assert not (out / common.META).exists()
 
 
 @pytest.mark.slow
@@ -5318,6 +5429,16 @@ RUN_RESUME = {"sscl": lambda c: SSCL_RUN(c, c.srun, "--resume"),
               "bellm": lambda c: BL_RUN(c, c.brun, "--resume")}
 
 
+def flat_gold(sts, out):
+    """A copy of an STS folder whose STS-B dev pairs all have the gold score 2.5."""
+    shutil.copytree(sts, out)
+    path = out / "downstream" / "STS" / "STSBenchmark" / "sts-dev.csv"
+    if not path.exists():
+        path = out / "STS" / "STSBenchmark" / "sts-dev.csv"
+    rows = [l.split("\t") for l in path.read_text().splitlines()]
+    path.write_text("".join("\t".join(r[:4] + ["2.5"] + r[5:]) + "\n" for r in rows))
+
+
 def scale_tensor(path, name, factor):
     """Another model of the same shape: one tensor of a safetensors file scaled."""
     from safetensors.torch import load_file, save_file
@@ -5738,6 +5859,14 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("seeds", lambda c: SJ(c, '{"results": [80]}'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: SJ(c, '[1, 2]'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: [c.tmp], ["is a folder"], None),
+    ("seeds", lambda c: [c.srun / common.META, c.srun / common.META],
+     ["sentemb.json' is not an eval_sts.py --json result", "holds no results"], None),
+    # ---- evaluation data that cannot give a correlation: one line naming the file ----
+    *[(script, lambda c, m=m: m(c, "--data-dir", c.tmp / "flat"),
+       [os.path.join("STSBenchmark", "sts-dev.csv"), "gold scores are all 2.5", "Spearman"],
+       lambda c: flat_gold(c.sts, c.tmp / "flat"))
+      for script, m in (("sscl", SSCL), ("sscl", lambda c, *x: SSCL(c, "--final-eval", *x)),
+                        ("eval_sts", EV))],
 ]
 
 
