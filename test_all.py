@@ -3953,6 +3953,20 @@ def step_gnorms(stdout):
     return [float(g) for g in re.findall(r" gnorm (\S+)", stdout)]
 
 
+def assert_update_is(authors, run_dir, out, controls):
+    """The run's weights after its steps = those of authors() (the transcribed loop: -> the initial
+    weights, the final ones, the gradient norms before clipping) within UPDATE_NOISE; its step
+    lines' gnorm = those norms, above 1 on most steps (so that clipping at 1.0 acts, or would);
+    each control (authors' arguments switching one part of the update) far from it."""
+    w0, ref, norms = authors()
+    gap = update_gap(run_dir, w0, ref)
+    assert gap < UPDATE_NOISE, gap
+    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
+    assert sum(n > 1.0 for n in norms) >= 10, norms
+    for control in controls:
+        assert update_gap(run_dir, *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+
+
 UPDATE_NOISE = 5e-5  # the bound on the gap; measured on a 2-core AMD EPYC: SSCL 6.6e-6, JTCSE
 # 1.3e-5, BeLLM 1.6e-6 (float32; length groups round otherwise); the controls: 4.3e-4 to 0.64
 
@@ -4012,13 +4026,8 @@ def test_sscl_update_over_20_steps_is_the_authors_loop(bert_nodrop_dir, train_tx
             adamw_4_2_1(groups, state, 1e-3 * hf_linear(t, 0, len(steps)))
         return w0, trained(model), norms
 
-    w0, ref, norms = authors()
-    gap = update_gap(tmp_path / "run", w0, ref)
-    assert gap < UPDATE_NOISE, gap
-    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
-    assert sum(n > 1.0 for n in norms) >= 10  # clipping acts on most steps
-    for control in (dict(clip=0), dict(weight_decay=0.01)):  # (measured: 0.17, 4.3e-4)
-        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+    assert_update_is(authors, tmp_path / "run", out,  # the controls: gaps of 0.17, 4.3e-4
+                     [dict(clip=0), dict(weight_decay=0.01)])
 
 
 def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys, monkeypatch):
@@ -4053,13 +4062,8 @@ def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys
             optimizer.step()
         return w0, trained(model), norms
 
-    w0, ref, norms = authors()
-    gap = update_gap(tmp_path / "run", w0, ref)
-    assert gap < UPDATE_NOISE, gap
-    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
-    assert sum(n > 1.0 for n in norms) >= 10  # so that clipping at 1.0 would act
-    for control in (dict(weight_decay=0.0), dict(clip=1.0)):  # (measured: 2.3e-3, 0.64)
-        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+    assert_update_is(authors, tmp_path / "run", out,  # the controls: gaps of 2.3e-3, 0.64
+                     [dict(weight_decay=0.0), dict(clip=1.0)])
 
 
 def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsys, monkeypatch):
@@ -4104,13 +4108,8 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
             optimizer.step()
         return w0, trained(model), norms
 
-    w0, ref, norms = authors()
-    gap = update_gap(tmp_path / "run", w0, ref)
-    assert gap < UPDATE_NOISE, gap
-    assert step_gnorms(out) == pytest.approx(norms, rel=6e-3)  # (printed to 3 digits)
-    assert sum(n > 1.0 for n in norms) >= 10  # clipping acts on most steps
-    for control in (dict(clip=0), dict(weight_decay=0.01), dict(warmup=0)):  # 0.16, 1.6e-3, 0.56
-        assert update_gap(tmp_path / "run", *authors(**control)[:2]) > 4 * UPDATE_NOISE, control
+    assert_update_is(authors, tmp_path / "run", out,  # the controls: gaps of 0.16, 1.6e-3, 0.56
+                     [dict(clip=0), dict(weight_decay=0.01), dict(warmup=0)])
 
 
 # ---- harness: nothing lost: kills, signals, full disks, locks, resume, run folders ----
