@@ -3971,6 +3971,35 @@ UPDATE_NOISE = 5e-5  # the bound on the gap; measured on a 2-core AMD EPYC: SSCL
 # 1.3e-5, BeLLM 1.6e-6 (float32; length groups round otherwise); the controls: 4.3e-4 to 0.64
 
 
+def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_dir, tmp_path):
+    """With bf16 autocast (SSCL; BeLLM over a bf16 base, as on CUDA) no gradient scaler is used and
+    every trained weight and its gradient stay float32, so common.clip_gradients measures and clips
+    the true gradients: its norm is that of the fp32 gradients, and after clipping at half that
+    norm each gradient is exactly half what it was."""
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    sentence_encoder = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").train()
+    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16, bf16=True)
+    ltok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU,
+                                   torch.bfloat16)
+    bellm.add_lora(dec, 4, 4, 0.0, autocast=True)
+    model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
+    with torch.no_grad():  # B != 0, so that every LoRA weight gets a gradient
+        for n, q in model.named_parameters():
+            if "lora_B" in n:
+                q.normal_(0, 0.02)
+    bellm.train_step(functools.partial(bellm.embed, model), ltok,
+                     [tuple(SENTS[i:i + 3]) for i in range(4)], "nli", bellm.PROMPT, bl_CPU,
+                     bf16=True)
+    for net in (sentence_encoder, model):
+        params = [q for q in net.parameters() if q.requires_grad]
+        assert params and all(q.dtype == q.grad.dtype == torch.float32 for q in params)
+        grads = [q.grad.clone() for q in params]
+        norm = float(torch.cat([g.flatten() for g in grads]).norm())
+        assert common.clip_gradients(params, norm / 2) == pytest.approx(norm, rel=1e-5)
+        for q, g in zip(params, grads):
+            torch.testing.assert_close(q.grad, g / 2, rtol=1e-5, atol=0)
+
+
 def test_sscl_adamw421_is_transformers_4_2_1_adamw():
     """sscl.AdamW421 (torch's fused AdamW with ε/√(1-β2^t)) = transformers 4.2.1's AdamW,
     transcribed, over 30 steps with a changing rate, on gradients small enough (1e-9..1e-6) that ε's
