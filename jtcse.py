@@ -546,7 +546,7 @@ def main():
                 drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
 
     # the update; NOTE(authors' code): AdamW (train_jtcse_bert.py L245) at a constant rate
-    params = [q for q in raw_model.parameters() if q.requires_grad]  # (a frozen pooler: none)
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen) \
