@@ -16,7 +16,9 @@ import json
 import math
 import os
 import re
+import resource
 import sys
+import time
 
 import numpy as np
 import torch
@@ -729,6 +731,63 @@ class FlopCount(TorchDispatchMode):
 # name contains applies.
 GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
              "H200": 989e12, "A100": 312e12}
+
+
+def summed(x, world, device):
+    """A number summed over the ranks (torchrun), as a float."""
+    t = torch.tensor(float(x), device=device)
+    if world > 1:
+        torch.distributed.all_reduce(t)
+    return t.item()
+
+
+def new_clock(step, clock=None):
+    """The step lines' clock from this step on: the time, the FLOPs and real tokens since, and the
+    run's FLOPs a padded token slot once its first step has been counted (metered)."""
+    return {"time": time.perf_counter(), "step": step, "flops": 0, "tokens": 0,
+            "per_slot": clock and clock["per_slot"]}
+
+
+@contextlib.contextmanager
+def metered(clock, forward):
+    """One optimisation step inside: its matrix products' FLOPs into clock["flops"]. The run's first
+    step is counted (FlopCount), which gives its FLOPs a padded token slot (forward.slots,
+    in_length_groups); any other step is that times its own slots: within 0.2% of a count,
+    since attention, whose FLOPs grow with a length's square, is a small part."""
+    slots = forward.slots
+    if clock["per_slot"] is None:
+        with FlopCount() as counted:
+            yield
+        clock["per_slot"] = counted.flops / max(forward.slots - slots, 1)
+    else:
+        yield
+    clock["flops"] += clock["per_slot"] * (forward.slots - slots)
+
+
+def rates(clock, step, per_step, unit, world, device):
+    """The step line's speed since the clock started, all ranks together: sentences (or rows) a
+    second, real tokens a second where counted, the matrix products' FLOP/s, and on a GPU whose
+    peak is known (gpu_peak) the share of it (MFU)."""
+    dt = time.perf_counter() - clock["time"]
+    text = f"{unit}/s {per_step * (step - clock['step']) / dt:.2f}"
+    if clock["tokens"]:
+        text += f"  tok/s {summed(clock['tokens'], world, device) / dt:.0f}"
+    flops = summed(clock["flops"], world, device) / dt
+    text += f"  TFLOP/s {flops / 1e12:.1f}" if device.type == "cuda" else \
+        f"  GFLOP/s {flops / 1e9:.1f}"
+    if peak := gpu_peak(device):
+        text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
+    return text
+
+
+def peak_memory(device, world):
+    """The peak memory line: the GPU's allocations (CUDA), else the process's largest RSS."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        how = "torch.cuda.max_memory_allocated"
+    else:
+        gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"  # KiB
+    return f"peak memory {gib:.2f} GiB ({how}{', rank 0' if world > 1 else ''})"
 
 
 def gpu_peak(device):

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import signal
 import sys
@@ -402,11 +401,11 @@ def main():
 
     handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
     raw_model.train()
-    clock = new_clock(step)  # the step lines' speed
+    clock = common.new_clock(step)  # the step lines' speed
     for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
             optimizer.zero_grad(set_to_none=True)
-            with metered(clock, forward):  # the step's FLOPs
+            with common.metered(clock, forward):  # the step's FLOPs
                 for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
                                                 world):
                     with no_sync(model, last):
@@ -421,8 +420,8 @@ def main():
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
                     f"{scheduler.get_last_lr()[0]:.2e}  "
-                    f"{rates(clock, step, per_step, 'sent', world, device)}")
-                clock = new_clock(step, clock)
+                    f"{common.rates(clock, step, per_step, 'sent', world, device)}")
+                clock = common.new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 or step == len(steps)
         if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
@@ -437,7 +436,7 @@ def main():
         if halt:
             break
 
-    log(peak_memory(device, world))
+    log(common.peak_memory(device, world))
     if STOP["signum"]:  # saved at this step: exit 128 + the signal's number
         sys.exit(stopped(step, out, log))
     STOP["now"] = True  # training has ended: a signal now exits at once
@@ -509,14 +508,6 @@ def stop_requested(world, device):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         STOP["signum"] = int(t)
     return bool(STOP["signum"])
-
-
-def summed(x, world, device):
-    """A number summed over the ranks (torchrun), as a float."""
-    t = torch.tensor(float(x), device=device)
-    if world > 1:
-        torch.distributed.all_reduce(t)
-    return t.item()
 
 
 def ddp(model, world):
@@ -829,46 +820,7 @@ def saved(world, step, clock):
     """Every rank waits for rank 0's save. -> the clock, restarted after it"""
     if world > 1:
         torch.distributed.barrier()
-    return new_clock(step, clock)
-
-
-def new_clock(step, clock=None):
-    """The step lines' clock from this step on: the time, the FLOPs and real tokens since, and the
-    run's FLOPs a padded token slot once its first step has been counted (metered)."""
-    return {"time": time.perf_counter(), "step": step, "flops": 0, "tokens": 0,
-            "per_slot": clock and clock["per_slot"]}
-
-
-@contextlib.contextmanager
-def metered(clock, forward):
-    """One optimisation step inside: its matrix products' FLOPs into clock["flops"]. The run's first
-    step is counted (common.FlopCount), which gives its FLOPs a padded token slot (forward.slots,
-    common.in_length_groups); any other step is that times its own slots: within 0.2% of a count,
-    since attention, whose FLOPs grow with a length's square, is a small part."""
-    slots = forward.slots
-    if clock["per_slot"] is None:
-        with common.FlopCount() as counted:
-            yield
-        clock["per_slot"] = counted.flops / max(forward.slots - slots, 1)
-    else:
-        yield
-    clock["flops"] += clock["per_slot"] * (forward.slots - slots)
-
-
-def rates(clock, step, per_step, unit, world, device):
-    """The step line's speed since the clock started, all ranks together: sentences (or rows) a
-    second, real tokens a second where counted, the matrix products' FLOP/s, and on a GPU whose
-    peak is known (common.gpu_peak) the share of it (MFU)."""
-    dt = time.perf_counter() - clock["time"]
-    text = f"{unit}/s {per_step * (step - clock['step']) / dt:.2f}"
-    if clock["tokens"]:
-        text += f"  tok/s {summed(clock['tokens'], world, device) / dt:.0f}"
-    flops = summed(clock["flops"], world, device) / dt
-    text += f"  TFLOP/s {flops / 1e12:.1f}" if device.type == "cuda" else \
-        f"  GFLOP/s {flops / 1e9:.1f}"
-    if peak := common.gpu_peak(device):
-        text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
-    return text
+    return common.new_clock(step, clock)
 
 
 def stopped(step, out_dir, log):
@@ -1015,16 +967,6 @@ def read_meta(run_dir):
         common.die(f"{path} is not a run description of {METHOD}.py ({said}): re-save the run, or "
                    "delete the file to load the folder as a plain model")
     return meta
-
-
-def peak_memory(device, world):
-    """The peak memory line: the GPU's allocations (CUDA), else the process's largest RSS."""
-    if device.type == "cuda":
-        gib = torch.cuda.max_memory_allocated(device) / 2**30
-        how = "torch.cuda.max_memory_allocated"
-    else:
-        gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"  # KiB
-    return f"peak memory {gib:.2f} GiB ({how}{', rank 0' if world > 1 else ''})"
 
 
 def final_table(out_dir, data, tasks, device, bf16, best):
