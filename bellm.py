@@ -70,7 +70,8 @@ p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 2e-4 (batch: one of 1
                "128); --resume: the run's own unless given")
 # NOTE(authors' code): 4AI/BeLLM's AnglE.fit (model.py L417-430) sets only warm-up and lr of HF
 # TrainingArguments (transformers >= 4.38.2, which billm 0.1.3 needs; training_args.py L769,
-# L773): weight decay 0.0, clipping at 1.0; warm-up: train.py L70's default, 100 steps
+# L773, L781, L1142): torch's AdamW, weight decay 0.0, clipping at 1.0 (trainer.py L1998), linear
+# decay; warm-up: train.py L70's default, 100 steps
 p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.0, help="AdamW's, biases and "
                "norms excluded (authors' code: 0.0)")
 p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=1.0, help="clip the gradients' "
@@ -627,14 +628,12 @@ def main():
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
-                lora_r=a.lora_r, lora_alpha=a.lora_alpha,  # as adapter_config.json says
-                **base_checksums(dec))  # sentemb.json: how it encodes
+                lora_r=a.lora_r, lora_alpha=a.lora_alpha, **base_checksums(dec))  # sentemb.json
     encode = make_encode(dec, tokenizer, meta, device, a.bf16)
 
-    # the update; NOTE(authors' code): HF Trainer (4.38.2), torch's AdamW (training_args.py L1142)
-    params = [q for q in raw_model.parameters() if q.requires_grad]  # clipped: trainer.py L1998
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # the update (authors' code)
     optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))  # L781
+    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
     step, best = restore(state, raw_model, optimizer, scheduler, lr, log) if state else \
         (0, -math.inf)
     check_base(meta, state or {}, a.model, CKPT)

@@ -12,6 +12,7 @@ numbers printed during training and by eval_sts.py come from the same function.
 import argparse
 import codecs
 import contextlib
+import functools
 import json
 import math
 import os
@@ -135,9 +136,14 @@ def decay_groups(model, weight_decay):
 
 def clip_gradients(params, max_norm):
     """The gradients' global 2-norm before clipping, after scaling them to max_norm if it exceeds
-    it (HF Trainer's torch.nn.utils.clip_grad_norm_; max_norm 0: measured, left as they are). Under
-    torchrun the gradients are the all-reduced ones, so the norm is the global batch's."""
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))
+    it (HF Trainer's torch.nn.utils.clip_grad_norm_, in its two halves; max_norm 0: measured only,
+    no pass over the gradients). Under torchrun the gradients are the all-reduced ones, so the
+    norm is the global batch's."""
+    params = [q for q in params if q.grad is not None]
+    norm = torch.nn.utils.get_total_norm([q.grad for q in params])
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
 
 
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
@@ -836,6 +842,7 @@ def compiled(fn, on=True, backend="inductor"):
     return torch.compile(fn, dynamic=True, backend=backend)
 
 
+@functools.cache  # once a process and backend (common.parse, then compiled())
 def check_compile(backend="inductor"):
     """--compile where torch.compile cannot run, found before any work: one line naming the fix. A
     tiny function is compiled and run on the device training uses, which needs what the model's

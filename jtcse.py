@@ -59,12 +59,10 @@ p.add_argument("--length-grouping", action=argparse.BooleanOptionalAction, defau
                help="a step's texts in length groups: the same loss, the real tokens' cost")
 p.add_argument("--lr", type=common.POS_FLOAT, help="paper: 1.3e-6 (the towers are trained "
                "already); --distill: 1e-5; --resume: the run's own unless given")
-# NOTE(authors' code): train_jtcse_bert.py L245, torch.optim.AdamW(model.parameters(), lr=lr):
-# torch's defaults (weight decay 0.01 on every weight; betas 0.9/0.999, ε 1e-8); L77-79: unclipped
-p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.01, help="AdamW's, on every "
-               "trained weight (authors' code: 0.01, torch's default)")
+# NOTE(authors' code): train_jtcse_bert.py L245, torch's AdamW(model.parameters()): decay 0.01
+p.add_argument("--weight-decay", type=common.NONNEG_FLOAT, default=0.01, help="on every weight")
 p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=0.0, help="clip the gradients' "
-               "global norm to this before each update; 0: no clipping (authors' code)")
+               "global norm to this before each update; 0: off (authors' code, L77-79)")
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
                "(paper: 64)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
@@ -572,14 +570,13 @@ def main():
                             a.bf16 or device.type == "cuda", teacher, world, a.grad_accum,
                             common.gather)
                     check_loss(loss, step, lr, out)
-            gnorm = common.clip_gradients(params, a.max_grad_norm)  # before clipping: gnorm
+            terms["gnorm"] = common.clip_gradients(params, a.max_grad_norm)  # before clipping
             optimizer.step()
             scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
-                parts = "".join(f"  {n} {v.item():.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}  gnorm {gnorm:.3g}"
-                    + ("" if a.distill else f"  R {R}")
-                    + f"  {common.rates(clock, step, per_step, 'sent', world, device)}")
+                parts = "".join(f"  {n} {float(v):.4f}" for n, v in terms.items())
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
+                    f"  R {R}") + f"  {common.rates(clock, step, per_step, 'sent', world, device)}")
                 clock = common.new_clock(step, clock)
         halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 or step == len(steps)
