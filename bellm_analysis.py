@@ -178,7 +178,7 @@ def dependency(a, device, data):
         meta, short = (eval_sts.read_meta(name) if os.path.isdir(name) else None,
                        os.path.basename(os.path.normpath(name)))
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_adapted(name, meta, device)
+            dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
         elif (common.load_pretrained(AutoConfig, name).model_type
               in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
@@ -298,7 +298,7 @@ def representative_words(a, device, data):
         meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
         short = os.path.basename(os.path.normpath(name))
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_adapted(name, meta, device)
+            dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg,
                         meta["base_model"])]
         else:  # a causal LLM, zero-shot, at each K

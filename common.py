@@ -16,8 +16,10 @@ import functools
 import json
 import math
 import os
+import random
 import re
 import resource
+import signal
 import sys
 import time
 
@@ -115,7 +117,6 @@ def autocast(device, cpu_bf16=False):
 
 
 def seed_everything(seed):
-    import random
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -149,6 +150,17 @@ def clip_gradients(params, max_norm):
 # ---------------------------------------------------------------- multi-GPU (torchrun) ----------
 
 
+def rng_states():
+    """The random-number states a run saves: torch's (CPU), Python's, NumPy's."""
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def set_rng_states(rng):
+    torch.set_rng_state(rng[0].cpu())  # map_location may have put it on the device
+    random.setstate(rng[1])
+    np.random.set_state(rng[2])
+
+
 def world_size():
     """The number of processes training (torchrun's world; 1 without it)."""
     import torch.distributed as dist
@@ -165,6 +177,248 @@ def gather(z):
     dist.all_gather(parts, z.detach().contiguous())
     parts[dist.get_rank()] = z
     return torch.cat(parts)
+
+
+# ---------------------------------------------------------------- the training process ----------
+# What every script's loop calls around the method: torchrun, signals, micro-batches, and the
+# file-system steps of a save (its harness holds the run folder's format).
+STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+CKPT, BEST, LOCK = "checkpoint.pt", "best", ".lock"  # a run folder's names (the harness's format)
+
+
+def start():
+    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
+    log (print on rank 0, flushed; nothing on the other ranks)."""
+    STOP.update(signum=0, now=False, writes=0)
+    rank, world, device = 0, 1, pick_device()
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
+    return rank, world, device, log
+
+
+def catch_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step, saved; a second one, or one
+    after training, exits at once. -> the handlers replaced (restore_signals puts them back)."""
+    return {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _on_signal(signum, frame):
+    if STOP["signum"] or STOP["now"]:  # a second signal, or none is needed: out at once
+        os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
+        os._exit(128 + signum)
+    STOP["signum"] = signum
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at "
+             "once)\n".encode())
+
+
+def restore_signals(handlers):
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def stop_requested(world, device):
+    """Whether a signal asked training to stop; with torchrun, a signal on any rank stops every rank
+    at the same step."""
+    if world > 1:
+        t = torch.tensor(STOP["signum"], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        STOP["signum"] = int(t)
+    return bool(STOP["signum"])
+
+
+def ddp(model, world):
+    """The model as training runs it: wrapped by DDP under torchrun (gradients averaged over the
+    ranks), itself on one process."""
+    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+
+def micro_batches(rows, batch_size, grad_accum, rank, world):
+    """One optimisation step's rows (every rank's micro-batches) -> this rank's grad_accum
+    micro-batches, each as (rows, whether it is the step's last: DDP all-reduces after it)."""
+    return [(rows[(k * world + rank) * batch_size:][:batch_size], k == grad_accum - 1)
+            for k in range(grad_accum)]
+
+
+def no_sync(model, last):
+    """DDP all-reduces the gradients only after a step's last micro-batch."""
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def check_loss(loss, step, lr, out_dir):
+    """The NaN guard, before the optimiser step: the weights saved are still good."""
+    if not torch.isfinite(loss):
+        die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now {lr:g}; "
+            f"--resume --lr ...) or check the data; the run in {out_dir} is kept")
+
+
+def dev_eval(model, score, *args):
+    """score(*args) with the model in eval mode (no dropout), then back in training mode."""
+    model.eval()
+    try:
+        return score(*args)
+    finally:
+        model.train()
+
+
+def saved(world, step, clock):
+    """Every rank waits for rank 0's save. -> the clock, restarted after it"""
+    if world > 1:
+        torch.distributed.barrier()
+    return new_clock(step, clock)
+
+
+def stopped(step, out_dir, log):
+    """Training stopped by a signal, saved at this step: what to do. -> the exit code, 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM)"""
+    log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state is "
+        f"in {os.path.join(out_dir, CKPT)}; run the same command with --resume to continue")
+    return 128 + STOP["signum"]
+
+
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+
+
+def fsync(path):
+    """A file's data, or a folder's entries (renames), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def flock(f, *how):
+    """An advisory lock on an open file or folder (flock: the kernel drops it when the file is
+    closed or the process ends, however it ends); how: "EX" or "SH", and "NB" not to wait. ->
+    False when NB and another process holds it. Windows has none: always True."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
+        return True
+    except BlockingIOError:
+        return False
+
+
+def lock_run(out_dir):
+    """OUT_DIR (made if need be), locked for one training run: an exclusive lock on OUT_DIR/.lock,
+    which holds the pid, for as long as the file returned is open; one line when the folder is not
+    writable or another run holds it."""
+    path = os.path.join(out_dir, LOCK)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as e:
+        die(f"cannot write '{path}' ({e.strerror}): pass a writable --output-dir (a folder named "
+            f"{LOCK} in it: delete it)")
+    if not flock(lock, "EX", "NB"):
+        die(f"'{out_dir}' is in use by another training run (pid {open(path).read().strip() or '?'}"
+            "): wait for it to end, or pass another --output-dir")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def save_id(folder):
+    """The save that a model folder of ours holds (its sentemb.json's "save"; None: unreadable)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        with open(os.path.join(folder, META)) as f:
+            return json.load(f).get("save")
+
+
+def flags(a):
+    """The command's flags, its paths absolute."""
+    return {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+            for k, v in vars(a).items()}
+
+
+def complete(step, steps, out_dir):
+    """--resume of a run with nothing left to train (exit 0, the folder untouched): what to do."""
+    return (f"the run is complete (step {step} of {steps}): nothing to train in '{out_dir}'; "
+            f"evaluate it with eval_sts.py --model {out_dir}, or pass a larger --max-steps or "
+            "--epochs with --resume to train on")
+
+
+def save_failed(e, out_dir):
+    """A save that failed (a full disk): one line."""
+    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
+    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+    die(f"cannot save in {out_dir} ({reason}): free disk space or pass another --output-dir;"
+        " what was saved before is kept, and --resume continues from it")
+
+
+def check_keys(path, meta, required, optional):
+    """sentemb.json's keys (required, and optional ones older runs lack), each of its type: one
+    line naming those that are not."""
+    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
+            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
+        die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py ({', '.join(bad)} "
+            "missing or of the wrong type): re-save the run, or delete the file to load the "
+            "folder as a plain model")
+
+
+def sync_tree(folder):
+    """Every file of a folder written, then the folders' entries, on the disk (pause() between)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fsync(os.path.join(root, name))
+            pause()
+        fsync(root)
+
+
+@contextlib.contextmanager
+def folder_lock(folder, how):
+    """A lock on the folder itself while inside: "EX" while a save swaps best/, "SH" while a reader
+    loads it (a reader never sees a mix of two saves)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_of(name):
+    """What NAME is to a reader: (method, run folder, model folder) for a run of sscl.py, jtcse.py
+    or bellm.py: a run folder (its checkpoint.pt, best/) or its best/ (the run folder is settled
+    before best/ is read), or a folder with a sentemb.json (a copy of best/, a run folder saved
+    before best/ existed; run folder None); None for anything else (a plain model)."""
+    run = os.path.dirname(os.path.abspath(name)) if os.path.basename(os.path.abspath(name)) == \
+        BEST and os.path.isfile(os.path.join(name, "..", CKPT)) else name
+    if os.path.isdir(os.path.join(run, BEST)) or os.path.isfile(os.path.join(run, CKPT)) \
+            and not os.path.isfile(os.path.join(run, META)):
+        try:
+            with open(os.path.join(run, BEST, META)) as f:
+                method = json.load(f)["method"]
+        except Exception:  # no best model yet (or a damaged one): the checkpoint names it
+            try:
+                method = torch.load(os.path.join(run, CKPT), map_location="cpu", mmap=True,
+                                    weights_only=False)["method"]
+            except Exception as e:
+                die(f"'{run}' is a run folder without a readable best/{META} or {CKPT} "
+                    f"({type(e).__name__}): copy the whole run folder again, or train again")
+        return method, run, os.path.join(run, BEST)
+    if os.path.isfile(os.path.join(name, META)):
+        try:
+            return json.loads(read_text(os.path.join(name, META)))["method"], None, name
+        except Exception:
+            return "?", None, name  # the reader names the damaged file
+    return None
 
 
 # ---------------------------------------------------------------- data location -----------------

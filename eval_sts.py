@@ -28,6 +28,7 @@ A run folder written by our scripts holds `sentemb.json`, which names the method
 `load_encoder` builds the encode function, the same one used for its dev evaluation while training.
 """
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -50,113 +51,61 @@ METHODS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # sentemb.json's metho
 
 
 # ---------------------------------------------------------------- run folders -------------------
-# A run folder is written and resumed by its own script; here it is read: a save that a kill cut
-# short after its commit point is completed first, then the script's check_run checks every file
-# and value (a broken or edited folder is one line naming the file, never another model) and its
-# load_encoder builds the encode function its training evaluated with.
-PENDING, LOCK = sscl.PENDING, sscl.LOCK  # the scripts' names (one protocol: sscl.save_best)
-RECOPY = sscl.RECOPY
-_held = {}  # real path -> open lock file, for the run folders this process holds
-
-
-def method_of(path):
-    """The script that wrote the sentemb.json at path (None: there is none): one of METHODS,
-    never a name taken from the file; a damaged file is one line."""
-    if not os.path.isfile(path):
+# A run folder is written and resumed by its own script, and read here through that script's
+# harness: reading() settles what a kill left when no training run holds the folder and keeps
+# best/ from being swapped while it loads; check_run checks every file and value of best/ (a
+# broken or edited folder is one line naming the file, never another model); load_encoder builds
+# the encode function its training evaluated with.
+def run_folder(name):
+    """A run of ours that NAME is: (its script, the run folder (None: a model folder with a
+    sentemb.json, e.g. a copy of best/), the model folder to read); None: a plain model."""
+    if not (found := common.run_of(name)):
         return None
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    method = meta.get("method") if isinstance(meta, dict) else None
+    method, run_dir, folder = found
     if method not in METHODS:
-        said = f"method {method!r}" if method is not None else "damaged or edited"
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py ({said}): "
-                   "re-save the run, or delete the file to load the folder as a plain model")
-    return METHODS[method], meta
+        common.die(f"{os.path.join(folder, common.META)} is not a run description of sscl.py, "
+                   f"jtcse.py or bellm.py (method {method!r}): re-save the run, or delete the "
+                   "file to load the folder as a plain model")
+    return METHODS[method], run_dir, folder
 
 
-def lock_run(out_dir):
-    """An exclusive lock on OUT_DIR/.lock for as long as this process lives, as the scripts take
-    it. True when this process holds it, False when another process (a training run) does."""
-    key = os.path.realpath(out_dir)
-    if key in _held:
-        return True
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock
-        return True
-    try:
-        f = open(os.path.join(out_dir, LOCK), "a+")
-    except OSError as e:  # e.g. a folder of that name
-        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
-                   "holds the pid of the run that writes the folder) and run again")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return False
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _held[key] = f
-    return True
+@contextlib.contextmanager
+def reading(name):
+    """NAME as it is read: (its script, the model folder, its sentemb.json checked), under the
+    reader's lock of its run folder; (None, NAME, None) for a plain model."""
+    if not (found := run_folder(name)):
+        yield None, name, None
+        return
+    script, run_dir, folder = found
+    with script.reading(run_dir) if run_dir else contextlib.nullcontext(folder) as folder:
+        meta = script.read_meta(folder)
+        script.check_run(folder, meta)
+        yield script, folder, meta
 
 
-def settle(run_dir):
-    """Complete a save that a kill cut short after its commit point (the scripts' finish_save); a
-    training run that holds the folder completes its own: wait for it."""
-    key, pending = os.path.realpath(run_dir), os.path.join(run_dir, PENDING)
-    for _ in range(300):
-        if not os.path.isdir(pending):
-            return
-        mine = key in _held
-        try:
-            if lock_run(run_dir):
-                sscl.finish_save(run_dir)  # one save protocol, written out in each script
-                if not mine and key in _held:
-                    _held.pop(key).close()
-                return
-        except OSError as e:
-            common.die(f"'{run_dir}' holds an interrupted save that cannot be completed "
-                       f"({e.strerror}): make the folder writable and run again")
-        time.sleep(0.1)
-    common.die(f"'{run_dir}' is being saved by a training run: try again in a moment")
+def read_meta(name):
+    """The sentemb.json of the model a run NAME holds (checked), or None for a plain model."""
+    with reading(name) as (_, _, meta):
+        return meta
 
 
-def read_meta(run_dir):
-    """A run folder's sentemb.json (after settle()), or None when it has none; anything its
-    script's check_run refuses (a key missing or of the wrong type, a file missing or damaged, a
-    value the weights cannot have) is one line: it is never loaded as something else."""
-    settle(run_dir)
-    found = method_of(os.path.join(run_dir, common.META))
-    ckpt = os.path.join(run_dir, sscl.CKPT)
-    if found is None:
-        if os.path.isfile(ckpt):  # a run killed or stopped before its first best model
-            common.die(f"'{run_dir}' holds a training state ({sscl.CKPT}) and no {common.META}:"
-                       " a run that has saved no best model yet (resume it), or a copy that lost "
-                       "its sentemb.json (copy the whole run folder again)")
-        return None
-    script, meta = found
-    script.check_run(run_dir, meta)
-    if os.path.isfile(ckpt):  # the training state and the best model: of one run
-        state = script.read_checkpoint(run_dir, f"cannot evaluate '{run_dir}'", RECOPY,
-                                       mmap=True)
-        script.check_agree(run_dir, state, meta)
-    return meta
+def model_folder(name):
+    """The folder that holds the model NAME means (a run's best/; NAME itself otherwise)."""
+    with reading(name) as (_, folder, _):
+        return folder
 
 
-def read_curve(run_dir):
-    """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
-    format in the three scripts), after settle(); [] without one."""
-    settle(run_dir)
-    return sscl.read_curve(run_dir)
+def read_curve(name):
+    """A run folder's dev curve (dev.jsonl, a view of its checkpoint: {"step", "metric", "score"}
+    per dev evaluation, one format in the three scripts); [] without one."""
+    found = run_folder(name)
+    if not found or not found[1]:
+        return []
+    with found[0].reading(found[1]):
+        path = os.path.join(found[1], sscl.CURVE)
+        lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
+    return [json.loads(line) for line in lines]
 
-
-def load_run(run_dir, meta, device):
-    """encode(list[str]) -> (N, H) of a run folder of ours (meta: its read_meta()): its script's
-    load_encoder, the function its training evaluated with."""
-    return METHODS[meta["method"]].load_encoder(run_dir, meta, device)
 
 def csts_prompt(name, pooler, prompt):
     """The prompt a model encodes C-STS with (None when it reads no prompt): a bellm.py run's own,
@@ -322,8 +271,9 @@ def load_model(name, pooler="cls", max_len=512, device=None, prompt=None, cut=No
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel",
                 "prompt": prompt, **({"max_len": cut} if cut else {})}
         return bellm.load_encoder(None, meta, device)
-    if os.path.isdir(name) and (meta := read_meta(name)) is not None:  # checks every file
-        return load_run(name, {**meta, "max_len": cut} if cut else meta, device)
+    with reading(name) as (script, folder, meta):  # a run of ours: every file checked
+        if meta is not None:
+            return script.load_encoder(folder, {**meta, "max_len": cut} if cut else meta, device)
     return hf_encoder(name, pooler, cut or max_len, device, num_layers)
 
 

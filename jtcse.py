@@ -27,13 +27,9 @@ import functools
 import json
 import math
 import os
-import random
 import shutil
-import signal
 import sys
-import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -319,7 +315,7 @@ def check_run(run_dir, meta):
     its config.json; the towers listed = the tower folders, of one shape and vocabulary; every
     value within the towers' limits (eval_sts.py and --resume call it)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the jtcse.py run in '{run_dir}'"
-    check_keys(path, meta, META_TYPES, META_OPTIONAL)
+    common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for t in meta["towers"]:
         for rel in RUN_FILES:
             common.check_file(run_dir, os.path.normpath(os.path.join(t, rel)), where, RECOPY)
@@ -332,14 +328,6 @@ def check_run(run_dir, meta):
         common.check_weights(t, f"{where} ({t})", RECOPY)
     check_towers(towers, meta["max_len"], meta.get("num_cael"),
                         meta.get("drop_layernorm", 0), meta=path)
-
-
-def described(state):
-    """The sentemb.json values that a checkpoint's flags give (the harness's check_agree)."""
-    a, distill = state["args"], bool(state["args"]["distill"])
-    return {"towers": ["."] if distill else ["tower_a", "tower_b"],
-            "objective": None if distill else a["objective"],
-            "num_cael": None if distill else a["num_cael"], "drop_layernorm": a["drop_layernorm"]}
 
 
 def load_encoder(run_dir, meta, device):
@@ -399,34 +387,24 @@ def load_towers(names, drop=0, pooler=True):
 
 
 # ---------------------------------------------------------------- JTCSE D: the teacher ------------
-def teacher_run(name):
-    """A --distill teacher's run description, checked by the script that wrote it: (check_run,
-    load_encoder, meta) of a JTCSE run (this script) or an SSCL/SimCSE run (sscl.py); None for a
-    plain encoder (a model folder or a hub name)."""
-    path = os.path.join(name, common.META)
-    if not os.path.isfile(path):
+def teacher_run(name, load):
+    """A --distill teacher that is a run of ours (a run folder, its best/, a copy of it), checked
+    by the script that wrote it (JTCSE: this one; SSCL or SimCSE: sscl.py) and read as eval_sts.py
+    reads it. -> load(script, its model folder, its sentemb.json); None: a plain encoder"""
+    if not (found := common.run_of(name)):
         return None
-    if os.path.isdir(os.path.join(name, PENDING)):
-        common.die(f"'{name}' holds a save still under way or cut short: let its run finish, or "
-                   f"complete it by evaluating it once (python eval_sts.py --model {name})")
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    method = meta.get("method") if isinstance(meta, dict) else None
-    if method == "sscl":
-        try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
-            import sscl
-        except ImportError:
-            common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
-        sscl.check_run(name, meta)
-        return sscl.load_encoder, meta
-    if method != "jtcse":
-        said = f"method {method!r}" if method is not None else "damaged or edited"
-        common.die(f"{path} is not a run description of jtcse.py or sscl.py ({said}): --distill "
+    method, run_dir, folder = found
+    if method not in ("jtcse", "sscl"):
+        common.die(f"'{name}' is not a run of jtcse.py or sscl.py (method {method!r}): --distill "
                    "takes JTCSE and SSCL runs and plain encoders")
-    check_run(name, meta)
-    return load_encoder, meta
+    try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
+        script = sys.modules[__name__] if method == "jtcse" else __import__("sscl")
+    except ImportError:
+        common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
+    with script.reading(run_dir) if run_dir else contextlib.nullcontext(folder) as folder:
+        meta = script.read_meta(folder)
+        script.check_run(folder, meta)
+        return load(script, folder, meta)
 
 
 def load_teacher(names, max_len, hidden, device):
@@ -435,8 +413,9 @@ def load_teacher(names, max_len, hidden, device):
     max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
     members = []
     for name in names:
-        if run := teacher_run(name):
-            members.append(run[0](name, {**run[1], "max_len": max_len}, device))
+        if run := teacher_run(name, lambda script, folder, meta: script.load_encoder(
+                folder, {**meta, "max_len": max_len}, device)):
+            members.append(run)
             continue
         from transformers import AutoModel, AutoTokenizer
         model = common.load_pretrained(AutoModel, name).to(device).eval()
@@ -464,7 +443,7 @@ def check_teacher(name):
     if not os.path.isdir(name):
         from transformers import AutoConfig
         common.load_pretrained(AutoConfig, name)
-    elif teacher_run(name) is None:
+    elif teacher_run(name, lambda *_: True) is None:
         common.check_hf_folder(name, "model", f"cannot load '{name}'")
         common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
@@ -503,7 +482,7 @@ def check_args(a, world):
 # ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
-    rank, world, device, log = start()
+    rank, world, device, log = common.start()
     skip = check_args(a, world)  # eq. 15's terms left out (Table X)
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
@@ -516,11 +495,9 @@ def main():
 
     # the run folder, locked; --resume: its training state, trained as this command says
     out, inputs = a.output_dir, [a.model_a, a.model_b, *(a.distill or [])]
-    new_run, lock = open_run(out, inputs, a.resume, rank, world)  # lock: held till exit
-    state = read_resume(out, a, device)  # None: a new run
+    state, lock = open_run(out, inputs, a, rank, world, device)  # lock: held till exit
     if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
-        return log(complete(state["step"], len(steps), out))
-    curve = resumed_curve(out, state["step"]) if state and rank == 0 else []
+        return log(common.complete(state["step"], len(steps), out))
     lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)  # --lr
 
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
@@ -532,7 +509,7 @@ def main():
     raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
     teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
         if a.distill else None  # it encodes the text the student reads (cut to --max-len)
-    model = ddp(raw_model, world)
+    model = common.ddp(raw_model, world)
     forward = common.in_length_groups(common.compiled(functools.partial(cls, model) if a.distill
                                       else model, a.compile), a.length_grouping, raw_model)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
@@ -546,14 +523,13 @@ def main():
     params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
-    step, best = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen) \
-        if state else (0, -math.inf)
+    step, run = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen)
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
         f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
 
-    handlers = catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    handlers = common.catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
     raw_model.train()
     clock = common.new_clock(step)  # the step lines' speed
     for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
@@ -561,15 +537,15 @@ def main():
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
             optimizer.zero_grad(set_to_none=True)
             with common.metered(clock, forward):  # the step's FLOPs
-                for rows, last in micro_batches(steps[step - 1], a.batch_size, a.grad_accum, rank,
-                                                world):
-                    with no_sync(model, last):
+                for rows, last in common.micro_batches(steps[step - 1], a.batch_size,
+                                                       a.grad_accum, rank, world):
+                    with common.no_sync(model, last):
                         loss, terms = train_step(
                             forward, tokenizer, [sentences[i] for i in rows], R, device, a.temp,
                             a.max_len, a.objective, skip, a.drop_layernorm > 0,
                             a.bf16 or device.type == "cuda", teacher, world, a.grad_accum,
                             common.gather)
-                    check_loss(loss, step, lr, out)
+                    common.check_loss(loss, step, lr, out)
             terms["gnorm"] = common.clip_gradients(params, a.max_grad_norm)  # before clipping
             optimizer.step()
             scheduler.step()
@@ -578,27 +554,25 @@ def main():
                 log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
                     f"  R {R}") + f"  {common.rates(clock, step, per_step, 'sent', world, device)}")
                 clock = common.new_clock(step, clock)
-        halt = stop_requested(world, device)  # a signal on any rank: every rank stops here
+        halt = common.stop_requested(world, device)  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 or step == len(steps)
         if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
-            dev = dev_eval(raw_model, common.stsb_dev, encode, data) if evaluate else None
-            state = training_state(raw_model, optimizer, scheduler, a, lr, step, r_gen=r_gen)
-            curve, best = save_step(out, curve, step, "stsb_dev", dev, best, state, meta,
-                                    functools.partial(save_model, towers, names, tokenizer,
-                                                      eval_len), new_run, log)
-            new_run = None
+            dev = common.dev_eval(raw_model, common.stsb_dev, encode, data) if evaluate else None
+            state = training_state(raw_model, optimizer, scheduler, a, lr, step, meta, r_gen=r_gen)
+            run = save_step(out, run, step, "stsb_dev", dev, state,
+                            functools.partial(save_model, towers, names, tokenizer, eval_len), log)
         if evaluate or halt:
-            clock = saved(world, step, clock)
+            clock = common.saved(world, step, clock)
         if halt:
             break
 
     log(common.peak_memory(device, world))
-    if STOP["signum"]:  # saved at this step: exit 128 + the signal's number
-        sys.exit(stopped(step, out, log))
-    STOP["now"] = True  # training has ended: a signal now exits at once
+    if common.STOP["signum"]:  # saved at this step: exit 128 + the signal's number
+        sys.exit(common.stopped(step, out, log))
+    common.STOP["now"] = True  # training has ended: a signal now exits at once
     if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        final_table(out, data, common.TASKS, device, a.bf16, best)
-    restore_signals(handlers)
+        final_table(out, data, common.TASKS, device, a.bf16, run["best"])
+    common.restore_signals(handlers)
 
 
 # ---------------------------------------------------------------- the harness ---------------------
@@ -609,527 +583,241 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
              "data_dir", "output_dir", "bf16", "compile", "quiet",
              "length_grouping"}  # --resume may change
 # ---- (the table ends here)
-# A run folder holds the best model (its files + sentemb.json), checkpoint.pt (the training state,
-# for --resume) and dev.jsonl (the dev curve). Every write is atomic: a kill, a full disk or a power
-# cut at any instant leaves the old version or the new one. One process at a time writes a folder
-# (flock on .lock).
-CKPT, CURVE, STAGING, PENDING, LOCK = ("checkpoint.pt", "dev.jsonl", ".best.staging",
-                                       ".best.pending", ".lock")
+# A run folder holds checkpoint.pt, all the run knows (flags, the model's description, trained
+# weights, optimiser, schedule, RNG states, step, dev curve, best score and the id of its save),
+# replaced whole: the one commit point; best/, the best model, whose sentemb.json names its save;
+# dev.jsonl, a view of the curve. A new best model is written whole into .best.new, committed by
+# checkpoint.pt, then put in best/'s place by renames (settle). One run writes a folder (.lock).
+CKPT, BEST, NEW, OLD, CURVE = common.CKPT, common.BEST, ".best.new", ".best.old", "dev.jsonl"
+OURS = {common.LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # the names of a save under way
 RECOPY = "copy the whole run folder again, or train again"
-EARLIER = {"weight_decay": 0.01, "max_grad_norm": 0.0, "warmup_steps": 0}  # the update of runs
-# saved before these flags: torch's AdamW defaults, unclipped, no warm-up
-STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
-def start():
-    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
-    log (print on rank 0, flushed; nothing on the other ranks)."""
-    STOP.update(signum=0, now=False, writes=0)
-    rank, world, device = 0, 1, common.pick_device()
-    if "RANK" in os.environ:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
-    return rank, world, device, log
-
-
-def catch_signals():
-    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step, saved; a second one, or one
-    after training, exits at once. -> the handlers replaced (restore_signals puts them back)."""
-    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-def on_signal(signum, frame):
-    if STOP["signum"] or STOP["now"]:  # a second signal, or none is needed: out at once
-        os.write(2, f"\n{signal.Signals(signum).name}: stopped\n".encode())
-        os._exit(128 + signum)
-    STOP["signum"] = signum
-    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (again: at "
-             "once)\n".encode())
-
-
-def restore_signals(handlers):
-    for s, h in handlers.items():
-        signal.signal(s, h)
-
-
-def stop_requested(world, device):
-    """Whether a signal asked training to stop; with torchrun, a signal on any rank stops every rank
-    at the same step."""
-    if world > 1:
-        t = torch.tensor(STOP["signum"], device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        STOP["signum"] = int(t)
-    return bool(STOP["signum"])
-
-
-def ddp(model, world):
-    """The model as training runs it: wrapped by DDP under torchrun (gradients averaged over the
-    ranks), itself on one process."""
-    return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-
-
-def micro_batches(rows, batch_size, grad_accum, rank, world):
-    """One optimisation step's rows (every rank's micro-batches) -> this rank's grad_accum
-    micro-batches, each as (rows, whether it is the step's last: DDP all-reduces after it)."""
-    return [(rows[(k * world + rank) * batch_size:][:batch_size], k == grad_accum - 1)
-            for k in range(grad_accum)]
-
-
-def no_sync(model, last):
-    """DDP all-reduces the gradients only after a step's last micro-batch."""
-    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-
-
-def check_loss(loss, step, lr, out_dir):
-    """The NaN guard, before the optimiser step: the weights saved are still good."""
-    if not torch.isfinite(loss):
-        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
-                   f"{lr:g}; --resume --lr ...) or check the data; the run in {out_dir} is kept")
-
-
-def dev_eval(model, score, *args):
-    """score(*args) with the model in eval mode (no dropout), then back in training mode."""
-    model.eval()
-    try:
-        return score(*args)
-    finally:
-        model.train()
-
-
-def open_run(out_dir, inputs, resume, rank, world):
-    """The run folder, on rank 0: never one of the input models; with --resume a run of this script
-    with its checkpoint, else new, empty or left by a run that saved nothing; writable; locked for
-    as long as the lock returned is open; a save that a kill cut short completed. -> (the folder's
-    entries before this run and whether it made the folder: a first save that fails restores
-    them; None with --resume), the lock"""
-    new_run, lock = None, None
+def open_run(out_dir, inputs, a, rank, world, device):
+    """The run folder, locked for this run (on rank 0, while the lock returned is open) and settled:
+    never an input model; with --resume a run of this script, else new, empty or holding only the
+    names of a save under way. -> the state --resume continues (None: a new run), the lock"""
+    lock = None
     if rank == 0:
         for name in inputs:
             if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
                 common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
                            "overwrite its weights; pass another --output-dir")
-        if not resume:  # before anything is written into it
-            check_new_run(out_dir)
-            new_run = (set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set(),
-                       not os.path.isdir(out_dir))
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            open(os.path.join(out_dir, ".write_test"), "w").close()
-            os.remove(os.path.join(out_dir, ".write_test"))
-        except OSError as e:
-            common.die(f"cannot write to output folder '{out_dir}' ({e.strerror}): pass a writable "
-                       "--output-dir")
-        lock = take_lock(out_dir)
-        finish_save(out_dir)
-        if not resume:  # again, now that a save cut short is completed
-            check_new_run(out_dir)
-        elif not os.path.isfile(os.path.join(out_dir, CKPT)):
+        lock = common.lock_run(out_dir)
+        state = settle(out_dir)
+        if a.resume and state is None:
             common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
                        "run")
+        if not a.resume and (found := sorted(set(os.listdir(out_dir)) - OURS)):
+            common.die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another "
+                       "--output-dir" if state else f"'{out_dir}' holds {', '.join(found[:3])}"
+                       f", which {METHOD}.py did not write: pass a new or empty --output-dir")
     if world > 1:
         torch.distributed.barrier()
-    return new_run, lock
+    return read_resume(out_dir, a, device) if a.resume else None, lock
 
 
-def take_lock(out_dir):
-    """An exclusive lock on OUT_DIR/.lock (holding this process's pid), which the kernel drops when
-    the file is closed or the process ends, however it ends. -> the open lock file"""
+def settle(run_dir, state=None):
+    """What a kill left, decided by the save ids (holding the lock): a .best.new that checkpoint.pt
+    names was committed: checked, it takes best/'s place; any other goes, as do .best.old and the
+    .tmp files; dev.jsonl is rewritten from the checkpoint; a best/ that is not the save it names
+    is one line. state: checkpoint.pt's, when the caller has it. -> it (None: no checkpoint)"""
+    at = functools.partial(os.path.join, run_dir)
+    for name in OURS - {common.LOCK}:  # our names, of the kind we write
+        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
+            common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
+                       f"{METHOD}.py writes there: delete it, then run again")
+    if state is None and os.path.lexists(at(CKPT)):
+        state = read_checkpoint(run_dir, "pass another --output-dir")
+    save = state and state["save"]
     try:
-        lock = open(os.path.join(out_dir, LOCK), "a+")
-    except OSError as e:  # e.g. a folder of that name
-        common.die(f"cannot open {os.path.join(out_dir, LOCK)} ({e.strerror}): delete it (it only "
-                   "holds the pid of the run that writes the folder) and run again")
+        if save and common.save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
+            check_run(at(NEW), read_meta(at(NEW)))
+            with common.folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
+                if os.path.isdir(at(BEST)):
+                    shutil.rmtree(at(OLD), ignore_errors=True)
+                    os.replace(at(BEST), at(OLD))
+                    common.pause()
+                os.replace(at(NEW), at(BEST))
+                common.fsync(run_dir)
+                common.pause()
+        for name in (NEW, OLD):  # a save never committed; the best model replaced
+            if os.path.isdir(at(name)):
+                shutil.rmtree(at(name))
+        for name in (CKPT + ".tmp", CURVE + ".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(at(name))
+        view = "".join(json.dumps(e) + "\n" for e in state["curve"]) if state else ""
+        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE)).read() != view):
+            common.write_whole(at(CURVE), lambda f: f.write(view.encode()), common.pause)
+    except OSError as e:
+        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): make "
+                   "it writable, then run again")
+    if save and common.save_id(at(BEST)) != save:
+        common.die(f"'{at(BEST)}' is not the best model that {at(CKPT)} names (save {save}): "
+                   f"{RECOPY}")
+    return state
+
+
+@contextlib.contextmanager
+def reading(run_dir):
+    """A reader of a run folder (eval_sts.py, the analyses, jtcse.py --distill): the folder settled
+    when no training run holds it (a run settles its own saves), best/ never swapped while the
+    reader is inside. -> best/"""
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, common.LOCK), "a+") as lock:
+        if common.flock(lock, "EX", "NB"):
+            settle(run_dir)
+    with common.folder_lock(run_dir, "SH"):
+        yield os.path.join(run_dir, BEST)
+
+
+def read_checkpoint(run_dir, fix, device="cpu"):
+    """RUN_DIR/checkpoint.pt of a run of this script, every field of its type, or one line naming
+    the field (fix: the way out). -> the state"""
+    path = os.path.join(run_dir, CKPT)
     try:
-        import fcntl
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except ImportError:  # Windows: no lock
-        pass
-    except OSError:
-        common.die(f"'{out_dir}' is in use by another training run (pid "
-                   f"{open(os.path.join(out_dir, LOCK)).read().strip() or '?'}): wait for it to "
-                   "end, or pass another --output-dir")
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
-
-
-def check_new_run(out_dir):
-    """A new run writes into a folder that is new, empty, or left by a run that saved nothing (its
-    .lock, dev.jsonl, a save cut short): never over a run, nor over any file it did not write."""
-    if not os.path.isdir(out_dir):
-        return
-    found = sorted(set(os.listdir(out_dir)) - {LOCK, CURVE, STAGING, PENDING, CKPT + ".tmp",
-                                                CURVE + ".tmp"})
-    if common.META in found or CKPT in found:
-        method = method_in(out_dir)
-        what = f"a run of {method}.py" if method else "a run"
-        common.die(f"'{out_dir}' already holds {what}: pass "
-                   f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-    if found:
-        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
-        common.die(f"'{out_dir}' holds {found[0]}{more}, which {METHOD}.py did not write: pass a "
-                   "new or empty --output-dir")
-
-
-def method_in(run_dir):
-    """The script whose run a folder holds, as its sentemb.json says, else its checkpoint.pt (None:
-    neither says)."""
-    with contextlib.suppress(Exception):
-        with open(os.path.join(run_dir, common.META)) as f:
-            return json.load(f)["method"]
-    with contextlib.suppress(Exception):
-        return torch.load(os.path.join(run_dir, CKPT), map_location="cpu", weights_only=False,
-                          mmap=True)["method"]
+        state = torch.load(path, map_location=device, weights_only=False, mmap=True)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
+    if not isinstance(state, dict) or state.get("method") != METHOD:
+        common.die(f"{path} was not written by {METHOD}.py: {fix}")
+    if "save" not in state:
+        common.die(f"{path} predates best/ (an earlier {METHOD}.py's run): eval_sts.py reads it, "
+                   f"the {METHOD}.py that wrote it resumes it")
+    number = lambda v: type(v) in (int, float)  # noqa: E731
+    ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
+          "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
+          "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
+          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
+          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
+          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
+          "best": number, "save": lambda v: v is None or isinstance(v, str),
+          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
+              e.get("score")) and type(e.get("step")) is int for e in v)}
+    if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
+        common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
+    return state
 
 
 def read_resume(out_dir, a, device):
-    """--resume: the checkpoint of a run of this script trained with this command's settings (a
-    flag the run predates had its default; those in RESUMABLE may change), and, once it has saved
-    a best model, that model whole and described as trained (check_run, check_agree). -> its
-    training state; None for a new run"""
-    if not a.resume:
-        return None
-    state = read_checkpoint(out_dir, "--resume", "start again without --resume in another "
-                            "--output-dir", device)
-    now = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-           for k, v in vars(a).items()}
-    old = state["args"]  # with the defaults of flags the run predates
+    """--resume: checkpoint.pt, trained with this command's flags but those of RESUMABLE (each of
+    its type) by as many processes (the global batch), or one line naming what differs."""
+    state, now = read_checkpoint(out_dir, RECOPY, device), common.flags(a)
+    old, world = state["args"], common.world_size()
     kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
-    ok = {"opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
-          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
-          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
-          "sched": lambda v: isinstance(v, dict), "world": lambda v: type(v) is int and v >= 1,
-          **{k: lambda v, k=k: None in (v, now[k]) or kind(v) == kind(now[k])
-             for k in old if k in now}}  # each flag of the type this command's has
-    fields = {**{k: state[k] for k in ("opt", "rng", "sched", "world") if k in state}, **old}
-    if bad := [k for k, v in fields.items() if k in ok and not ok[k](v)]:
+    if bad := [k for k in old if k in now and None not in (old[k], now[k])
+               and kind(old[k]) != kind(now[k])]:
         common.die(f"--resume: {os.path.join(out_dir, CKPT)} is damaged ({bad[0]} of the wrong "
-                   f"type; not the training state {METHOD}.py writes): {RECOPY}")
-    if state.get("world", world := common.world_size()) != world:  # the global batch's rows
+                   f"type): {RECOPY}")
+    if state["world"] != world:
         common.die(f"--resume: the run was trained by {state['world']} process(es), this command "
                    f"runs {world}: resume it with torchrun --nproc_per_node {state['world']} (1: "
                    "without torchrun), so that its steps keep their global batch")
     if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
                    and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-        flag = lambda k, v: f"--{k.replace('_', '-')} {v}" + (  # noqa: E731
-            " (its default: the run predates the flag)" * (k in state["predates"]))
-        common.die("--resume: the run was started with "
-                   f"{', '.join(flag(k, old[k]) for k in changed)}, this command says "
-                   f"{', '.join(flag(k, now.get(k)) for k in changed)}: resume with the run's own "
-                   "settings")
-    if state["best"] > -float("inf"):
-        if (meta := read_meta(out_dir)) is None:
-            common.die(f"--resume: {os.path.join(out_dir, common.META)} is missing, but the run "
-                       f"has saved a best model: {RECOPY}")
-        check_run(out_dir, meta)
-        check_agree(out_dir, state, meta)
+        said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
+        common.die(f"--resume: the run was started with {said(old.get)}, this command says "
+                   f"{said(now.get)}: resume with the run's own settings")
     return state
 
 
-def read_checkpoint(run_dir, why, fix, device="cpu", mmap=False):
-    """RUN_DIR/checkpoint.pt of a run of this script: the training state, its args completed with
-    the defaults of the flags the run predates (their names: state["predates"]), its trained
-    weights under "model" (older runs: "encoder", "trainable"); one line when it is damaged or
-    another script's. why: who reads it (--resume, eval_sts.py); fix: the way out."""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{why}: {path} cannot be read ({type(e).__name__}); it is damaged: {fix}")
-    if not isinstance(state, dict) or state.get("method", METHOD) != METHOD:
-        common.die(f"{why}: {path} was not written by {METHOD}.py: {fix}")
-    for old in ("encoder", "trainable"):  # the key of the trained weights in older checkpoints
-        if old in state and "model" not in state:
-            state["model"] = state.pop(old)
-    ok = {"model": lambda v: isinstance(v, (dict, list)),
-          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0,
-          "best": lambda v: isinstance(v, (int, float)) and type(v) is not bool}
-    if bad := [k for k in ("model", "opt", "rng", "args", "step", "best")
-               if k not in state or not ok.get(k, lambda v: True)(state[k])]:
-        common.die(f"{why}: {path} is damaged ({', '.join(bad)} missing or of the wrong type; not "
-                   f"the training state {METHOD}.py writes): {fix}")
-    defaults = {x.dest: x.default for x in p._actions if x.dest != "help"}
-    state["predates"] = [k for k in defaults if k not in state["args"]]
-    state["args"] = {**defaults, **{k: v for k, v in EARLIER.items() if k in defaults},
-                     **state["args"]}
-    return state
-
-
-def check_agree(run_dir, state, meta):
-    """A run folder's training state (checkpoint.pt) and its best model's description (sentemb.json)
-    are of one run: every setting both hold is the same (described: the values a checkpoint's
-    flags give sentemb.json), or one line naming both files."""
-    for key, want in described(state).items():
-        if key in meta and want is not None and meta[key] != want:
-            common.die(f"'{run_dir}': {CKPT} was trained with {key} {json.dumps(want)} and "
-                       f"{common.META} describes {key} {json.dumps(meta[key])}: the two files "
-                       f"are of different runs; {RECOPY}")
-
-
-def resumed_curve(out_dir, step):
-    """The dev curve up to the resumed step: a kill may have cut the save after a step's curve, so
-    the entries after it go (they are evaluated again)."""
-    entries = read_curve(out_dir)
-    curve = [e for e in entries if e["step"] <= step]
-    if len(curve) < len(entries):
-        write_curve(out_dir, curve)
-    return curve
-
-
-def complete(step, steps, out_dir):
-    """--resume of a run with nothing left to train (exit 0, the folder untouched): what to do."""
-    return (f"the run is complete (step {step} of {steps}): nothing to train in '{out_dir}'; "
-            f"evaluate it with eval_sts.py --model {out_dir}, or pass a larger --max-steps or "
-            "--epochs with --resume to train on")
-
-
-def training_state(model, optimizer, scheduler, a, lr, step, **extra):
+def training_state(model, optimizer, scheduler, a, lr, step, meta, **extra):
     """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
     frozen ones, which come from the model files), the optimiser and schedule, the flags, the
-    random-number states, the step, and extra (the method's own: values, random-number generators);
-    save_step adds the best dev score so far."""
+    random-number states, the step, extra (the method's own random-number generators), and the
+    model's description (meta: best/'s sentemb.json); save_step adds the run's record."""
     return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
                       if v.requires_grad},
             "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
-            "args": {**{k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-                        for k, v in vars(a).items()}, "lr": lr},
-            "step": step, "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
-            "world": common.world_size(),
-            **{k: v.get_state() if isinstance(v, torch.Generator) else v for k, v in extra.items()}}
+            "meta": meta, "args": {**common.flags(a), "lr": lr}, "step": step,
+            "world": common.world_size(), "rng": common.rng_states(),
+            **{k: v.get_state() for k, v in extra.items()}}
 
 
 def restore(state, model, optimizer, scheduler, lr, log, **generators):
     """--resume: the trained weights, optimiser, schedule and random-number states of the saved
-    step (generators: the method's own, as training_state saved them); a new --lr applies from
-    that step on (logged). -> (step, best dev score so far)"""
-    trained = [k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad]
+    step (generators: the method's own); a new --lr applies from that step on (logged), over this
+    command's schedule (a larger --max-steps stretches it, as HF Trainer does). -> (the step, the
+    run's record: best score, its save, dev curve); a new run: (0, an empty record)"""
+    if state is None:
+        return 0, {"best": -math.inf, "save": None, "curve": []}
+    trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
     try:
-        saved = state["model"]
-        if isinstance(saved, list):  # bellm.py's older checkpoints: the trained tensors in order
-            saved = dict(zip(trained, saved, strict=True))
-        missing, unexpected = model.load_state_dict(saved, strict=False)
-        if unexpected or set(missing) & set(trained):
-            raise KeyError((unexpected or sorted(set(missing) & set(trained)))[0])
+        if set(state["model"]) != trained:  # the trained weights, no more, no fewer
+            raise KeyError(sorted(set(state["model"]) ^ trained)[0])
+        model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["opt"])
-        if "sched" in state:  # (jtcse.py's older checkpoints: none, a constant rate)
-            scheduler.load_state_dict(state["sched"])
+        scheduler.load_state_dict(state["sched"])
+        for k, g in generators.items():  # (the method's own, e.g. JTCSE's R)
+            g.set_state(state[k].cpu())
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
         common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
-                   f"({type(e).__name__}): pass the --output-dir of a run of this model and "
-                   "settings")
-    torch.set_rng_state(state["rng"][0].cpu())  # map_location put it on the device
-    random.setstate(state["rng"][1])
-    np.random.set_state(state["rng"][2])
-    for k, g in generators.items():
-        if not torch.is_tensor(state.get(k)):  # (the method's own, e.g. JTCSE's R)
-            common.die(f"--resume: {CKPT} is damaged ({k} missing or of the wrong type): {RECOPY}")
-        g.set_state(state[k].cpu())
-    for g in optimizer.param_groups:  # the rate over this command's schedule: a larger
+                   f"({type(e).__name__}: {common.first_line(e)}): pass the --output-dir of a run "
+                   "of this model and settings")
+    common.set_rng_states(state["rng"])
+    for g in optimizer.param_groups:  # the rate over this command's schedule
         g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)  # --max-steps stretches it (HF's way)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
     if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
         log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
-    return state["step"], state["best"]
+    return state["step"], {k: state[k] for k in ("best", "save", "curve")}
 
 
-def save_step(out_dir, curve, step, metric, dev, best, state, meta, write, new_run, log):
-    """Rank 0, after an evaluation (dev: its score) or at a stop between evaluations (dev None):
-    dev.jsonl with the step's score; then the training state, with a new best dev score the model
-    too (write(folder) saves it; meta: its sentemb.json, with the step and its score) as one save
-    (save_best), else alone. Weights no longer finite are never saved. A save that fails is one
-    line (a new run leaves its folder as it found it). -> (the dev curve, the best score so far)"""
+def save_step(out_dir, run, step, metric, dev, state, write, log):
+    """Rank 0, after an evaluation (dev: its score) or at a stop (dev None): the training state
+    and the run's record (run: best score, its save's id, dev curve) replace checkpoint.pt, the
+    commit point; a new best model is first written whole into .best.new (write(folder), then its
+    sentemb.json: state["meta"], step, score, save id), put in place after (settle). Weights no
+    longer finite are never saved; a failed save is one line. -> the run's record"""
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
-        save_step(out_dir, curve, step, metric, None, best, state, meta, write, new_run, log)
+        save_step(out_dir, run, step, metric, None, state, write, log)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
                    f"(all alike?); the training state is saved in {out_dir}")
-    new_best, best = dev is not None and dev > best, max(best, -math.inf if dev is None else dev)
-    if dev is not None:
-        curve = curve + [{"step": step, "metric": metric, "score": dev}]
-        try:  # dev.jsonl, rewritten whole before the save of that step
-            write_curve(out_dir, curve)
-        except OSError as e:
-            save_failed(os.path.join(out_dir, CURVE), e, out_dir, new_run)
     if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
         common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
                    "step: resume from it with a lower --lr (--resume --lr ...)")
-    state = {**state, "best": best}
+    new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
+    if dev is not None:
+        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
+    if new_best:
+        run = {**run, "best": dev, "save": f"{step}-{os.urandom(4).hex()}"}
+    state = {**state, **run}
     try:
         if new_best:
-            save_best(out_dir, write, state, {**meta, "step": step, metric: dev})
-        else:  # the training state alone, replaced whole
-            common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f), pause)
+            os.makedirs(new)
+            write(new)
+            with open(os.path.join(new, common.META), "w") as f:
+                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev}, f,
+                          indent=2)
+            common.sync_tree(new)  # on disk before the commit names it
+        common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
+                           common.pause)  # the commit point
     except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-        save_failed(f"the best model in {out_dir}" if new_best else os.path.join(out_dir, CKPT),
-                    e, out_dir, new_run)
+        shutil.rmtree(new, ignore_errors=True)
+        common.save_failed(e, out_dir)
+    settle(out_dir, state)
     if dev is not None:
-        log(f"step {step:>5}  {metric} {dev:.2f}  (best {best:.2f})")
-    return curve, best
+        log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
+    return run
 
 
-def saved(world, step, clock):
-    """Every rank waits for rank 0's save. -> the clock, restarted after it"""
-    if world > 1:
-        torch.distributed.barrier()
-    return common.new_clock(step, clock)
-
-
-def stopped(step, out_dir, log):
-    """Training stopped by a signal, saved at this step: what to do. -> the exit code, 128 + the
-    signal's number (130 for Ctrl-C, 143 for SIGTERM)"""
-    log(f"stopped at step {step} ({signal.Signals(STOP['signum']).name}): the training state is "
-        f"in {os.path.join(out_dir, CKPT)}; run the same command with --resume to continue")
-    return 128 + STOP["signum"]
-
-
-def save_best(out_dir, write, state, meta):
-    """A new best model with its sentemb.json (meta) and training state, replaced as one: write()
-    fills a staging folder, every file is synced, the folder is renamed to .best.pending (the
-    commit point: before it a kill leaves the old save), then moved into place (finish_save)."""
-    staging = os.path.join(out_dir, STAGING)
-    try:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-        write(staging)
-        torch.save(state, os.path.join(staging, CKPT))
-        with open(os.path.join(staging, common.META), "w") as f:
-            json.dump(meta, f, indent=2)
-        for root, _, files in os.walk(staging):
-            for name in files:
-                fsync(os.path.join(root, name))
-                pause()
-            fsync(root)
-        os.replace(staging, os.path.join(out_dir, PENDING))  # the commit point
-        pause()
-        fsync(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finish_save(out_dir)
-
-
-def finish_save(out_dir):
-    """Complete a save that a kill cut short (holding the lock). Before its commit point: the
-    staging folder goes, the old model stands. After it, .best.pending holds the files of the save
-    not yet in place, sentemb.json the last to leave: while it holds sentemb.json, they are moved
-    into place, sentemb.json last, once the others' moves are on disk; without it, the moves had
-    finished, and the empty folder only goes (nothing in place is touched)."""
-    shutil.rmtree(os.path.join(out_dir, STAGING), ignore_errors=True)
-    for tmp in (CKPT, CURVE):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, tmp + ".tmp"))
-    pending = os.path.join(out_dir, PENDING)
-    if os.path.isfile(os.path.join(pending, common.META)):  # committed, not all moved
-        with contextlib.suppress(FileNotFoundError):  # meanwhile the folder describes no run
-            os.remove(os.path.join(out_dir, common.META))
-        pause()
-        files = sorted(os.path.relpath(os.path.join(root, n), pending)
-                       for root, _, names in os.walk(pending) for n in names)
-        for rel in [f for f in files if f != common.META] + [common.META]:
-            os.makedirs(os.path.dirname(os.path.join(out_dir, rel)), exist_ok=True)
-            if rel == common.META:  # the others' moves on disk first
-                for root, _, _ in os.walk(out_dir):
-                    fsync(root)
-            os.replace(os.path.join(pending, rel), os.path.join(out_dir, rel))
-            pause()
-        fsync(out_dir)
-    if os.path.isdir(pending):
-        shutil.rmtree(pending)
-        pause()
-
-
-def save_failed(what, e, out_dir, new_run):
-    """A save that failed (a full disk): one line; a new run leaves its folder as it found it."""
-    full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
-        "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch's, Rust's
-    reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
-    if new_run:  # new_run: the folder's entries before the run, and whether the run made it
-        for name in set(os.listdir(out_dir)) - new_run[0]:
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        if new_run[1]:
-            os.rmdir(out_dir)
-    common.die(f"cannot save {what} ({reason}): free disk space or pass another --output-dir; "
-               "what was saved before is kept, and --resume continues from it")
-
-
-def pause():
-    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
-    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
-    STOP["writes"] += 1
-    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
-
-
-def fsync(path):  # a file's data, or a folder's entries (renames), to the disk
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def write_curve(out_dir, curve):
-    """RUN/dev.jsonl = the dev curve, one {"step", "metric", "score"} a line, replaced whole."""
-    text = "".join(json.dumps(e) + "\n" for e in curve).encode()
-    common.write_whole(os.path.join(out_dir, CURVE), lambda f: f.write(text), pause)
-
-
-def read_curve(run_dir):
-    """The entries of RUN_DIR/dev.jsonl ([] without one); a damaged line is one error line."""
-    path = os.path.join(run_dir, CURVE)
-    entries = []
-    lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
-    for i, line in enumerate(lines, 1):
-        try:
-            e = json.loads(line)
-        except ValueError:
-            e = None
-        if not (isinstance(e, dict) and type(e.get("step")) is int and e["step"] >= 0
-                and isinstance(e.get("metric"), str) and type(e.get("score")) in (int, float)):
-            common.die(f"{path} is damaged (line {i} is not "
-                       '{"step": N, "metric": NAME, "score": X}): delete it to resume with the '
-                       "curve restarting here, or copy the run folder again")
-        entries.append(e)
-    return entries
-
-
-def check_keys(path, meta, required, optional):
-    """sentemb.json's keys (required, and optional ones older runs lack), each of its type: one
-    line naming those that are not."""
-    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
-            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
-        common.die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py "
-                   f"({', '.join(bad)} missing or of the wrong type): re-save the run, or delete "
-                   "the file to load the folder as a plain model")
-
-
-def read_meta(run_dir):
-    """A run folder's sentemb.json as a dict (None: there is none), or one line saying it is not
-    this script's."""
-    path = os.path.join(run_dir, common.META)
-    if not os.path.isfile(path):
-        return None
-    try:
-        meta = json.loads(common.read_text(path))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("method") != METHOD:
-        said = f"method {meta.get('method')!r}" if isinstance(meta, dict) else "damaged or edited"
-        common.die(f"{path} is not a run description of {METHOD}.py ({said}): re-save the run, or "
-                   "delete the file to load the folder as a plain model")
+def read_meta(folder):
+    """A model folder's sentemb.json, a run description of this script, or one line."""
+    path = os.path.join(folder, common.META)
+    meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
+    if meta.get("method") != METHOD:
+        common.die(f"{path} is not a run description of {METHOD}.py (method "
+                   f"{meta.get('method')!r}): {RECOPY}")
     return meta
 
 
 def final_table(out_dir, data, tasks, device, bf16, best):
-    """The best checkpoint on the test sets, loaded as eval_sts.py loads it."""
-    meta = read_meta(out_dir)
-    check_run(out_dir, meta)
-    encode = load_encoder(out_dir, meta, device)
+    """The best model on the test sets, loaded as eval_sts.py loads it."""
+    folder = os.path.join(out_dir, BEST)
+    meta = read_meta(folder)
+    check_run(folder, meta)
+    encode = load_encoder(folder, meta, device)
     print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
     with common.autocast(device, bf16):
         print(common.format_table(common.evaluate(encode, data, tasks)))

@@ -97,10 +97,11 @@ def towers_of(name):
     if len(members(name)) > 1:
         return [t for m in members(name) for t in towers_of(m)]
     meta = eval_sts.read_meta(name) if os.path.isdir(name) else None  # checks a run's files
+    folder = eval_sts.model_folder(name)  # a run's best/
     if meta is None or meta["method"] == "sscl":
-        return [name]
+        return [folder]
     if meta["method"] == "jtcse":
-        return [os.path.normpath(os.path.join(name, t)) for t in meta["towers"]]
+        return [os.path.normpath(os.path.join(folder, t)) for t in meta["towers"]]
     common.die(f"'{name}' is a bellm.py run: --compare takes BERT encoders (Hugging Face BERTs, "
                "sscl.py and jtcse.py runs)")
 
