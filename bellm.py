@@ -23,9 +23,7 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
 import argparse
 import contextlib
 import copy
-import csv
 import functools
-import io
 import json
 import math
 import os
@@ -252,44 +250,6 @@ def step_rows(n, per_step, epochs, max_steps, seed):
     return steps[:total]
 
 
-def finite(text):
-    """float(text), refusing nan and inf as ValueError."""
-    if not math.isfinite(v := float(text)):
-        raise ValueError(text)
-    return v
-
-
-def read_csv(path):
-    """bellm.py's --train: NLI triplets (sent0, sent1, hard_neg) or C-STS rows (sentence1,
-    sentence2, condition, label); an empty or missing cell is a bad input naming its line."""
-    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
-    reader = csv.DictReader(io.StringIO(text))
-    cols = set(reader.fieldnames or [])
-    if {"sent0", "sent1", "hard_neg"} <= cols:
-        kind, need = "nli", ("sent0", "sent1", "hard_neg")
-    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
-        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
-    else:
-        has = ",".join(sorted(cols)) or "no header"
-        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
-                   f"sentence2,condition,label (C-STS); it has {has}")
-    rows = []
-    for r in reader:
-        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
-            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                       "delete the row")
-        try:
-            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
-                        if kind == "csts" else tuple(r[c] for c in need))
-        except ValueError:
-            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                       "C-STS labels are 1-5")
-    if not rows:
-        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
-    return kind, rows
-
-
 # ---------------------------------------------------------------- the model, its run folder -------
 def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
@@ -425,14 +385,6 @@ META_OPTIONAL = {  # keys that older runs may lack
     **{k: lambda v: type(v) in (int, float) for k in ("base_checksum", "base_fingerprint")},
     "step": lambda v: type(v) is int and v >= 0,
     **{k: lambda v: v is None or type(v) in (int, float) for k in ("stsb_dev", "csts_dev")}}
-# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
-# would run another model than the one trained
-LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
-              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
-              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
-
-
 def check_run(run_dir, meta):
     """A run folder of this script is the model its files describe, or one line naming the file and
     the value: sentemb.json's keys of their types; the adapter's files whole; every value within
@@ -451,22 +403,8 @@ def check_run(run_dir, meta):
     if "max_len" in meta:
         common.check_max_len(meta["max_len"], common.load_pretrained(AutoConfig, base), base,
                              f"{path}: max_len")
-    lora_path = os.path.join(run_dir, "adapter_config.json")
-    lora = common.read_json(lora_path, where, RECOPY)
-    ok = {"r": lambda v: type(v) is int and v >= 1,
-          "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
-          **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
-    for key, good in ok.items():
-        if key in lora and not good(lora[key]):
-            want = "an integer >= 1" if key == "r" else "a number > 0" if key == "lora_alpha" \
-                else json.dumps(LORA_FIXED[key])
-            common.die(f"{lora_path}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
-                       f"({key} {want}): set it so, or {RECOPY}")
-    for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
-        if key in meta and lora.get(ours) != meta[key]:
-            common.die(f"{lora_path}: {ours} {json.dumps(lora.get(ours))} disagrees with {path}'s "
-                       f"{key} {meta[key]} (bellm.py --{key.replace('_', '-')}): set it to "
-                       f"{meta[key]}, or {RECOPY}")
+    common.check_lora_config(os.path.join(run_dir, "adapter_config.json"), meta, path, where,
+                             RECOPY)
 
 
 def load_encoder(run_dir, meta, device):
@@ -501,35 +439,6 @@ def dev_score(encode, data, csts_dev=None):
     return 100 * spearmanr(F.cosine_similarity(u, v).numpy(), [r[3] for r in csts_dev]).statistic
 
 
-# ---------------------------------------------------------------- memory (the start-up line) ------
-def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
-    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
-    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
-    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
-    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
-    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
-    input (s·H) and one layer is recomputed at a time."""
-    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
-    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
-        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
-    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
-    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
-    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
-
-
-def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
-    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: bf16 weights or
-    autocast (2 bytes a value, mostly)."""
-    s, n = 2 if bf16 else 4, sum(q.numel() for q in params)
-    est = [memory_estimate(dec, n, s, texts * longest, longest, r, c) for c in (0, 1)]
-    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
-    w, o, act = est[grad_ckpt]
-    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
-            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
-            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
-            f"{w + o + act:.2f} GiB in all")
-
-
 # ---------------------------------------------------------------- argument checks -----------------
 def check_prompt(prompt, conditional):
     if "{sentence}" not in prompt:
@@ -555,7 +464,7 @@ def check_args(a, world):
     tasks = check_tasks(a.tasks)
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
+    if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
     if not a.bi_layers and (odd := [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
                                     ("bi_mode", "bi_strategy")
@@ -584,8 +493,8 @@ def main():
     tasks = check_args(a, world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
+    kind, rows = common.read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = common.read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
     check_data(a, kind, csts_dev is not None)
     data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
     metric = "csts_dev" if csts_dev else "stsb_dev"
@@ -626,8 +535,8 @@ def main():
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
         f"{common.device_line(world, device, a.bf16)}")
-    log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
-                    dtype == torch.bfloat16 or bf16, grad_ckpt))
+    log(common.memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2),
+                           longest, dtype == torch.bfloat16 or bf16, grad_ckpt))
 
     handlers = common.catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
     raw_model.train()

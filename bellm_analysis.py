@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import common
 import eval_sts
 import figures
-import bellm
 from bellm import (BeLLM, PROMPT, check_prompt, check_tasks, fill, forward, last_token,
                    load_adapted, load_decoder, make_encode, prompted)
 
@@ -292,7 +291,7 @@ def representative_words(a, device, data):
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
     source = "the STS-B test sentences" if not a.train else f"'{os.path.basename(a.train)}'"
     counts = word_counts(sents if not a.train else
-                         [t for r in bellm.read_csv(a.train)[1] for t in r if isinstance(t, str)])
+                         [t for r in common.read_csv(a.train)[1] for t in r if isinstance(t, str)])
     res = {}
     for name in a.model:
         meta = eval_sts.read_meta(name) if os.path.isdir(name) else None

@@ -12,7 +12,9 @@ numbers printed during training and by eval_sts.py come from the same function.
 import argparse
 import codecs
 import contextlib
+import csv
 import functools
+import io
 import json
 import math
 import os
@@ -177,6 +179,63 @@ def gather(z):
     dist.all_gather(parts, z.detach().contiguous())
     parts[dist.get_rank()] = z
     return torch.cat(parts)
+
+
+# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
+# would run another model than the one trained
+LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
+              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
+              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
+
+
+def check_lora_config(lora_path, meta, path, where, fix):
+    """A bellm.py run's adapter_config.json: plain LoRA as bellm.py trains it, its r and alpha
+    those of sentemb.json (meta, at path), or one line naming the key."""
+    lora = read_json(lora_path, where, fix)
+    ok = {"r": lambda v: type(v) is int and v >= 1,
+          "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
+          **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
+    for key, good in ok.items():
+        if key in lora and not good(lora[key]):
+            want = "an integer >= 1" if key == "r" else "a number > 0" if key == "lora_alpha" \
+                else json.dumps(LORA_FIXED[key])
+            die(f"{lora_path}: {key} {json.dumps(lora[key])} is not what bellm.py trains ({key} "
+                f"{want}): set it so, or {fix}")
+    for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
+        if key in meta and lora.get(ours) != meta[key]:
+            die(f"{lora_path}: {ours} {json.dumps(lora.get(ours))} disagrees with {path}'s {key} "
+                f"{meta[key]} (bellm.py --{key.replace('_', '-')}): set it to {meta[key]}, or "
+                f"{fix}")
+
+
+# ---------------------------------------------------------------- bellm.py's memory estimate ----
+def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
+    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
+    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
+    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
+    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
+    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
+    input (s·H) and one layer is recomputed at a time."""
+    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
+    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
+        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
+    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
+    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
+    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
+
+
+def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
+    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: bf16 weights or
+    autocast (2 bytes a value, mostly)."""
+    s, n = 2 if bf16 else 4, sum(q.numel() for q in params)
+    est = [memory_estimate(dec, n, s, texts * longest, longest, r, c) for c in (0, 1)]
+    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
+    w, o, act = est[grad_ckpt]
+    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
+            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
+            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
+            f"{w + o + act:.2f} GiB in all")
 
 
 # ---------------------------------------------------------------- the training process ----------
@@ -517,6 +576,45 @@ def read_sentences(path):
     if not sents:
         die(f"'{path}' has no sentences: pass a --train file with one sentence per line")
     return sents
+
+
+def finite(text):
+    """float(text), refusing nan and inf as ValueError."""
+    if not math.isfinite(v := float(text)):
+        raise ValueError(text)
+    return v
+
+
+def read_csv(path):
+    """bellm.py's --train and C-STS files: NLI triplets (sent0, sent1, hard_neg) or C-STS rows
+    (sentence1, sentence2, condition, label); an empty or missing cell is a bad input naming its
+    line."""
+    text = read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
+    cols = set(reader.fieldnames or [])
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        has = ",".join(sorted(cols)) or "no header"
+        die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
+                   f"sentence2,condition,label (C-STS); it has {has}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
+                       "delete the row")
+        try:
+            rows.append(tuple(r[c] for c in need[:-1]) + (finite(r["label"]),)
+                        if kind == "csts" else tuple(r[c] for c in need))
+        except ValueError:
+            die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
+                       "C-STS labels are 1-5")
+    if not rows:
+        die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
 
 
 # ---------------------------------------------------------------- argument types ----------------

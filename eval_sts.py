@@ -119,9 +119,9 @@ def csts_prompt(name, pooler, prompt):
 def read_csts(path, models, ensemble, prompt):
     """--csts FILE: C-STS rows (sentence1, sentence2, condition, label), checked before any model
     loads: a C-STS csv with labels that vary, and models that read a condition."""
-    if not os.path.isfile(path) or bellm.read_csv(path)[0] != "csts":
+    if not os.path.isfile(path) or common.read_csv(path)[0] != "csts":
         common.die(f"--csts '{path}' is not a C-STS csv (sentence1,sentence2,condition,label)")
-    rows = bellm.read_csv(path)[1]
+    rows = common.read_csv(path)[1]
     if len({r[3] for r in rows}) < 2:
         common.die(f"--csts '{path}': every label is {rows[0][3]:g}, so Spearman is undefined "
                    "(C-STS's test labels are not public): evaluate csts_validation.csv")

@@ -1304,7 +1304,7 @@ def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_pat
     encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
                                                       bi_strategy="convert", max_len=256,
                                                       prompt=bellm.CSTS_PROMPT), bl_CPU)
-    rows = bellm.read_csv(path)[1]
+    rows = common.read_csv(path)[1]
 
     def score(cond):
         cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
@@ -1351,10 +1351,10 @@ def test_tools_files_as_spreadsheets_write_them_are_read(tmp_path):
     long = "word " * 30000  # 150,000 characters
     nli = tmp_path / "nli.csv"
     nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    assert common.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
     csts = tmp_path / "csts.csv"
     csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    assert common.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
     txt = tmp_path / "train.txt"
     txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
     assert common.read_sentences(txt) == ["first sentence", "second"]
@@ -3381,7 +3381,7 @@ def test_bellm_memory_estimate_counts_the_saved_activations(tmp_path):
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        w, o, act = common.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
@@ -4119,7 +4119,7 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
         tok, dec = bellm.load_decoder(str(model_dir), 1, "convert", cpu, torch.float32)
         bellm.add_lora(dec, 4, 32, 0.0)
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
-        w0, (kind, rows) = trained(model), bellm.read_csv(str(nli))
+        w0, (kind, rows) = trained(model), common.read_csv(str(nli))
         norm_params = {id(q) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"
                        for q in m.parameters()}  # 4.38's get_decay_parameter_names, L962-970
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]

@@ -28,7 +28,7 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py -
 common.show_ranges(p)
 bf16 = p.parse_args().bf16
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
 tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev)
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,

@@ -33,7 +33,7 @@ a = p.parse_args()
 ckpt, bf16 = a.grad_ckpt, a.bf16
 dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
 tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev, dtype)
 if ckpt:
@@ -53,7 +53,7 @@ bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
 opt.step()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 s = 2 if dtype == torch.bfloat16 or bf16 else 4
-w, o, act = bellm.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
+w, o, act = common.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
                                   b["input_ids"].shape[1], 32, ckpt)
 print(f"{' '.join(sys.argv[1:]) or 'fp32'}: {tuple(b['input_ids'].shape)} tokens; "
       f"after loading {base:.2f} GiB, step peak {peak:.2f} GiB: +{peak - base:.2f} GiB; "

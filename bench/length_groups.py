@@ -72,7 +72,7 @@ common.seed_everything(42)
 dev = torch.device("cpu")
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
-    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
     tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                                   1, "convert", dev)
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,

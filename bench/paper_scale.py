@@ -27,7 +27,7 @@ is downloaded. What each column is:
   gradients and AdamW moments (12 bytes a trained parameter) and the tensors autograd keeps for the
   backward, counted under bf16 autocast on the fake step (CPU autocast: CUDA's keeps a few more ops
   in fp32); the CUDA context and the backward's short-lived tensors are left out. BeLLM:
-  bellm.py's start-up estimate (bellm.memory_estimate, docs/operations.md).
+  bellm.py's start-up estimate (common.memory_estimate, docs/operations.md).
 - measured here: 1 + --steps training steps (train_step and the scripts' AdamW) on this machine's
   device, in the scripts' configuration for it (a CPU: fp32, BeLLM without checkpointing), each
   run in a fresh process; the median of the last --steps, and the peak memory above
@@ -217,7 +217,7 @@ def count(module, step, n):
 
 def estimate(name, n, gpu, layers=None):
     """The count of one step of n rows, and its memory in GiB: (weights, gradients + AdamW, kept
-    activations); BeLLM: bellm.py's start-up estimate (bellm.memory_estimate)."""
+    activations); BeLLM: bellm.py's start-up estimate (common.memory_estimate)."""
     module, step = build(name, "meta", gpu, layers=layers)
     flops, kept = count(fake(module), step, n)
     trained = sum(q.numel() for q in module.parameters() if q.requires_grad)
@@ -225,7 +225,7 @@ def estimate(name, n, gpu, layers=None):
         dec = module.base_model.model
         longest = bellm.p.get_default("max_len") + len(
             tokenizer(True)(bellm.fill(PROMPT, "", ""))["input_ids"])
-        mem = bellm.memory_estimate(dec, trained, 2 if gpu else 4, 3 * n * longest, longest,
+        mem = common.memory_estimate(dec, trained, 2 if gpu else 4, 3 * n * longest, longest,
                                      bellm.p.get_default("lora_r"), gpu)
     else:
         weights = sum(q.numel() * q.element_size() for q in module.parameters())

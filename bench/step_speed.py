@@ -82,7 +82,7 @@ def build(name, bf16, dev, steps, earlier=False):
         rows = 64
     else:
         rows_ = common.env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
-                                lambda f: bellm.read_csv(f)[1])
+                                lambda f: common.read_csv(f)[1])
         smollm = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
