@@ -3,8 +3,10 @@ analyses, bench/), and no equation of a paper: finding the data and reading trai
 range-checked argument types; loading a model folder (every file checked, one line naming a broken
 one); tokenisation, length groups and batched encoding; the sentence-transformers files of a saved
 model; the STS evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman
-x 100). It imports no module of the project: each script needs only this file beside it. Run
-folders (saving, resuming, locking) are each script's harness, which eval_sts.py reads them with.
+x 100); the training process around a method (torchrun, signals, micro-batches, the file-system
+steps of a save, the folder locks). It imports no module of the project: each script needs only
+this file beside it. A run folder's format (checkpoint.pt, best/) is each script's harness, which
+eval_sts.py reads run folders with.
 
 The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
 numbers printed during training and by eval_sts.py come from the same function.
@@ -42,7 +44,7 @@ STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as 
 # holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
 HUB_DATASET = "princeton-nlp/datasets-for-simcse"
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sentemb")
-META = "sentemb.json"  # written beside every checkpoint: how eval_sts.py must encode with it
+META = "sentemb.json"  # in every saved model of ours (RUN/best): how eval_sts.py must encode it
 
 
 def die(msg):
@@ -732,8 +734,11 @@ RUN_KINDS = {  # a run folder of ours, by the method in its sentemb.json: what i
 
 
 def run_kind(folder):
-    """What a folder that holds a run description (sentemb.json) is, for an error line; None
-    without one."""
+    """What a folder that holds a run description (sentemb.json; a run folder's, in its best/) is,
+    for an error line; None without one."""
+    best = os.path.join(folder, BEST)
+    if os.path.isfile(os.path.join(best, META)):
+        return f"a run folder whose best model, {best}, is {run_kind(best)}"
     if not os.path.isfile(os.path.join(folder, META)):
         return None
     with contextlib.suppress(Exception):

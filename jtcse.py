@@ -397,10 +397,12 @@ def teacher_run(name, load):
     if method not in ("jtcse", "sscl"):
         common.die(f"'{name}' is not a run of jtcse.py or sscl.py (method {method!r}): --distill "
                    "takes JTCSE and SSCL runs and plain encoders")
-    try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
-        script = sys.modules[__name__] if method == "jtcse" else __import__("sscl")
-    except ImportError:
-        common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
+    script = sys.modules[__name__]
+    if method == "sscl":
+        try:  # the one file beside this script that --distill may need: an SSCL teacher's loader
+            import sscl as script
+        except ImportError:
+            common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
     with script.reading(run_dir) if run_dir else contextlib.nullcontext(folder) as folder:
         meta = script.read_meta(folder)
         script.check_run(folder, meta)
@@ -583,11 +585,10 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
              "data_dir", "output_dir", "bf16", "compile", "quiet",
              "length_grouping"}  # --resume may change
 # ---- (the table ends here)
-# A run folder holds checkpoint.pt, all the run knows (flags, the model's description, trained
-# weights, optimiser, schedule, RNG states, step, dev curve, best score and the id of its save),
-# replaced whole: the one commit point; best/, the best model, whose sentemb.json names its save;
-# dev.jsonl, a view of the curve. A new best model is written whole into .best.new, committed by
-# checkpoint.pt, then put in best/'s place by renames (settle). One run writes a folder (.lock).
+# A run folder: checkpoint.pt, all the run knows (flags, model description, weights, optimiser,
+# schedule, RNG, step, dev curve, best score, its save's id), replaced whole: the one commit point;
+# best/, the best model (its sentemb.json names its save); dev.jsonl, a view of the curve. A new
+# best is written into .best.new, committed by checkpoint.pt, then renamed into best/ (settle).
 CKPT, BEST, NEW, OLD, CURVE = common.CKPT, common.BEST, ".best.new", ".best.old", "dev.jsonl"
 OURS = {common.LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # the names of a save under way
 RECOPY = "copy the whole run folder again, or train again"
@@ -603,15 +604,17 @@ def open_run(out_dir, inputs, a, rank, world, device):
             if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
                 common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
                            "overwrite its weights; pass another --output-dir")
+        found = sorted(set(os.listdir(out_dir)) - OURS) if os.path.isdir(out_dir) else []
+        if not a.resume and found:  # before .lock is made: a folder of the user's stays as it is
+            method = (common.run_of(out_dir) or [None])[0]
+            common.die(f"'{out_dir}' holds {', '.join(found[:3])}, which {METHOD}.py did not "
+                       "write: pass a new or empty --output-dir" if not method else
+                       f"'{out_dir}' already holds a run of {method}.py: pass "
+                       f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
         lock = common.lock_run(out_dir)
-        state = settle(out_dir)
-        if a.resume and state is None:
+        if settle(out_dir) is None and a.resume:
             common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
                        "run")
-        if not a.resume and (found := sorted(set(os.listdir(out_dir)) - OURS)):
-            common.die(f"'{out_dir}' already holds a run: pass --resume to continue it, or another "
-                       "--output-dir" if state else f"'{out_dir}' holds {', '.join(found[:3])}"
-                       f", which {METHOD}.py did not write: pass a new or empty --output-dir")
     if world > 1:
         torch.distributed.barrier()
     return read_resume(out_dir, a, device) if a.resume else None, lock
@@ -622,7 +625,7 @@ def settle(run_dir, state=None):
     names was committed: checked, it takes best/'s place; any other goes, as do .best.old and the
     .tmp files; dev.jsonl is rewritten from the checkpoint; a best/ that is not the save it names
     is one line. state: checkpoint.pt's, when the caller has it. -> it (None: no checkpoint)"""
-    at = functools.partial(os.path.join, run_dir)
+    at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
     for name in OURS - {common.LOCK}:  # our names, of the kind we write
         if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
             common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
@@ -632,7 +635,8 @@ def settle(run_dir, state=None):
     save = state and state["save"]
     try:
         if save and common.save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
-            check_run(at(NEW), read_meta(at(NEW)))
+            if not ours:  # a leftover: checked before it is used
+                check_run(at(NEW), read_meta(at(NEW)))
             with common.folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
                 if os.path.isdir(at(BEST)):
                     shutil.rmtree(at(OLD), ignore_errors=True)
@@ -654,8 +658,8 @@ def settle(run_dir, state=None):
         common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): make "
                    "it writable, then run again")
     if save and common.save_id(at(BEST)) != save:
-        common.die(f"'{at(BEST)}' is not the best model that {at(CKPT)} names (save {save}): "
-                   f"{RECOPY}")
+        common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
+                   f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")
     return state
 
 
@@ -681,10 +685,10 @@ def read_checkpoint(run_dir, fix, device="cpu"):
         common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
     if not isinstance(state, dict) or state.get("method") != METHOD:
         common.die(f"{path} was not written by {METHOD}.py: {fix}")
-    if "save" not in state:
+    if "save" not in state and "step" in state:
         common.die(f"{path} predates best/ (an earlier {METHOD}.py's run): eval_sts.py reads it, "
                    f"the {METHOD}.py that wrote it resumes it")
-    number = lambda v: type(v) in (int, float)  # noqa: E731
+    number = lambda v: isinstance(v, (int, float))  # noqa: E731
     ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
           "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
           "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
@@ -724,9 +728,8 @@ def read_resume(out_dir, a, device):
 
 def training_state(model, optimizer, scheduler, a, lr, step, meta, **extra):
     """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
-    frozen ones, which come from the model files), the optimiser and schedule, the flags, the
-    random-number states, the step, extra (the method's own random-number generators), and the
-    model's description (meta: best/'s sentemb.json); save_step adds the run's record."""
+    frozen ones: the model files'), optimiser, schedule, flags, RNG states, step, extra (the
+    method's own generators), and the model's description (meta); save_step adds the record."""
     return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
                       if v.requires_grad},
             "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
@@ -736,12 +739,13 @@ def training_state(model, optimizer, scheduler, a, lr, step, meta, **extra):
 
 
 def restore(state, model, optimizer, scheduler, lr, log, **generators):
-    """--resume: the trained weights, optimiser, schedule and random-number states of the saved
-    step (generators: the method's own); a new --lr applies from that step on (logged), over this
-    command's schedule (a larger --max-steps stretches it, as HF Trainer does). -> (the step, the
-    run's record: best score, its save, dev curve); a new run: (0, an empty record)"""
+    """--resume: the trained weights, optimiser, schedule, RNG states (generators: the method's)
+    of the saved step; the rate over this command's schedule (a larger --max-steps stretches it,
+    as HF Trainer does), a new --lr from that step on. -> (step, the run's record: 0, none new)"""
     if state is None:
         return 0, {"best": -math.inf, "save": None, "curve": []}
+    if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
+        common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
     trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
     try:
         if set(state["model"]) != trained:  # the trained weights, no more, no fewer

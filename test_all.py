@@ -542,7 +542,7 @@ MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
 
 def files_of(folder):
     return {p: p.read_bytes() for p in Path(folder).rglob("*")
-            if p.is_file() and p.name != sscl.LOCK}
+            if p.is_file() and p.name != common.LOCK}
 
 
 def resume_args(method, out):
@@ -2265,9 +2265,10 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--num-layers", 2,
                                      "--lr", "1e-30", "--no-final-eval", layer=1))
     assert proc.returncode == 0, proc.stderr
-    meta = json.loads((out / common.META).read_text())
-    assert meta["num_layers"] == 2 and json.loads((out / "config.json").read_text())[
-        "num_hidden_layers"] == 2 and AutoModel.from_pretrained(out).config.num_hidden_layers == 2
+    meta = json.loads((out / sscl.BEST / common.META).read_text())
+    assert meta["num_layers"] == 2 and json.loads((out / sscl.BEST / "config.json").read_text())[
+        "num_hidden_layers"] == 2 and AutoModel.from_pretrained(
+            out / sscl.BEST).config.num_hidden_layers == 2
     cpu = torch.device("cpu")
     ours = eval_sts.load_model(str(out), device=cpu)(SENTS)
     torch.testing.assert_close(ours, eval_sts.hf_encoder(str(bert_dir), "cls", 512, cpu, 2)(SENTS))
@@ -2275,7 +2276,7 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
              "--tasks", "STS-B", "--split", "dev")
     assert ev.returncode == 0, ev.stderr
     assert f"{float(ev.stdout.split()[2]):.2f}" == re.findall(r"best (\S+)\)", proc.stdout)[-1]
-    st_encodes_as_we_do(out)
+    st_encodes_as_we_do(out / sscl.BEST)
 
 
 # ---------------------------------------------------------------- JTCSE ---------------------------
@@ -2690,8 +2691,9 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
     # same seed, same losses
     assert strip(o1.replace("run1", "run")) == strip(o2.replace("run2", "run"))
     run_dir = tmp_path / "run1"
-    assert ((run_dir / "tower_a" / "config.json").is_file()
-            and (run_dir / "tower_b" / "tokenizer.json").is_file())
+    best = run_dir / sscl.BEST
+    assert ((best / "tower_a" / "config.json").is_file()
+            and (best / "tower_b" / "tokenizer.json").is_file())
     # a separate process
     e = jt_run("eval_sts.py", "--model", str(run_dir), "--tasks", "STS-B", "--split", "dev")
     dev = re.findall(r"stsb_dev (\S+)", o1)
@@ -2699,11 +2701,11 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
     assert e.stdout.split()[:2] == ["STS-B", "Avg."] and e.stdout.split()[2] in dev
     # the saved twin = CLS(I) + CLS(II) of two plain AutoModel folders
     import common
-    meta = __import__("json").loads((run_dir / "sentemb.json").read_text())
+    meta = __import__("json").loads((best / "sentemb.json").read_text())
     assert meta["method"] == "jtcse" and meta["towers"] == ["tower_a", "tower_b"]
-    enc = jtcse.load_encoder(str(run_dir), meta, torch.device("cpu"))
-    tok = PreTrainedTokenizerFast.from_pretrained(run_dir / "tower_a")
-    towers = [AutoModel.from_pretrained(run_dir / t).eval() for t in meta["towers"]]
+    enc = jtcse.load_encoder(str(best), meta, torch.device("cpu"))
+    tok = PreTrainedTokenizerFast.from_pretrained(best / "tower_a")
+    towers = [AutoModel.from_pretrained(best / t).eval() for t in meta["towers"]]
     b = common.tokenize(tok, ["a man is playing a guitar"], 16, "cpu")
     with torch.no_grad():
         torch.testing.assert_close(enc(["a man is playing a guitar"]),
@@ -2733,7 +2735,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
                       "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick",
                       "--no-final-eval")
     assert f"distil {run_dir} + {d / 'b'} into" in o and "step     2  loss" in o
-    assert json.loads((tmp_path / "uc_d" / common.META).read_text())["teacher"] == [
+    assert json.loads((tmp_path / "uc_d" / sscl.BEST / common.META).read_text())["teacher"] == [
         str(run_dir), str(d / "b")]
 
 
@@ -2754,7 +2756,7 @@ def test_jtcse_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsy
     _, out, err = jt_main(capsys, monkeypatch, "--model-a", tmp_path / "ra", "--model-b",
                           tmp_path / "rb", "--output-dir", tmp_path / "twin", *common_args)
     assert "'%s' has no pooler.* weights" % (tmp_path / "rb") in err and "step     2  loss" in out
-    meta = json.loads((tmp_path / "twin" / common.META).read_text())
+    meta = json.loads((tmp_path / "twin" / sscl.BEST / common.META).read_text())
     assert meta["max_len"] == 128 - tok.pad_token_id - 1
     _, out, _ = jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a",
                         tmp_path / "ra", "--output-dir", tmp_path / "d", *common_args)
@@ -2775,7 +2777,7 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
     removed; --compare --modulus prints N, the norms modulus() computes and the 7-STS average."""
     d, tok = jt_env
     jt_train(jt_env, tmp_path / "ln", capsys, monkeypatch, "--drop-layernorm", "1")
-    meta = json.loads((tmp_path / "ln" / common.META).read_text())
+    meta = json.loads((tmp_path / "ln" / sscl.BEST / common.META).read_text())
     assert meta["drop_layernorm"] == 1
     last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=False)["model"]  # step 3
     for i, t in enumerate("ab"):  # the last training state, not the best one (maybe step 0)
@@ -2938,14 +2940,15 @@ def test_jtcse_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_pat
             "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
             "--no-add-sick", "--no-final-eval")
     # a sum of two towers is not one module chain
-    assert not (tmp_path / "twin" / "modules.json").exists()
-    assert json.loads((tmp_path / "one" / "1_Pooling" / "config.json").read_text())[
+    assert not (tmp_path / "twin" / sscl.BEST / "modules.json").exists()
+    assert json.loads((tmp_path / "one" / sscl.BEST / "1_Pooling" / "config.json").read_text())[
         "pooling_mode_cls_token"]
     r = st_python(f"""
 import torch, eval_sts
 from sentence_transformers import SentenceTransformer
 s = {SENTS!r}
-st = SentenceTransformer({str(tmp_path / "one")!r}, device="cpu").encode(s, convert_to_tensor=True)
+st = SentenceTransformer({str(tmp_path / "one" / "best")!r}, device="cpu").encode(
+    s, convert_to_tensor=True)
 ours = eval_sts.load_model({str(tmp_path / "one")!r}, device=torch.device("cpu"))(s)
 print(float((st - ours).abs().max()))""")
     assert r.returncode == 0 and float(r.stdout.split()[-1]) <= 1e-5, r.stderr[-3000:]
@@ -3852,8 +3855,8 @@ def copy_run(script, cmd, tmp_path):
                           cwd=d).returncode == 0
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
                             env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
-    saving = (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp")  # step 1's save, under way
-    assert kill_when(proc, d / "run", lambda: len(sscl.read_curve(d / "run")) == 2 and any(
+    saving = (sscl.NEW, sscl.OLD, sscl.CKPT + ".tmp")  # step 1's save, under way
+    assert kill_when(proc, d / "run", lambda: (d / "run" / sscl.CKPT).exists() and any(
         (d / "run" / n).exists() for n in saving))
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
@@ -4147,10 +4150,11 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
 # ---- harness: nothing lost: kills, signals, full disks, locks, resume, run folders ----
 def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its_checkpoint(
         bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
-    """dev.jsonl holds one {step, metric, score} per dev evaluation, the scores the log prints. A
-    kill after the curve's write and before the checkpoint's leaves an entry past the checkpoint:
-    --resume drops it at once and evaluates that step again, so no step is listed twice. A write
-    that fails leaves the old file whole (a temporary file, then one rename)."""
+    """dev.jsonl holds one {step, metric, score} per dev evaluation, the scores the log prints: a
+    view of the checkpoint's curve. A view that says more (an entry past the checkpoint) is
+    rewritten from the checkpoint at once when --resume opens the folder, and that step evaluated
+    again, so no step is listed twice. A save that fails (every rename) leaves the old files
+    whole."""
     out = tmp_path / "r"
     code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
         bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=4))
@@ -4158,7 +4162,7 @@ def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its
     curve = curve_of(out)
     assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
     assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
-    # what a kill between the two writes of step 6 leaves, then --resume to step 6
+    # a view one entry ahead of its checkpoint, then --resume to step 6
     (out / sscl.CURVE).write_text((out / sscl.CURVE).read_text()
                                   + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
     def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
@@ -4174,112 +4178,107 @@ def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its
     again = curve_of(out)
     assert again[:3] == curve and [e["step"] for e in again] == [0, 2, 4, 6]
     assert f"{again[3]['score']:.2f}" == re.findall(r"stsb_dev (\S+)", log)[-1] != "-1.00"
-    # a write cut short (here: every rename fails) keeps the old curve, and says so
-    before = (out / sscl.CURVE).read_bytes()
+    # a save cut short (here: every rename fails) keeps the old files, and says so
+    before = files_of(out)
     monkeypatch.setattr(os, "replace", lambda *x: (_ for _ in ()).throw(OSError(28, "full")))
     code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
         bert_dir, train_txt, sts_dir, out, "--resume", "--no-final-eval", steps=8))
     monkeypatch.undo()
-    assert code == 2 and "dev.jsonl" in err and "No space left on device" in err, err
-    assert (out / sscl.CURVE).read_bytes() == before and not (out / "dev.jsonl.tmp").exists()
+    assert code == 2 and "cannot save" in err and "No space left on device" in err, err
+    assert files_of(out) == before and not (out / "checkpoint.pt.tmp").exists()
 
 
 @pytest.mark.slow
 def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_loses_nothing(
         run_templates, bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
-    """Each script's run folder holds dev.jsonl, one entry per logged dev evaluation. SIGKILL while
-    the curve is written (SENTEMB_SAVE_PAUSE holds it open) leaves the previous curve whole, and
-    --resume ends with the uninterrupted run's curve, each step once."""
+    """Each script's run folder holds dev.jsonl, one entry per logged dev evaluation, a view of the
+    checkpoint's curve. SIGKILL while the view is written (SENTEMB_SAVE_PAUSE holds it open) leaves
+    the previous view whole; the next command that opens the folder rewrites it from the
+    checkpoint, and --resume ends with the uninterrupted run's curve, each step once."""
     for method, folder in run_templates.items():
-        curve = sscl.read_curve(folder)
-        steps = [e["step"] for e in curve]
-        assert steps == sorted(set(steps)) and steps[-1] == torch.load(
-            folder / sscl.CKPT, weights_only=False)["step"], method
+        curve = eval_sts.read_curve(folder)
+        state = torch.load(folder / sscl.CKPT, weights_only=False)
+        assert curve == state["curve"] and curve[-1]["step"] == state["step"], method
         assert {e["metric"] for e in curve} == {"stsb_dev"}, method
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
                                  steps=6, eval_steps=1)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out = tmp_path / "killed"
     ckpt, tmp = out / sscl.CKPT, out / (sscl.CURVE + ".tmp")
-    for when in (lambda: ckpt.exists() and tmp.exists(),  # inside the curve's write
-                 lambda: ckpt.exists() and tmp.exists(),
-                 # inside the save after it: the curve is one step ahead of the checkpoint
-                 lambda: ckpt.exists() and any((out / n).exists() for n in (
-                     sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))):
+    for _ in range(2):
         resume = ["--resume"] if ckpt.exists() else []
         proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
         t0 = time.time()
-        while proc.poll() is None and not when() and time.time() - t0 < 300:
+        while proc.poll() is None and not tmp.exists() and time.time() - t0 < 300:
             time.sleep(0.005)
         assert proc.poll() is None, "the run ended before the kill"
         proc.kill()
         proc.wait()
-        eval_sts.settle(out)  # as any command of ours that opens the folder
-        steps = [e["step"] for e in sscl.read_curve(out)]  # whole: every line parses
-        assert steps == list(range(len(steps))) and len(steps) - 1 in (
-            weights(out, "step"), weights(out, "step") + 1), steps
+        steps = [e["step"] for e in eval_sts.read_curve(out)]  # settled: the checkpoint's curve
+        assert steps == list(range(len(steps))) and steps[-1] == weights(out, "step"), steps
     assert main_of(sscl, capsys, monkeypatch, *args(out), "--resume")[0] == 0
     assert curve_of(out) == curve_of(tmp_path / "whole")
-
-
-def save_as(m, out, state, write=None):
-    """What the save of script m's main() does: with write (a new best model), m.save_best (the
-    model, sentemb.json {"v": ...} and the training state as one), else the training state alone,
-    replaced whole; a failure is m.save_failed's one line."""
-    ckpt = os.path.join(out, m.CKPT)
-    try:
-        if write:
-            m.save_best(str(out), write, state, {"v": state["v"]})
-        else:
-            common.write_whole(ckpt, lambda f: torch.save(state, f), m.pause)
-    except Exception as e:
-        m.save_failed(f"the best model in {out}" if write else ckpt, e, str(out), None)
 
 
 SCRIPTS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # three copies of the harness
 
 
+def harness_state(m, v):
+    """A training state of script m's harness for version v, with every field read_checkpoint
+    checks, and a weight vector of v's."""
+    return {"model": {"w": torch.full((4000,), float(v))}, "opt": {"state": {}, "param_groups": []},
+            "sched": {}, "method": m.METHOD, "meta": {"method": m.METHOD, "v": v},
+            "args": {"lr": 1.0}, "step": v, "world": 1, "rng": common.rng_states()}
+
+
 def save_versions(m, out, pause, done):
-    """In a child process: save versions v+1, v+2, ... of a run folder for ever, as script m's
-    training does (a new best model with its training state every other save, the training state
-    alone otherwise); one byte to the pipe `done` after each save."""
+    """In a child process: save versions v+1, v+2, ... of a run folder for ever with script m's
+    save_step (a new best model every other save, the training state alone otherwise); one byte to
+    the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
-    v = torch.load(out / sscl.CKPT)["v"] if (out / sscl.CKPT).exists() else 0
+    m.check_run = lambda folder, meta: None  # the model below is no Hugging Face folder
+    state = m.settle(str(out))
+    run = {k: state[k] for k in ("best", "save", "curve")} if state else \
+        {"best": -math.inf, "save": None, "curve": []}
+    v = state["step"] if state else 0
     while True:
         v += 1
-        w = torch.full((4000,), float(v))
 
         def write(folder):  # a model of two files, one in a sub-folder (a JTCSE tower)
-            torch.save({"w": w}, os.path.join(folder, "model.pt"))
+            torch.save({"w": torch.full((4000,), float(v))}, os.path.join(folder, "model.pt"))
             os.makedirs(os.path.join(folder, "tower"))
             (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
-        save_as(m, out, {"v": v, "w": w}, write if v % 2 else None)
+        run = m.save_step(str(out), run, v, "stsb_dev", float(v) if v % 2 else None,
+                          harness_state(m, v), write, lambda *_: None)
         os.write(done, b".")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path):
-    """40 SIGKILLs of a process that saves for ever: after each (and the completion that the next
-    command of the project runs first) the folder holds one whole version, never older than before
-    the kill. Each kill is aimed by the child's progress, not by time: half when a file of a save
-    appears (inside a save, its writes paused), half right after the child reports 1-3 more saves
-    done (at whatever instant of the next save the signal finds it: unpaused)."""
-    rng, out, last, inside = random.Random(0), tmp_path / "run", 0, 0
+def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_path,
+                                                                  monkeypatch):
+    """40 SIGKILLs of a process that saves for ever: after each, and the settle step that the next
+    command of the project runs first, the folder holds one whole version, never older than before
+    the kill: checkpoint.pt, and best/ of the save it names. Each kill is aimed by the child's
+    progress, not by time: half when a name of a save under way appears (its writes paused), half
+    right after the child reports 1-3 more saves done (at whatever instant the signal finds)."""
+    rng, out, last, inside, m = random.Random(0), tmp_path / "run", 0, 0, SCRIPTS[script]
     out.mkdir()
+    monkeypatch.setattr(m, "check_run", lambda folder, meta: None)
     for i in range(40):
         r, w = os.pipe()
-        aim = rng.choice([sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"]) if i % 2 else None
+        aim = rng.choice([m.NEW, m.OLD, m.CKPT + ".tmp"]) if i % 2 else None
         pid = os.fork()
         if pid == 0:  # the child never returns into pytest
             try:
                 os.close(r)
-                save_versions(SCRIPTS[script], out, 0.02 if aim else 0, w)
+                save_versions(m, out, 0.02 if aim else 0, w)
             finally:
                 os._exit(0)
         os.close(w)
         if aim:
-            while not (out / aim).exists():
+            t0 = time.time()
+            while not (out / aim).exists() and time.time() - t0 < 60:
                 time.sleep(0.001)
         else:
             for _ in range(rng.randint(1, 3)):
@@ -4287,19 +4286,17 @@ def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_p
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
-        inside += any((out / n).exists() for n in (sscl.STAGING, sscl.PENDING, sscl.CKPT + ".tmp"))
-        SCRIPTS[script].finish_save(str(out))
-        assert sorted(p.name for p in out.iterdir()) in (
-            [], [sscl.CKPT, "model.pt", common.META, "tower"])
-        if (out / common.META).exists():
-            # the best model: all its files of one save
-            best = json.loads((out / common.META).read_text())["v"]
-            assert torch.load(out / "model.pt")["w"].eq(best).all()
-            assert (out / "tower" / "weights.txt").read_text() == str(best) * 2000
-            state = torch.load(out / sscl.CKPT)  # the training state: at or after that save, whole
-            assert (state["v"] in (best, best + 1) and state["w"].eq(state["v"]).all()
-                    and state["v"] >= last)
-            last = state["v"]
+        inside += any((out / n).exists() for n in (m.NEW, m.OLD, m.CKPT + ".tmp"))
+        state = m.settle(str(out))
+        assert sorted(p.name for p in out.iterdir()) in ([], [m.BEST, m.CKPT, m.CURVE])
+        if state:
+            best = json.loads((out / m.BEST / common.META).read_text())  # of one save, whole
+            assert best["save"] == state["save"] and best["v"] == state["best"]
+            assert torch.load(out / m.BEST / "model.pt")["w"].eq(best["v"]).all()
+            assert (out / m.BEST / "tower" / "weights.txt").read_text() == str(best["v"]) * 2000
+            assert state["step"] in (best["v"], best["v"] + 1) and state["model"]["w"].eq(
+                state["step"]).all() and state["step"] >= last
+            last = state["step"]
     assert inside >= 10 and last >= 20
 
 
@@ -4316,8 +4313,7 @@ def fork_main(module, args, log, env=None):
             os.dup2(fd, 2)
             sys.stdout = sys.stderr = open(fd, "w", buffering=1)
             os.environ.update(env or {})
-            for script in SCRIPTS.values():  # the instants of saves: counted from here
-                script.STOP["writes"] = 0
+            common.STOP["writes"] = 0  # the instants of saves: counted from here
             sys.argv = [f"{module.__name__}.py", *map(str, args)]
             module.main()
             code = 0
@@ -4374,24 +4370,35 @@ def kill_runs(c):
                   c.bl_sts, "model")}
 
 
-KILL_STATES = {  # what a kill leaves in a run folder, by the first of these files present
-    ".best.staging": "in a best model's staging (before its commit point)",
-    ".best.pending/sentemb.json": "after the commit point, files still to move",
-    ".best.pending": "after the last move (pending folder empty)",
-    "checkpoint.pt.tmp": "in a write of the training state alone",
-    "dev.jsonl.tmp": "in a write of the dev curve",
+KILL_STATES = {  # what a kill leaves in a run folder (left_by_kill)
+    "new": "in a new best model's write, before the commit",
+    "committed": "after the commit, the new best model not yet in best/'s place",
+    "old": "in the swap (best/ moved aside)",
+    "ckpt": "in the write of checkpoint.pt (the commit)",
+    "curve": "in the write of the dev curve's view",
     "": "between two writes (every file whole and in place)"}
 
 
 def left_by_kill(out):
-    return next(f for f in KILL_STATES if (out / f).exists())
+    """Which of KILL_STATES a run folder is in."""
+    if (out / sscl.NEW).exists():
+        committed = (out / sscl.CKPT).exists() and common.save_id(out / sscl.NEW) == torch.load(
+            out / sscl.CKPT, weights_only=False, mmap=True)["save"]
+        return "committed" if committed else "new"
+    names = {"old": sscl.OLD, "ckpt": sscl.CKPT + ".tmp", "curve": sscl.CURVE + ".tmp"}
+    return next((k for k, n in names.items() if (out / n).exists()), "")
+
+
+def without_save(meta):
+    return {k: v for k, v in meta.items() if k != "save"}  # the save's id: random
 
 
 def kill_eval_at_every_instant(run, data, tmp, capsys, monkeypatch):
-    """eval_sts.py on a run folder whose save a kill cut after its commit point: it completes the
-    save first, and is SIGKILLed at each instant of that in turn; after each kill, eval_sts.py
-    gives the new model's recorded score, sentemb.json is the new one. -> the number of kills."""
-    want = json.loads((run / sscl.PENDING / common.META).read_text())
+    """eval_sts.py on a run folder whose save a kill cut after its commit: it settles the folder
+    first (the new best model into place), and is SIGKILLed at each instant of that in turn; after
+    each kill, eval_sts.py gives the new model's recorded score and best/ is the new one. -> the
+    number of kills."""
+    want = json.loads((run / sscl.NEW / common.META).read_text())
     for j in itertools.count(1):
         copy = tmp / f"eval{j}"
         shutil.copytree(run, copy)
@@ -4404,7 +4411,7 @@ def kill_eval_at_every_instant(run, data, tmp, capsys, monkeypatch):
         assert os.WTERMSIG(status) == signal.SIGKILL
         code, score, err = dev_of(copy, data, capsys, monkeypatch)
         assert code == 0 and score == f"{want['stsb_dev']:.2f}", (j, err)
-        assert json.loads((copy / common.META).read_text()) == want
+        assert json.loads((copy / sscl.BEST / common.META).read_text()) == want
         shutil.rmtree(copy)
 
 
@@ -4420,20 +4427,21 @@ def dev_of(out, data, capsys, monkeypatch):
 def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
         monkeypatch):
-    """A run of 3 steps, each evaluated and saved (3 or 4 saves: the best model with its state, or
-    the state alone), SIGKILLed at each instant between two of its saves' writes in turn
-    (SENTEMB_KILL_AT=N: aimed by the run's own progress, never by time), in a child forked from
-    this process. After every kill: eval_sts.py gives the score that sentemb.json records for its
-    step, a best model of the uninterrupted run (or, before the first best model is whole, refuses
-    in one line), and --resume (a new run where no checkpoint.pt was left) ends on the
-    uninterrupted run's weights, sentemb.json and dev curve, logging its numbers."""
+    """A run of 3 steps, each evaluated and saved (a new best model and the state, or the state
+    alone), SIGKILLed at each instant between two writes of its saves in turn (SENTEMB_KILL_AT=N:
+    aimed by the run's own progress, never by time), in a child forked from this process. After
+    every kill: eval_sts.py gives the score that best/sentemb.json records for its step, a best
+    model of the uninterrupted run, old or new, never a mix (or, before the first commit, refuses
+    in one line); then the same command (with --resume once a checkpoint.pt was committed, else as
+    it was: the leftovers are ours) ends on the uninterrupted run's weights, best model and dev
+    curve, logging its numbers."""
     m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
-    instants, ref = m.STOP["writes"], numbers(whole)
+    instants, ref = common.STOP["writes"], numbers(whole)
     bests = {(e["step"], f"{e['score']:.2f}") for e in curve_of(tmp_path / "whole")}
     saves = [e for i, e in enumerate(curve_of(tmp_path / "whole"))  # new bests: a save replaces
              if all(e["score"] > f["score"] for f in curve_of(tmp_path / "whole")[:i])]
-    ref_meta = json.loads((tmp_path / "whole" / common.META).read_text())
+    ref_meta = without_save(json.loads((tmp_path / "whole" / sscl.BEST / common.META).read_text()))
     ref_weights = weights(tmp_path / "whole", key)
     states, eval_kills = collections.Counter(), 0
     for k in range(1, instants + 1):
@@ -4441,76 +4449,52 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         status = fork_main(m, args(out), log, {"SENTEMB_KILL_AT": str(k)})
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, log.read_text()
         states[left_by_kill(out)] += 1
-        if left_by_kill(out) == ".best.pending/sentemb.json" and (out / common.META).exists() \
-                and not eval_kills:  # a save that replaces a best model, cut after its commit
+        if left_by_kill(out) == "committed" and (out / sscl.BEST).exists() and not eval_kills:
             eval_kills = kill_eval_at_every_instant(out, data, tmp_path, capsys, monkeypatch)
         code, score, err = dev_of(out, data, capsys, monkeypatch)
-        if (out / common.META).exists():
-            meta = json.loads((out / common.META).read_text())
-            dev = meta.get("stsb_dev")
+        if (out / sscl.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
+            meta = json.loads((out / sscl.BEST / common.META).read_text())
             assert code == 0, err
-            assert score == f"{dev:.2f}" and (meta["step"], score) in bests, (k, meta, score)
-        else:  # killed before the first best model was whole
+            assert score == f"{meta['stsb_dev']:.2f}" and (meta["step"], score) in bests, k
+            assert meta["save"] == weights(out, "save")
+        else:  # killed before the first commit
             assert code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, err
-        assert not (out / sscl.PENDING).exists()  # eval_sts.py completed the save
         resume = ["--resume"] if (out / sscl.CKPT).exists() else []
         code, rest, err = main_of(m, capsys, monkeypatch, *args(out), *resume)
         assert code == 0, (k, err)
         assert numbers(rest) == ref[len(ref) - len(numbers(rest)):], (k, rest)
-        assert json.loads((out / common.META).read_text()) == ref_meta, k
+        assert without_save(json.loads((out / sscl.BEST / common.META).read_text())) == \
+            ref_meta, k
         assert curve_of(out) == curve_of(tmp_path / "whole"), k
         saved = weights(out, key)
-        for name in (ref_weights if isinstance(ref_weights, dict) else range(len(ref_weights))):
+        for name in ref_weights:
             assert torch.equal(saved[name], ref_weights[name]), (k, name)
         shutil.rmtree(out)
     print(f"{script}: {instants} kill points, {len(saves)} best models saved; the state each kill "
-          f"left: {dict(states)}; eval_sts.py completing a save: {eval_kills} kill points")
-    assert len(saves) >= 2 and all(states[s] for s in KILL_STATES if s != "") and eval_kills, whole
-
-
-def as_before(script, state, c):
-    """A checkpoint as the scripts wrote it before the key "model": sscl.py's whole encoder under
-    "encoder", jtcse.py's whole twin under "model" and no schedule, bellm.py's trained tensors as a
-    list under "trainable"."""
-    old = {k: v for k, v in state.items() if k != "model"}
-    if script == "bellm":
-        return {**old, "trainable": list(state["model"].values())}
-    model = sscl.SentenceEncoder(BertModel.from_pretrained(c.bert), "cls", 8) if script == "sscl" \
-        else jtcse.Twin([BertModel.from_pretrained(d) for d in (c.bert, c.bert_b)])
-    model.load_state_dict(state["model"], strict=False)
-    if script == "sscl":
-        return {**old, "encoder": model.state_dict()}
-    return {**{k: v for k, v in old.items() if k != "sched"}, "model": model.state_dict()}
+          f"left: {dict(states)}; eval_sts.py settling a save: {eval_kills} kill points")
+    assert len(saves) >= 2 and all(states[s] for s in KILL_STATES) and eval_kills, whole
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_harness_a_checkpoint_of_the_earlier_format_resumes_to_the_same_numbers(
+def test_harness_a_run_folder_of_the_earlier_layout_is_evaluated_and_not_resumed(
         script, bert_dir, bert_tokenizer_dir, train_txt, sts_dir, tok_dir, tmp_path, capsys,
         monkeypatch):
-    """A run of 3 steps killed once its step 2 is saved (SENTEMB_KILL_AT), its checkpoint.pt
-    rewritten as the scripts wrote it before (older keys): eval_sts.py reads the folder, and
-    --resume ends on the weights, sentemb.json and numbers of the uninterrupted run."""
+    """A run folder as the scripts wrote it before best/ (the model files and sentemb.json at its
+    top, a checkpoint.pt without the run's record): eval_sts.py scores it as the run recorded, and
+    --resume refuses in one line that it predates best/."""
     m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
-    instants, out = m.STOP["writes"], tmp_path / "old"
-    for k in range(instants, 0, -1):  # the last instant of a save at which step 2's is whole
-        shutil.rmtree(out, ignore_errors=True)
-        assert os.WIFSIGNALED(fork_main(m, args(out), tmp_path / "log",
-                                        {"SENTEMB_KILL_AT": str(k)}))
-        m.finish_save(str(out))
-        if weights(out, "step") == 2:
-            break
-    state = torch.load(out / sscl.CKPT, weights_only=False)
-    torch.save(as_before(script, state, c), out / sscl.CKPT)
-    assert dev_of(out, data, capsys, monkeypatch)[0] == 0
-    code, rest, err = main_of(m, capsys, monkeypatch, *args(out), "--resume")
-    assert code == 0, err
-    assert numbers(rest) == numbers(whole)[-2:] and len(numbers(rest)) == 2  # step 3: loss, dev
-    assert json.loads((out / common.META).read_text()) == json.loads(
-        (tmp_path / "whole" / common.META).read_text())
-    for k, v in weights(tmp_path / "whole", key).items():
-        assert torch.equal(v, weights(out, key)[k]), k
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "whole" / sscl.BEST, old)
+    state = torch.load(tmp_path / "whole" / sscl.CKPT, weights_only=False)
+    torch.save({k: v for k, v in state.items() if k not in ("save", "curve", "meta")},
+               old / sscl.CKPT)
+    meta = json.loads((old / common.META).read_text())
+    code, score, err = dev_of(old, data, capsys, monkeypatch)
+    assert code == 0 and score == f"{meta['stsb_dev']:.2f}", err
+    code, _, err = main_of(m, capsys, monkeypatch, *args(old), "--resume")
+    assert code == 2 and "predates best/" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_harness_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
@@ -4541,13 +4525,27 @@ def test_harness_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsy
     assert png.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["f.bin", "fig.png"]
 
 
+def save_as(m, out, v, write=None):
+    """What script m's main() saves at an evaluation, into the run folder out: m.save_step with a
+    new best model (write(folder) writes it; dev score v) or the training state alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "check_run", lambda folder, meta: None)  # no Hugging Face folder here
+        state = m.settle(str(out))
+        run = {k: state[k] for k in ("best", "save", "curve")} if state else \
+            {"best": -math.inf, "save": None, "curve": []}
+        m.save_step(str(out), run, v, "stsb_dev", float(v) if write else None,
+                    harness_state(m, v), write, lambda *_: None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
+    """A full disk in a save, at the model's write or at the commit: one line, every file of the
+    run folder as the last save left it."""
     m, out, w = SCRIPTS[script], tmp_path / "run", torch.ones(3)
     out.mkdir()
     write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    save_as(m, out, {"v": 1}, write)
+    save_as(m, out, 1, write)
     files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
     before = files()
 
@@ -4559,31 +4557,33 @@ def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, 
     monkeypatch.setattr(torch, "save", disk_full)
     for best in (None, write):
         with pytest.raises(SystemExit) as e:
-            save_as(m, out, {"v": 2}, best)
+            save_as(m, out, 2, best)
         assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
         assert files() == before
 
 
 @pytest.mark.slow
-def test_harness_a_new_run_whose_first_save_fails_leaves_its_folder_as_found(bert_dir, train_txt,
-                                                                             sts_dir, tmp_path,
-                                                                             capsys, monkeypatch):
-    """A full disk at a new run's first save: one error line, exit 2, and the output folder as it
-    was before the run (a new one gone, an empty one empty: no dev.jsonl, no lock, no staging)."""
+def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_command(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """A full disk at a new run's first save: one error line, exit 2, and the output folder holds
+    only the names of a save under way (no checkpoint.pt, no best/); the same command again, with
+    space, runs in that folder from the start."""
     real = torch.save
 
-    def disk_full(obj, f, *a, **k):
-        if isinstance(f, (str, os.PathLike)) and os.path.basename(f) == sscl.CKPT:
+    def disk_full(obj, f, *a, **k):  # the commit's write: checkpoint.pt.tmp
+        if os.path.basename(str(getattr(f, "name", f))) == sscl.CKPT + ".tmp":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, f, *a, **k)
-    monkeypatch.setattr(torch, "save", disk_full)
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "new", tmp_path / "empty"):
-        existed = out.exists()
-        code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
-            bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=2))
+        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=2)
+        monkeypatch.setattr(torch, "save", disk_full)
+        code, _, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 2 and err.count("error:") == 1 and "No space left on device" in err, err
-        assert out.exists() == existed and (not existed or not os.listdir(out))
+        assert set(os.listdir(out)) <= sscl.OURS and not (out / sscl.CKPT).exists()
+        monkeypatch.setattr(torch, "save", real)
+        code, log, err = main_of(sscl, capsys, monkeypatch, *args)
+        assert code == 0 and "step     0  stsb_dev" in log, err
 
 
 def popen(script, *args, env=None):
@@ -4613,6 +4613,41 @@ def test_harness_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_
 
 
 @pytest.mark.slow
+def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_path, capsys,
+                                                                 monkeypatch):
+    """eval_sts.py on a JTCSE twin's run folder while jtcse.py saves a new best model at most steps:
+    every score it prints is the dev score of one save (both towers of one step), never a mix. The
+    reader is slowed after each tower it loads, so that the writer's swaps fall inside its reads
+    (the writer waits for it: a shared lock on the folder against the swap's exclusive one)."""
+    from transformers import AutoModel
+    d, _ = jt_env
+    out = tmp_path / "run"
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    proc, log = popen("jtcse.py", "--model-a", d / "a", "--model-b", d / "b", "--train",
+                      d / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
+                      "--max-steps", 16, "--eval-steps", 1, "--log-steps", 1, "--lr", "1e-3",
+                      "--no-add-sick", "--no-final-eval", env={"SENTEMB_SAVE_PAUSE": "0.05"})
+    while proc.poll() is None and not (out / sscl.BEST).exists():
+        time.sleep(0.01)
+    real = common.load_pretrained
+
+    def slow(cls, name, *a, **k):  # a pause after each tower, where a swap would cut between
+        model = real(cls, name, *a, **k)
+        time.sleep(0.3 if cls is AutoModel else 0)
+        return model
+    monkeypatch.setattr(common, "load_pretrained", slow)
+    scores = []
+    while proc.poll() is None:
+        code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
+                                "--split", "dev")
+        assert code == 0, err
+        scores.append(ev.split()[2])
+    assert proc.wait() == 0, text(log)
+    saved = {f"{e['score']:.2f}" for e in curve_of(out)}
+    assert len(set(scores)) >= 2 and set(scores) <= saved, (scores, sorted(saved))
+
+
+@pytest.mark.slow
 def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
         jt_env, tmp_path, capsys, monkeypatch):
     """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two
@@ -4624,10 +4659,10 @@ def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
                         "--log-steps", 1, "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     out, env = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}
-    # first, a SIGKILL while
+    # first, a SIGKILL right after best/ is swapped in, before dev.jsonl: both towers of one step
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})
-    # the twin's files move: both towers must come from one step
-    assert kill_when(proc, out, (sscl.PENDING,))
+    assert kill_when(proc, out, lambda: (out / sscl.BEST).exists() and not (
+        out / sscl.CURVE).exists())
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
                             "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
@@ -4734,7 +4769,7 @@ def test_harness_every_run_folder_as_saved_passes_its_checks(run_templates, tok_
     scores = []
     for base in (None, moved):
         if base:
-            edit_json(run / common.META, base_model=str(base))
+            edit_json(run / sscl.BEST / common.META, base_model=str(base))
         code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run, "--data-dir",
                                  TPL.bl_sts, "--tasks", "STS-B", "--split", "dev")
         assert code == 0, err
@@ -4768,7 +4803,7 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
     m, out, w, real = SCRIPTS[script], tmp_path / "run", torch.ones(3), torch.save
     out.mkdir()
     write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
-    save_as(m, out, {"v": 1}, write)
+    save_as(m, out, 1, write)
     before = files_of(out)
 
     def torch_full(obj, f, *a, **k):
@@ -4780,7 +4815,7 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
     for best in (None, write, safetensors_full):
         monkeypatch.setattr(torch, "save", torch_full)
         with pytest.raises(SystemExit) as e:
-            save_as(m, out, {"v": 2}, best)
+            save_as(m, out, 2, best)
         monkeypatch.setattr(torch, "save", real)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("error:") == 1, err
@@ -5341,10 +5376,13 @@ def edit_args(path, **changes):
     torch.save(state, path)
 
 
+DROP = object()  # edit_state: the key removed
+
+
 def edit_state(path, **changes):
     """A checkpoint whose training state holds other values (not its flags: edit_args)."""
-    state = torch.load(path, weights_only=False)
-    torch.save({**state, **changes}, path)
+    state = {**torch.load(path, weights_only=False), **changes}
+    torch.save({k: v for k, v in state.items() if v is not DROP}, path)
 
 
 def foreign(c, name="README.md"):
@@ -5369,7 +5407,7 @@ def TSV(c, body):  # noqa: N802 (as SJ)
 CSTS_HEAD = b"sentence1,sentence2,condition,label\n"
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
-    c.held = open(c.run / sscl.LOCK, "a+")
+    c.held = open(c.run / common.LOCK, "a+")
     fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -5434,26 +5472,6 @@ JSON_VALUES = [  # (method, file, key, a value the run cannot have, words of the
         ("peft_type", "IA3", ['peft_type "IA3"']), ("rank_pattern", {"q_proj": 8},
                                                     ["rank_pattern"])]],
 ]
-AGREE = [  # (method, the --resume flags of the edit, checkpoint.pt's setting, its value, words)
-    ("sscl", ["--objective", "authors"], "objective", "authors", ['objective "authors"',
-                                                                 'objective "paper"']),
-    ("sscl", ["--layer", "1"], "layer", "1", ["layers [1]", "layers [2]"]),
-    ("sscl", ["--pooler", "avg"], "pooler", "avg", ['pooler "avg"', 'pooler "cls"']),
-    ("sscl", ["--proj-dim", "4"], "proj_dim", 4, ["proj_dim 4", "proj_dim 8"]),
-    ("sscl", ["--num-layers", "3"], "num_layers", 3, ["num_layers 3", "num_layers 4"]),
-    ("sscl", None, "select_on", "transfer", ['select_on "transfer"', 'select_on "stsb"']),
-    ("jtcse", ["--objective", "authors"], "objective", "authors", ['objective "authors"']),
-    ("jtcse", ["--num-cael", "1"], "num_cael", 1, ["num_cael 1", "num_cael 2"]),
-    ("jtcse", ["--drop-layernorm", "1"], "drop_layernorm", 1, ["drop_layernorm 1"]),
-    ("jtcse", None, "distill", ["teacher"], ['towers ["."]', '["tower_a", "tower_b"]']),
-    ("bellm", ["--bi-mode", "sequential"], "bi_mode", "sequential", ['bi_mode "sequential"',
-                                                                    'bi_mode "parallel"']),
-    ("bellm", ["--bi-layers", "2"], "bi_layers", 2, ["bi_layers 2", "bi_layers 1"]),
-    ("bellm", ["--bi-strategy", "add"], "bi_strategy", "add", ['bi_strategy "add"']),
-    ("bellm", ["--prompt", "{sentence} means"], "prompt", "{sentence} means", ["prompt"]),
-    ("bellm", ["--lora-r", "8"], "lora_r", 8, ["lora_r 8", "lora_r 4"]),
-    ("bellm", ["--lora-alpha", "16"], "lora_alpha", 16, ["lora_alpha 16", "lora_alpha 32"]),
-    ("bellm", ["--dtype", "bfloat16"], "dtype", "bfloat16", ['dtype "bfloat16"'])]
 RUN_DIR = {"sscl": lambda c: c.srun, "jtcse": lambda c: c.jrun, "bellm": lambda c: c.brun}
 RUN_EVAL = {"sscl": lambda c: ES(c, c.srun), "jtcse": lambda c: EJ(c), "bellm": lambda c: EB(c)}
 RUN_RESUME = {"sscl": lambda c: SSCL_RUN(c, c.srun, "--resume"),
@@ -5516,15 +5534,15 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["--no-aug", "--objective paper"], None),
     ("sscl", lambda c: SSCL(c, "--objective", "theirs"), ["--objective", "invalid choice"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"],
-     lambda c: (c.run / common.META).unlink()),
+     lambda c: (c.run / sscl.BEST / common.META).unlink()),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"),
      ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
      lambda c: edit_args(c.jrun / sscl.CKPT, num_cael=2)),
-    ("jtcse", lambda c: JT(c, "--distill", c.run), ["not a run description"],
-     lambda c: (c.run / common.META).write_text("{not json")),
+    ("jtcse", lambda c: JT(c, "--distill", c.run), ["sentemb.json does not name the save"],
+     lambda c: (c.run / sscl.BEST / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
     ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"),
      ["--distill", "drop --objective"], None),
@@ -5544,14 +5562,17 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["line 2", "not UTF-8"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["--lora-r 8", "--lora-r 4"],
      lambda c: edit_args(c.brun / sscl.CKPT, lora_r=8)),
-    ("eval_sts", lambda c: EV(c), ["not a run description"],
-     lambda c: (c.run / common.META).write_text("{not json")),
-    ("eval_sts", lambda c: EV(c), ["not a run description"],
-     lambda c: (c.run / common.META).write_text("[1, 2]")),
-    ("eval_sts", lambda c: EV(c), ["not a run description"],
-     lambda c: (c.run / common.META).write_text('{"method": "sscl"}')),
+    ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
+                                   "missing, damaged or another save's"],
+     lambda c: (c.run / sscl.BEST / common.META).write_text("{not json")),
+    ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
+                                   "missing, damaged or another save's"],
+     lambda c: (c.run / sscl.BEST / common.META).write_text("[1, 2]")),
+    ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
+                                   "missing, damaged or another save's"],
+     lambda c: (c.run / sscl.BEST / common.META).write_text('{"method": "sscl"}')),
     ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
-     lambda c: (c.run / "model.safetensors").unlink()),
+     lambda c: (c.run / sscl.BEST / "model.safetensors").unlink()),
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
     ("eval_sts", lambda c: EV(c, "--tasks", "STS-B,probing"),
      ["probing/sentence_length.txt", "data/probing of github.com/facebookresearch/SentEval"],
@@ -5594,56 +5615,58 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["reads no condition", "{condition} prompt"], None),
     # ---- every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
-     lambda c: cut(c.srun / "model.safetensors")),
+     lambda c: cut(c.srun / sscl.BEST / "model.safetensors")),
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "lacks 1 of the model's weights"],
-     lambda c: drop_tensor(c.srun / "model.safetensors", "encoder.")),
+     lambda c: drop_tensor(c.srun / sscl.BEST / "model.safetensors", "encoder.")),
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "damaged", "not JSON"],
-     lambda c: cut(c.srun / "config.json")),
+     lambda c: cut(c.srun / sscl.BEST / "config.json")),
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "no model_type"],
-     lambda c: (c.srun / "config.json").write_text("{}")),
+     lambda c: (c.srun / sscl.BEST / "config.json").write_text("{}")),
     ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer.json", "damaged"],
-     lambda c: cut(c.srun / "tokenizer.json")),
+     lambda c: cut(c.srun / sscl.BEST / "tokenizer.json")),
     ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer_config.json", "is missing"],
-     lambda c: (c.srun / "tokenizer_config.json").unlink()),
+     lambda c: (c.srun / sscl.BEST / "tokenizer_config.json").unlink()),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "damaged"],
-     lambda c: cut(c.srun / "proj.pt")),
+     lambda c: cut(c.srun / sscl.BEST / "proj.pt")),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "another model's"],
-     lambda c: torch.save(torch.nn.Linear(32, 4).state_dict(), c.srun / "proj.pt")),
+     lambda c: torch.save(torch.nn.Linear(32, 4).state_dict(), c.srun / sscl.BEST / "proj.pt")),
     ("eval_sts", lambda c: ES(c, c.srun), ["not a run description", "method 'simcse'"],
-     lambda c: edit_json(c.srun / common.META, method="simcse")),
+     lambda c: edit_json(c.srun / sscl.BEST / common.META, method="simcse")),
     ("eval_sts", lambda c: ES(c, c.srun), ["method 'this'"],  # an importable module: never imported
-     lambda c: edit_json(c.srun / common.META, method="this")),
+     lambda c: edit_json(c.srun / sscl.BEST / common.META, method="this")),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj_dim", "wrong type"],
-     lambda c: edit_json(c.srun / common.META, proj_dim="8")),
+     lambda c: edit_json(c.srun / sscl.BEST / common.META, proj_dim="8")),
     ("eval_sts", lambda c: ES(c, c.srun), ["max_len 1000", "64 positions"],
-     lambda c: edit_json(c.srun / common.META, max_len=1000)),
+     lambda c: edit_json(c.srun / sscl.BEST / common.META, max_len=1000)),
     # ---- eval_sts.py on a jtcse.py twin ----
     ("eval_sts", lambda c: EJ(c), ["tower_b/model.safetensors", "damaged"],
-     lambda c: cut(c.jrun / "tower_b" / "model.safetensors")),
+     lambda c: cut(c.jrun / sscl.BEST / "tower_b" / "model.safetensors")),
     ("eval_sts", lambda c: EJ(c), ["tower_a/config.json", "is missing"],
-     lambda c: (c.jrun / "tower_a" / "config.json").unlink()),
+     lambda c: (c.jrun / sscl.BEST / "tower_a" / "config.json").unlink()),
     ("eval_sts", lambda c: EJ(c), ["towers", "wrong type"],
-     lambda c: edit_json(c.jrun / common.META, towers=["..", "tower_b"])),
+     lambda c: edit_json(c.jrun / sscl.BEST / common.META, towers=["..", "tower_b"])),
     # ---- eval_sts.py on a bellm.py run: a broken adapter is never run as the base model ----
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "is missing"],
-     lambda c: (c.brun / "adapter_config.json").unlink()),
+     lambda c: (c.brun / sscl.BEST / "adapter_config.json").unlink()),
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "damaged"],
-     lambda c: cut(c.brun / "adapter_model.safetensors")),
+     lambda c: cut(c.brun / sscl.BEST / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "damaged"],
-     lambda c: cut(c.brun / "adapter_config.json")),
+     lambda c: cut(c.brun / sscl.BEST / "adapter_config.json")),
     ("eval_sts", lambda c: EB(c), ["another base model"], lambda c: (  # with sentemb.json's lora_r
-        edit_json(c.brun / "adapter_config.json", r=8), edit_json(c.brun / common.META, lora_r=8),
+        edit_json(c.brun / sscl.BEST / "adapter_config.json", r=8),
+        edit_json(c.brun / sscl.BEST / common.META, lora_r=8),
         (c.brun / sscl.CKPT).unlink())),  # (its checkpoint.pt would say r 4 first)
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "lacks 1 adapter weights"],
-     lambda c: drop_tensor(c.brun / "adapter_model.safetensors")),
+     lambda c: drop_tensor(c.brun / sscl.BEST / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["dtype", "wrong type"],
-     lambda c: edit_json(c.brun / common.META, dtype="int8")),
+     lambda c: edit_json(c.brun / sscl.BEST / common.META, dtype="int8")),
     ("eval_sts", lambda c: EB(c), ["cannot load", "no-such-model"],
-     lambda c: edit_json(c.brun / common.META, base_model=str(c.tmp / "no-such-model"))),
+     lambda c: edit_json(c.brun / sscl.BEST / common.META,
+                         base_model=str(c.tmp / "no-such-model"))),
     ("eval_sts", lambda c: EB(c), ["llama-4", "model.safetensors", "damaged"], lambda c: (
         shutil.copytree(c.llama, c.tmp / "b" / "llama-4"),
         cut(c.tmp / "b" / "llama-4" / "model.safetensors"),
-        edit_json(c.brun / common.META, base_model=str(c.tmp / "b" / "llama-4")))),
+        edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "b" / "llama-4")))),
     # ---- eval_sts.py on a plain Hugging Face folder ----
     ("eval_sts", lambda c: ES(c, c.plain), ["config.json", "is missing"],
      lambda c: (c.plain / "config.json").unlink()),
@@ -5672,12 +5695,12 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
      lambda c: torch.save({**torch.load(c.srun / sscl.CKPT, weights_only=False), "step": "2"},
                           c.srun / sscl.CKPT)),
-    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json is missing"],
-     lambda c: (c.srun / common.META).unlink()),
-    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["model.safetensors", "damaged"],
-     lambda c: cut(c.srun / "model.safetensors")),
+    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json does not name the save"],
+     lambda c: (c.srun / sscl.BEST / common.META).unlink()),
+    # (--resume reads checkpoint.pt alone: the earlier layout's rows of a damaged model file on
+    # --resume are eval_sts.py's rows now, and a damaged dev.jsonl is rewritten: it is a view)
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), [".lock", "delete it"],
-     lambda c: ((c.srun / sscl.LOCK).unlink(), (c.srun / sscl.LOCK).mkdir())),
+     lambda c: ((c.srun / common.LOCK).unlink(), (c.srun / common.LOCK).mkdir())),
     # ---- sscl.py: Table 1 (--num-layers), Table 3 (--select-on), Fig. 6 (dev.jsonl) ----
     ("sscl", lambda c: SSCL(c, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
     ("sscl", lambda c: SSCL(c, "--num-layers", "5"), ["--num-layers 5", "has 4 layers",
@@ -5691,10 +5714,6 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         setattr(c, "sts", c.tmp / "all"))),
     ("sscl", lambda c: SSCL(c, "--select-on", "transfer"), ["MR", "--data-dir"], None),
     ("sscl", lambda c: SSCL(c, "--select-on", "sts"), ["--select-on", "invalid choice"], None),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--max-steps", 3),
-     ["dev.jsonl", "damaged", "line 2", "delete it"],
-     lambda c: (c.run / sscl.CURVE).write_text('{"step": 0, "metric": "stsb_dev", "score": 1}\n'
-                                               '{"step": 2, "metric": "stsb_dev"\n')),
     ("sscl", lambda c: SSCL(c, "--convergence"), ["unrecognized arguments: --convergence"],
      None),  # the analyses are sscl_analysis.py's
     ("sscl_analysis", lambda c: ["--convergence", "--model", c.run, c.bert],
@@ -5712,7 +5731,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         shutil.rmtree(c.plain), shutil.copytree(c.jt / "b", c.plain),
         cut(c.plain / "tokenizer.json"))),
     ("jtcse", lambda c: JT(c, "--distill", c.jrun), ["tower_b/model.safetensors", "is missing"],
-     lambda c: (c.jrun / "tower_b" / "model.safetensors").unlink()),
+     lambda c: (c.jrun / sscl.BEST / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.jrun / sscl.CKPT, "jtcse")),
     # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
@@ -5723,7 +5742,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     (JA, lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
      None),
     (JA, lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
-     lambda c: (c.jrun / "tower_a" / "model.safetensors").unlink()),
+     lambda c: (c.jrun / sscl.BEST / "tower_a" / "model.safetensors").unlink()),
     (JA, lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
     (JA, lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
     (JA, lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
@@ -5754,8 +5773,6 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["line 2", "not a number"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.brun / sscl.CKPT, "bellm")),
-    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["adapter_model.safetensors", "damaged"],
-     lambda c: cut(c.brun / "adapter_model.safetensors")),
     ("bellm_analysis", lambda c: ["--representative-words", "--model", c.llama, "--data-dir",
                                   c.bl_sts,
                          "--plot", c.tmp / "f.png"], ["no figure", "drop --plot"], None),
@@ -5767,11 +5784,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # ---- files that disagree: never evaluated or resumed as another model ----
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json does not describe", "layers 2..3",
                                            "2 layers", "different models"],
-     lambda c: edit_json(c.srun / "config.json", num_hidden_layers=2)),
-    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["config.json does not describe"],
-     lambda c: edit_json(c.srun / "config.json", num_hidden_layers=2)),
+     lambda c: edit_json(c.srun / sscl.BEST / "config.json", num_hidden_layers=2)),
     ("eval_sts", lambda c: EJ(c), ["tower_b", "of shape [", "config.json implies ["],
-     lambda c: edit_json(c.jrun / "tower_b" / "config.json", hidden_size=64,
+     lambda c: edit_json(c.jrun / sscl.BEST / "tower_b" / "config.json", hidden_size=64,
                          intermediate_size=128)),
     ("eval_sts", lambda c: ES(c, c.plain), ["config.json does not describe"],
      lambda c: edit_json(c.plain / "config.json", num_hidden_layers=3)),
@@ -5782,15 +5797,6 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         shutil.copytree(c.plain, c.tmp / "other"), swap_tokens(c.tmp / "other"))),
     ("eval_sts", lambda c: EV(c, "--ensemble", "--max-len", 32) + ["--model", c.run, c.plain],
      ["reads up to 64 tokens", "up to 32", "one maximum length"], None),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
-     ["--objective paper (its default: the run predates the flag)", "--objective authors"],
-     lambda c: edit_args(c.run / sscl.CKPT, objective=None)),
-    ("jtcse", lambda c: JT_RUN(c, "--resume", "--objective", "authors"),
-     ["--objective paper (its default: the run predates the flag)", "--objective authors"],
-     lambda c: edit_args(c.jrun / sscl.CKPT, objective=None)),
-    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--bi-strategy", "add"),
-     ["--bi-strategy convert (its default", "--bi-strategy add"],
-     lambda c: edit_args(c.brun / sscl.CKPT, bi_strategy=None)),
     # ---- the update (optimiser, clipping, schedule) is the run's: --resume keeps it ----
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume", "--max-grad-norm", "0"),
      ["--max-grad-norm 1.0", "--max-grad-norm 0.0"], None),
@@ -5798,10 +5804,6 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["--weight-decay 0.01", "--weight-decay 0.0"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume", "--warmup-steps", "3"),
      ["--warmup-steps 100", "--warmup-steps 3"], None),
-    ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"),  # a run of torch's AdamW, unclipped
-     ["--weight-decay 0.01 (its default: the run predates the flag)", "--weight-decay 0.0"],
-     lambda c: edit_args(c.srun / sscl.CKPT, weight_decay=None, max_grad_norm=None,
-                         warmup_steps=None)),
     *[(m, lambda c, m=m, f=f: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, f, "-1"),
        [f, "-1", ">= 0"], None)
       for m in ("sscl", "jtcse", "bellm") for f in ("--weight-decay", "--max-grad-norm")],
@@ -5809,7 +5811,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["trained by 2 process",
                                                           "--nproc_per_node 2", "runs 1"],
      lambda c: edit_state(c.srun / sscl.CKPT, world=2)),
-    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["damaged", "rng of the wrong type"],
+    ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"),
+     ["damaged", "rng missing or of the wrong type"],
      lambda c: edit_state(c.brun / sscl.CKPT, rng=None)),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["damaged", "bi_layers of the wrong type"],
      lambda c: edit_args(c.brun / sscl.CKPT, bi_layers="1")),
@@ -5818,12 +5821,12 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
-         edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
+         edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "base2")))),
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on",  # a layer
                                    "base_fingerprint"],  # (not the embeddings or the final norm)
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.layers.1.mlp.up_proj.weight", 1.01),
-         edit_json(c.brun / common.META, base_model=str(c.tmp / "base2")))),
+         edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "base2")))),
     # ---- a flag that would do nothing under another is refused, never ignored ----
     *[("jtcse", lambda c, x=x: JT(c, "--distill", c.jrun, *x), ["--distill", x[0], "twin"], None)
       for x in (["--model-b", str(Path("other"))], ["--num-cael", "2"], ["--temp", "0.1"],
@@ -5840,34 +5843,42 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--tasks", "STS-B"), ["--tasks", "--no-final-eval"], None),
     *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--epochs", "2"),
        ["--max-steps", "--epochs would do nothing"], None) for m in ("sscl", "jtcse", "bellm")],
-    # ---- a save's leftover, a run folder's two descriptions, a folder of the user's ----
-    ("eval_sts", lambda c: EV(c), ["not a run description"], lambda c: (  # a save's moves done
-        (c.run / common.META).write_text("{not json"),
-        (c.run / sscl.PENDING / "1_Pooling").mkdir(parents=True))),
-    *[row for method, flag, key, value, words in AGREE for row in (
-        ("eval_sts", RUN_EVAL[method], ["two files are of different runs", *words],
-         lambda c, m=method, k=key, v=value: edit_args(RUN_DIR[m](c) / sscl.CKPT, **{k: v})),
-        *[(method, lambda c, m=method, f=flag: RUN_RESUME[m](c) + f,
-           ["two files are of different runs", *words],
-           lambda c, m=method, k=key, v=value: edit_args(RUN_DIR[m](c) / sscl.CKPT, **{k: v}))
-          ] * bool(flag))],
-    ("eval_sts", RUN_EVAL["bellm"], ["two files are of different runs", "base_checksum"],
-     lambda c: edit_state(c.brun / sscl.CKPT, base_checksum=1.5)),
-    ("bellm", RUN_RESUME["bellm"], ["two files are of different runs", "base_checksum"],
-     lambda c: edit_state(c.brun / sscl.CKPT, base_checksum=1.5)),
+    # ---- a save's leftover, best/ and checkpoint.pt, a folder of the user's (the earlier
+    # layout's rows on two descriptions that disagree, sentemb.json beside checkpoint.pt, are
+    # gone with it: checkpoint.pt alone describes the run, and best/'s save id says which save
+    # wrote it; the rows below replace them) ----
+    *[(s, f, ["is not the best model that", "checkpoint.pt names", "copy the whole run folder"],
+       lambda c, d=d: edit_json(d(c) / sscl.BEST / common.META, save="2-00000000"))
+      for s, f, d in (("eval_sts", RUN_EVAL["sscl"], RUN_DIR["sscl"]),
+                      ("jtcse", RUN_RESUME["jtcse"], RUN_DIR["jtcse"]),
+                      ("bellm", RUN_RESUME["bellm"], RUN_DIR["bellm"]))],
+    *[(s, f, [name, "is not the", kind, "delete it"],
+       lambda c, d=d, n=name, k=kind: (d(c) / n).write_text("x") if k == "folder" else
+       (d(c) / n).mkdir())
+      for s, f, d in (("eval_sts", RUN_EVAL["jtcse"], RUN_DIR["jtcse"]),
+                      ("sscl", RUN_RESUME["sscl"], RUN_DIR["sscl"]))
+      for name, kind in ((".best.new", "folder"), (".best.old", "folder"),
+                         ("checkpoint.pt.tmp", "file"))],
+    ("eval_sts", RUN_EVAL["sscl"], ["model.safetensors", "damaged"],  # committed, checked first
+     lambda c: (shutil.copytree(c.srun / sscl.BEST, c.srun / sscl.NEW),
+                edit_json(c.srun / sscl.NEW / common.META, save="9-00000000"),
+                edit_state(c.srun / sscl.CKPT, save="9-00000000"),
+                cut(c.srun / sscl.NEW / "model.safetensors"))),
+    ("sscl", RUN_RESUME["sscl"], ["predates best/", "the sscl.py that wrote it"],
+     lambda c: edit_state(c.srun / sscl.CKPT, save=DROP)),
     ("eval_sts", RUN_EVAL["sscl"], ["was not written by sscl.py"],
      lambda c: edit_state(c.srun / sscl.CKPT, method="jtcse")),
-    ("eval_sts", RUN_EVAL["jtcse"], ["no sentemb.json", "saved no best model yet"],
-     lambda c: (c.jrun / common.META).unlink()),
+    ("eval_sts", RUN_EVAL["jtcse"], ["best", "is not the best model that", "checkpoint.pt names"],
+     lambda c: (c.jrun / sscl.BEST / common.META).unlink()),
     *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--output-dir", c.mine),
        ["README.md", f"which {m}.py did not write", "new or empty --output-dir"],
        lambda c: setattr(c, "mine", foreign(c))) for m in ("sscl", "jtcse", "bellm")],
-    ("bellm", lambda c: BL(c, "--output-dir", c.mine), ["adapter_config.json and 1 more",
+    ("bellm", lambda c: BL(c, "--output-dir", c.mine), ["adapter_config.json, notes.txt",
                                                             "did not write"],
      lambda c: (setattr(c, "mine", foreign(c, "notes.txt")),
                 (c.mine / "adapter_config.json").write_text("{}"))),
-    ("sscl", lambda c: SSCL(c, "--output-dir", c.brun), ["already holds a run of bellm.py",
-                                                         "pass another --output-dir"], None),
+    ("sscl", lambda c: SSCL(c, "--output-dir", c.brun), ["already holds a run of bellm.py: pass "
+                                                         "another --output-dir"], None),
     ("jtcse", lambda c: JT(c, "--output-dir", c.srun), ["already holds a run of sscl.py"], None),
     # ---- a run folder passed where a model folder is read: says what it is ----
     ("eval_sts", lambda c: EB(c, "--pooler", "last"), ["is a bellm.py run", "drop --pooler last"],
@@ -5877,11 +5888,10 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl_analysis", lambda c: ["--model", c.jrun, "--data-dir", c.sts],
      ["is a jtcse.py run (a twin", "tower_a"], None),
     # ---- every value of every JSON file of a run folder, edited: eval_sts.py and --resume ----
-    *[row for method, name, key, value, words in JSON_VALUES for row in (
-        ("eval_sts", RUN_EVAL[method], words,
-         lambda c, m=method, n=name, k=key, v=value: edit_json(RUN_DIR[m](c) / n, **{k: v})),
-        (method, RUN_RESUME[method], words,
-         lambda c, m=method, n=name, k=key, v=value: edit_json(RUN_DIR[m](c) / n, **{k: v})))],
+    # (--resume reads checkpoint.pt alone: its rows of these edits are gone with the layout)
+    *[("eval_sts", RUN_EVAL[method], words, lambda c, m=method, n=name, k=key, v=value:
+       edit_json(RUN_DIR[m](c) / sscl.BEST / n, **{k: v}))
+      for method, name, key, value, words in JSON_VALUES],
     # ---- seeds.py: eval_sts.py --json files ----
     ("seeds", lambda c: SJ(c, '{"results": {"STS-B": "80.1"}}'), ["results.STS-B", "not a number"],
      None),
@@ -5891,7 +5901,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("seeds", lambda c: SJ(c, '{"results": [80]}'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: SJ(c, '[1, 2]'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: [c.tmp], ["is a folder"], None),
-    ("seeds", lambda c: [c.srun / common.META, c.srun / common.META],
+    ("seeds", lambda c: [c.srun / sscl.BEST / common.META, c.srun / sscl.BEST / common.META],
      ["sentemb.json' is not an eval_sts.py --json result", "holds no results"], None),
     # ---- evaluation data that cannot give a correlation: one line naming the file ----
     *[(script, lambda c, m=m: m(c, "--data-dir", c.tmp / "flat"),
@@ -5934,7 +5944,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
                *run_templates.values())
     mine = sorted(os.listdir(c.tmp / "mine")) if (c.tmp / "mine").is_dir() else None
     snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
-                        if p.is_file() and p.name != sscl.LOCK}
+                        if p.is_file() and p.name != common.LOCK}
     before = snapshot()
     if script in ("jtcse", "jtcse_analysis"):
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
@@ -5949,7 +5959,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
     assert mine is None or sorted(os.listdir(c.tmp / "mine")) == mine  # not even a .lock
 
 
-RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM: the base is named)
+RUN_FILES = {  # what each method's best/ needs besides sentemb.json (BeLLM: the base is named)
     "sscl": ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "proj.pt"],
     "jtcse": [f"{t}/{f}" for t in ("tower_a", "tower_b") for f in
@@ -5962,21 +5972,20 @@ RUN_FILES = {  # what each method's run folder needs besides sentemb.json (BeLLM
 @pytest.mark.parametrize("method", list(RUN_FILES))
 def test_bad_input_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(
         method, run_templates, sts_dir, tmp_path, capsys, monkeypatch):
-    """Each file that a method's run folder needs, deleted in turn: eval_sts.py and --resume refuse
-    the folder in one line naming the file, print nothing else (no table: never the base model or
-    random weights), and leave the folder as it was."""
+    """Each file that a method's best model (RUN/best) needs, deleted in turn: eval_sts.py refuses
+    the folder in one line naming the file, prints nothing else (no table: never the base model or
+    random weights), and leaves the folder as it was. (--resume reads checkpoint.pt alone.)"""
     tpl = run_templates[method]
     data = {"sscl": sts_dir, "jtcse": JT_DATA["sts"], "bellm": TPL.bl_sts}[method]
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))  # jtcse.py's STS data
     for rel in RUN_FILES[method]:
         out = tmp_path / rel.replace("/", "_")
         shutil.copytree(tpl, out)
-        (out / rel).unlink()
+        (out / sscl.BEST / rel).unlink()
         before = files_of(out)
-        evaluate = ["--model", out, "--data-dir", data, "--tasks", "STS-B"]
-        for module, args in ((eval_sts, evaluate), (MAINS[method], resume_args(method, out))):
-            code, stdout, err = main_of(module, capsys, monkeypatch, *args)
-            errors = [line for line in err.splitlines() if "error:" in line]
-            assert code == 2 and len(errors) == 1 and f"{rel} is missing" in errors[0], (rel, err)
-            assert stdout == "", stdout
-            assert files_of(out) == before
+        code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
+                                    data, "--tasks", "STS-B")
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1 and f"{rel} is missing" in errors[0], (rel, err)
+        assert stdout == "", stdout
+        assert files_of(out) == before

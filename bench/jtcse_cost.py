@@ -22,8 +22,8 @@ p.add_argument("mode", choices=["simcse", "jtcse"], help="SimCSE's step (sscl.py
 p.add_argument("num_cael", nargs="?", type=common.NONNEG_INT, help="jtcse: cross-attention "
                "layers (jtcse.py --num-cael; default: every 2nd layer)")
 # tower II: a MiniLM trained by sscl.py
-p.add_argument("tower_b", nargs="?", default="runs/sscl_minilm",
-               help="jtcse: tower II (jtcse.py --model-b; default runs/sscl_minilm)")
+p.add_argument("tower_b", nargs="?", default="runs/sscl_minilm/best",
+               help="jtcse: tower II (jtcse.py --model-b; default runs/sscl_minilm/best)")
 common.show_ranges(p)
 a = p.parse_args()
 mode = a.mode
