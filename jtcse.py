@@ -631,7 +631,7 @@ def settle(run_dir, state=None):
             common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
                        f"{METHOD}.py writes there: delete it, then run again")
     if state is None and os.path.lexists(at(CKPT)):
-        state = read_checkpoint(run_dir, "pass another --output-dir")
+        state = read_checkpoint(run_dir)
     save = state and state["save"]
     try:
         if save and common.save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
@@ -651,9 +651,9 @@ def settle(run_dir, state=None):
         for name in (CKPT + ".tmp", CURVE + ".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(at(name))
-        view = "".join(json.dumps(e) + "\n" for e in state["curve"]) if state else ""
-        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE)).read() != view):
-            common.write_whole(at(CURVE), lambda f: f.write(view.encode()), common.pause)
+        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
+        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
+            common.write_whole(at(CURVE), lambda f: f.write(view), common.pause)
     except OSError as e:
         common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): make "
                    "it writable, then run again")
@@ -675,16 +675,16 @@ def reading(run_dir):
         yield os.path.join(run_dir, BEST)
 
 
-def read_checkpoint(run_dir, fix, device="cpu"):
+def read_checkpoint(run_dir, device="cpu"):
     """RUN_DIR/checkpoint.pt of a run of this script, every field of its type, or one line naming
-    the field (fix: the way out). -> the state"""
+    the field. -> the state"""
     path = os.path.join(run_dir, CKPT)
     try:
         state = torch.load(path, map_location=device, weights_only=False, mmap=True)
     except Exception as e:  # truncated, empty, not a torch file: torch raises many types
         common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
     if not isinstance(state, dict) or state.get("method") != METHOD:
-        common.die(f"{path} was not written by {METHOD}.py: {fix}")
+        common.die(f"{path} was not written by {METHOD}.py: pass a run folder of {METHOD}.py")
     if "save" not in state and "step" in state:
         common.die(f"{path} predates best/ (an earlier {METHOD}.py's run): eval_sts.py reads it, "
                    f"the {METHOD}.py that wrote it resumes it")
@@ -707,7 +707,7 @@ def read_checkpoint(run_dir, fix, device="cpu"):
 def read_resume(out_dir, a, device):
     """--resume: checkpoint.pt, trained with this command's flags but those of RESUMABLE (each of
     its type) by as many processes (the global batch), or one line naming what differs."""
-    state, now = read_checkpoint(out_dir, RECOPY, device), common.flags(a)
+    state, now = read_checkpoint(out_dir, device), common.flags(a)
     old, world = state["args"], common.world_size()
     kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
     if bad := [k for k in old if k in now and None not in (old[k], now[k])

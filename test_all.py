@@ -5847,7 +5847,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # layout's rows on two descriptions that disagree, sentemb.json beside checkpoint.pt, are
     # gone with it: checkpoint.pt alone describes the run, and best/'s save id says which save
     # wrote it; the rows below replace them) ----
-    *[(s, f, ["is not the best model that", "checkpoint.pt names", "copy the whole run folder"],
+    *[(s, f, ["sentemb.json does not name the save", "checkpoint.pt names", "copy the whole run"],
        lambda c, d=d: edit_json(d(c) / sscl.BEST / common.META, save="2-00000000"))
       for s, f, d in (("eval_sts", RUN_EVAL["sscl"], RUN_DIR["sscl"]),
                       ("jtcse", RUN_RESUME["jtcse"], RUN_DIR["jtcse"]),
@@ -5868,7 +5868,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      lambda c: edit_state(c.srun / sscl.CKPT, save=DROP)),
     ("eval_sts", RUN_EVAL["sscl"], ["was not written by sscl.py"],
      lambda c: edit_state(c.srun / sscl.CKPT, method="jtcse")),
-    ("eval_sts", RUN_EVAL["jtcse"], ["best", "is not the best model that", "checkpoint.pt names"],
+    ("eval_sts", RUN_EVAL["jtcse"], ["best", "sentemb.json does not name the save"],
      lambda c: (c.jrun / sscl.BEST / common.META).unlink()),
     *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--output-dir", c.mine),
        ["README.md", f"which {m}.py did not write", "new or empty --output-dir"],
