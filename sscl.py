@@ -486,8 +486,8 @@ def settle(run_dir, state=None):
             if not ours:  # a leftover: checked before it is used
                 check_run(at(NEW), read_meta(at(NEW)))
             with common.folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
+                common.pause()
                 if os.path.isdir(at(BEST)):
-                    shutil.rmtree(at(OLD), ignore_errors=True)
                     os.replace(at(BEST), at(OLD))
                     common.pause()
                 os.replace(at(NEW), at(BEST))
@@ -503,8 +503,8 @@ def settle(run_dir, state=None):
         if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
             common.write_whole(at(CURVE), lambda f: f.write(view), common.pause)
     except OSError as e:
-        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): make "
-                   "it writable, then run again")
+        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
+                   "disk space or make it writable, then run again")
     if save and common.save_id(at(BEST)) != save:
         common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
                    f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")

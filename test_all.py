@@ -4449,7 +4449,7 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         status = fork_main(m, args(out), log, {"SENTEMB_KILL_AT": str(k)})
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, log.read_text()
         states[left_by_kill(out)] += 1
-        if left_by_kill(out) == "committed" and (out / sscl.BEST).exists() and not eval_kills:
+        if left_by_kill(out) == "committed" and not eval_kills:
             eval_kills = kill_eval_at_every_instant(out, data, tmp_path, capsys, monkeypatch)
         code, score, err = dev_of(out, data, capsys, monkeypatch)
         if (out / sscl.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
@@ -4560,6 +4560,20 @@ def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, 
             save_as(m, out, 2, best)
         assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
         assert files() == before
+    # after the commit, the view's write: the save stands, the next open writes the view
+    monkeypatch.undo()
+    real = common.write_whole
+    monkeypatch.setattr(common, "write_whole", lambda path, *a: real(path, *a) if not path.endswith(
+        m.CURVE) else (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(SystemExit) as e:
+        save_as(m, out, 3, write)
+    assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "check_run", lambda folder, meta: None)
+        state = m.settle(str(out))
+    assert state["step"] == 3 and curve_of(out) == state["curve"] and len(state["curve"]) == 2
+    assert json.loads((out / m.BEST / common.META).read_text())["save"] == state["save"]
 
 
 @pytest.mark.slow
@@ -4612,39 +4626,84 @@ def test_harness_two_runs_on_one_folder_one_is_refused(bert_dir, train_txt, sts_
     assert any("is in use by another training run" in t or "already holds a run" in t for t in logs)
 
 
+def twin_versions(jt_env, root, k):
+    """k JTCSE twins (run descriptions of jtcse.py beside tower_a, tower_b), each jt_env's towers
+    with noise of its own: -> their folders"""
+    d, _ = jt_env
+    folders = []
+    for v in range(k):
+        folder = root / f"v{v}"
+        for i, t in enumerate("ab"):
+            tower = BertModel.from_pretrained(d / t)
+            torch.manual_seed(10 * v + i)
+            with torch.no_grad():
+                for q in tower.parameters():
+                    q.add_(torch.randn_like(q) * 0.05 * q.std().nan_to_num())
+            tower.save_pretrained(folder / f"tower_{t}")
+            shutil.copy(d / t / "tokenizer.json", folder / f"tower_{t}")
+            shutil.copy(d / t / "tokenizer_config.json", folder / f"tower_{t}")
+        (folder / common.META).write_text(json.dumps(
+            {"method": "jtcse", "towers": ["tower_a", "tower_b"], "max_len": 128}))
+        folders.append(folder)
+    return folders
+
+
 @pytest.mark.slow
 def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_path, capsys,
                                                                  monkeypatch):
-    """eval_sts.py on a JTCSE twin's run folder while jtcse.py saves a new best model at most steps:
-    every score it prints is the dev score of one save (both towers of one step), never a mix. The
-    reader is slowed after each tower it loads, so that the writer's swaps fall inside its reads
-    (the writer waits for it: a shared lock on the folder against the swap's exclusive one)."""
+    """eval_sts.py on a JTCSE twin's run folder while a process saves a new best model again and
+    again (jtcse.py's save_step, holding the folder's lock as training does; the twins cycle
+    through 3 versions): every score it prints is the score of one version (both towers of one
+    save), never a mix. The reader is slowed after each tower it loads, so that swaps fall inside
+    its reads (the swap waits for it: a shared lock on the folder against the swap's exclusive
+    one). Two towers of different versions score otherwise: a mix would show."""
     from transformers import AutoModel
-    d, _ = jt_env
-    out = tmp_path / "run"
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-    proc, log = popen("jtcse.py", "--model-a", d / "a", "--model-b", d / "b", "--train",
-                      d / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
-                      "--max-steps", 16, "--eval-steps", 1, "--log-steps", 1, "--lr", "1e-3",
-                      "--no-add-sick", "--no-final-eval", env={"SENTEMB_SAVE_PAUSE": "0.05"})
-    while proc.poll() is None and not (out / sscl.BEST).exists():
-        time.sleep(0.01)
-    real = common.load_pretrained
+    versions, out = twin_versions(jt_env, tmp_path, 3), tmp_path / "run"
+
+    def dev(folder):  # eval_sts.py's STS-B dev score of a model folder or run folder
+        code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", folder, "--tasks",
+                                "STS-B", "--split", "dev")
+        assert code == 0, err
+        return ev.split()[2]
+    scores = [dev(v) for v in versions]
+    shutil.copytree(versions[0], tmp_path / "mix")
+    shutil.rmtree(tmp_path / "mix" / "tower_b")
+    shutil.copytree(versions[1] / "tower_b", tmp_path / "mix" / "tower_b")
+    assert len(set(scores)) == 3 and dev(tmp_path / "mix") not in scores, scores
+    out.mkdir()
+    pid = os.fork()
+    if pid == 0:  # the writer, never back into pytest
+        try:
+            os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
+            lock, run = common.lock_run(str(out)), {"best": -math.inf, "save": None, "curve": []}
+            for step in itertools.count(1):
+                assert not lock.closed  # held while it saves, as a training run holds it
+                v = versions[step % 3]
+                state = {**harness_state(jtcse, step), "meta": json.loads(
+                    (v / common.META).read_text())}
+                run = jtcse.save_step(str(out), run, step, "stsb_dev", float(step), state,
+                                      lambda folder, v=v: [shutil.copytree(
+                                          v / t, os.path.join(folder, t))
+                                          for t in ("tower_a", "tower_b")], lambda *_: None)
+        finally:
+            os._exit(0)
+    real, read = common.load_pretrained, []
 
     def slow(cls, name, *a, **k):  # a pause after each tower, where a swap would cut between
         model = real(cls, name, *a, **k)
-        time.sleep(0.3 if cls is AutoModel else 0)
+        time.sleep(0.2 if cls is AutoModel else 0)
         return model
-    monkeypatch.setattr(common, "load_pretrained", slow)
-    scores = []
-    while proc.poll() is None:
-        code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
-                                "--split", "dev")
-        assert code == 0, err
-        scores.append(ev.split()[2])
-    assert proc.wait() == 0, text(log)
-    saved = {f"{e['score']:.2f}" for e in curve_of(out)}
-    assert len(set(scores)) >= 2 and set(scores) <= saved, (scores, sorted(saved))
+    try:
+        while not (out / jtcse.BEST).exists():
+            time.sleep(0.01)
+        monkeypatch.setattr(common, "load_pretrained", slow)
+        for _ in range(8):
+            read.append(dev(out))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert set(read) <= set(scores) and len(set(read)) >= 2, (read, scores)
 
 
 @pytest.mark.slow
