@@ -96,15 +96,18 @@ def model_folder(name):
 
 
 def read_curve(name):
-    """A run folder's dev curve (dev.jsonl, a view of its checkpoint: {"step", "metric", "score"}
-    per dev evaluation, one format in the three scripts); [] without one."""
+    """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
+    format in the three scripts; a view of the run's checkpoint, settled first); [] without one. A
+    folder without a checkpoint (one of the earlier layout) is read as it is."""
     found = run_folder(name)
-    if not found or not found[1]:
-        return []
-    with found[0].reading(found[1]):
-        path = os.path.join(found[1], sscl.CURVE)
+    run_dir = found[1] if found and found[1] else name
+    with found[0].reading(run_dir) if found and found[1] else contextlib.nullcontext():
+        path = os.path.join(run_dir, sscl.CURVE)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
-    return [json.loads(line) for line in lines]
+    try:
+        return [json.loads(line) for line in lines]
+    except ValueError as e:
+        common.die(f"{path} is damaged ({common.first_line(e)}): delete it, or copy the run again")
 
 
 def csts_prompt(name, pooler, prompt):

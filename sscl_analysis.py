@@ -43,8 +43,10 @@ def over_smoothing(name, a, sents, device):
     eq. 2 inter-layer similarity: cos(s^l, s^(l+1)), s^l the pooled sentence vector (--pooler).
     With --sentence: also that sentence's last-layer token-by-token cosine matrix (Fig. 5) and its
     tokens."""
-    tokenizer = common.load_pretrained(AutoTokenizer, name)
-    bert = common.load_pretrained(AutoModel, name).to(device).eval()
+    with eval_sts.reading(name) as (script, folder, _):  # an sscl.py run: its best model
+        folder = folder if script is sscl else name  # (another method's run is no BERT: refused)
+        tokenizer = common.load_pretrained(AutoTokenizer, folder)
+        bert = common.load_pretrained(AutoModel, folder).to(device).eval()
     common.check_max_len(a.max_len, bert.config, name)
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)

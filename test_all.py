@@ -1926,7 +1926,7 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1 and "stsb_dev at step 0 is nan" in errors[0], err
     assert torch.load(out / sscl.CKPT, weights_only=False)["step"] == 0
-    assert not (out / common.META).exists()
+    assert not (out / sscl.BEST).exists()
 
 
 @pytest.mark.slow
@@ -2035,10 +2035,10 @@ def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path)
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8))
     assert proc.returncode == 0, proc.stderr
     assert "stsb_dev" in proc.stdout and re.search(r"STS12 .* SICK-R\s+Avg\.", proc.stdout)
-    meta = json.loads((out / "sentemb.json").read_text())
+    meta = json.loads((out / sscl.BEST / "sentemb.json").read_text())
     assert meta["method"] == "sscl" and meta["proj_dim"] == 8 and meta["layers"] == [2]
     from transformers import AutoModel
-    AutoModel.from_pretrained(out)  # a plain HF folder
+    AutoModel.from_pretrained(out / sscl.BEST)  # a plain HF folder
     ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split",
              "dev")
     assert ev.returncode == 0, ev.stderr
@@ -2087,7 +2087,7 @@ def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
 def test_sscl_bad_arguments(bert_dir, train_txt, sts_dir, tmp_path, bad, words):
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r"), *bad),
                      *words)
-    assert not (tmp_path / "r" / "sentemb.json").exists()
+    assert not (tmp_path / "r" / sscl.BEST).exists()
 
 
 @pytest.mark.slow
@@ -2113,7 +2113,7 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--lr", "1e30"))
     assert_bad_input(proc, "--lr", "kept")
-    meta = json.loads((out / "sentemb.json").read_text())
+    meta = json.loads((out / sscl.BEST / "sentemb.json").read_text())
     assert meta["step"] == 0  # the step-0 checkpoint, the last good one
     ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B")
     assert ev.returncode == 0, ev.stderr
@@ -2135,7 +2135,7 @@ def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodro
                                             "--objective", "authors", steps=1, eval_steps=100,
                                             layer="1,3"))
     assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads((out / common.META).read_text())["objective"] == "authors"
+    assert json.loads((out / sscl.BEST / common.META).read_text())["objective"] == "authors"
     sents = common.read_sentences(train_txt)
     order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
     # no dropout
@@ -2164,19 +2164,20 @@ def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir
                                                                  "--pooler", pooler, "--proj-dim",
                                       proj, steps=2))
     assert code == 0, err
-    modules = json.loads((out / "modules.json").read_text())
+    best = out / sscl.BEST
+    modules = json.loads((best / "modules.json").read_text())
     assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
         [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")]
                                                            if proj != "0" else [])
-    pool = json.loads((out / "1_Pooling" / "config.json").read_text())
+    pool = json.loads((best / "1_Pooling" / "config.json").read_text())
     assert (pool["word_embedding_dimension"] == 32
             and pool["pooling_mode_cls_token"] == (pooler == "cls"))
     assert pool["pooling_mode_mean_tokens"] == (pooler == "avg")
     # no truncation
-    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
+    assert json.loads((best / "sentence_bert_config.json").read_text())["max_seq_length"] == 64
     if proj != "0":
-        assert json.loads((out / "2_Dense" / "config.json").read_text())["out_features"] == 8
-    st_encodes_as_we_do(out)
+        assert json.loads((best / "2_Dense" / "config.json").read_text())["out_features"] == 8
+    st_encodes_as_we_do(best)
 
 
 # ---- SSCL: Table 1 (--num-layers), Table 3 (--select-on transfer), Fig. 6 (--convergence) ----
@@ -2225,7 +2226,7 @@ def test_sscl_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(
     curve = curve_of(out)
     assert [(e["step"], e["metric"]) for e in curve] == [(s, "transfer_dev") for s in (0, 2, 4)]
     assert "stsb_dev" not in log and len(re.findall(r"transfer_dev \S+", log)) == 3
-    meta = json.loads((out / common.META).read_text())
+    meta = json.loads((out / sscl.BEST / common.META).read_text())
     best = max(curve, key=lambda e: e["score"])  # the first of equal scores: a new best must beat
     assert best["step"] not in (0, 4)  # the selection picked a middle step, not the first or last
     assert (meta["select_on"], meta["step"], meta["transfer_dev"]) == (
@@ -2725,7 +2726,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
                       d / "train.txt", "--output-dir", dd, "--batch-size", "8", "--max-len", "16",
                       "--max-steps", "2", "--no-add-sick", "--no-final-eval")
     assert "step     2  loss" in o and "lr 1e-05" in o
-    assert isinstance(AutoModel.from_pretrained(dd), BertModel)
+    assert isinstance(AutoModel.from_pretrained(dd / sscl.BEST), BertModel)
     monkeypatch.setattr(sys, "argv", ["eval_sts.py", "--model", str(dd), "--tasks", "STS-B"])
     eval_sts.main()
     assert "STS-B" in capsys.readouterr().out
@@ -2762,7 +2763,7 @@ def test_jtcse_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsy
                         tmp_path / "ra", "--output-dir", tmp_path / "d", *common_args)
     assert "step     2  loss" in out
     from transformers import RobertaModel
-    assert isinstance(AutoModel.from_pretrained(tmp_path / "d"), RobertaModel)
+    assert isinstance(AutoModel.from_pretrained(tmp_path / "d" / sscl.BEST), RobertaModel)
     for run_dir in ("twin", "d"):
         code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / run_dir,
                                  "--data-dir", JT_DATA["sts"], "--tasks", "STS-B")
@@ -2791,8 +2792,8 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
         assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
                                after["encoder.layer.3.output.dense.weight"])
     s = ["a man is playing a guitar", "the cat sits on the mat"]
-    towers = [jtcse.drop_layernorm(BertModel.from_pretrained(tmp_path / "ln" / n).eval(), 1)
-              for n in ("tower_a", "tower_b")]
+    towers = [jtcse.drop_layernorm(BertModel.from_pretrained(tmp_path / "ln" / sscl.BEST / n)
+                                   .eval(), 1) for n in ("tower_a", "tower_b")]
     b = jt_batch_of(tok, s)
     with torch.no_grad():
         want = sum(t(**b).last_hidden_state[:, 0] for t in towers)
@@ -3180,7 +3181,7 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
     assert out.splitlines()[-2].split() == ["STS-B", "Avg."]  # the final table
-    meta = json.load(open(tmp_path / "run1" / "sentemb.json"))
+    meta = json.load(open(tmp_path / "run1" / sscl.BEST / "sentemb.json"))
     assert meta["method"] == "bellm" and meta["bi_layers"] == 2 and meta["bi_mode"] == "parallel"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks",
                "STS-B")
@@ -3303,7 +3304,7 @@ def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, cap
     assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
     # bf16 rounding, not a different computation
     assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
-    assert json.load(open(tmp_path / "gpu" / "sentemb.json"))["dtype"] == "bfloat16"
+    assert json.load(open(tmp_path / "gpu" / sscl.BEST / "sentemb.json"))["dtype"] == "bfloat16"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
                "STS-B", "--bf16")
     assert e.returncode == 0, e.stderr
@@ -5130,7 +5131,7 @@ def test_harness_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(
         for extra in ([], ["--bf16"]):
             out = tmp_path / f"{name}{len(extra)}"
             logged.append([float(x) for x in losses(train(out, *extra))])
-            assert (out / "sentemb.json").is_file()
+            assert (out / sscl.BEST / "sentemb.json").is_file()
         assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
         assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
 
