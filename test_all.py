@@ -3574,15 +3574,23 @@ def banners(script):
             if (m := re.match(r"# -{64} (.*?) -+$", line))}
 
 
+SIZES = {"sscl": (450, 700), "jtcse": (600, 850), "bellm": (600, 850)}  # above the harness, whole
+
+
 def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
-    """Each script ends with one harness block: its banner, a table (what differs: METHOD,
-    RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and bellm.py. So any
-    script's harness serves the tools (eval_sts.py reads run folders through sscl.py's)."""
+    """Each script ends with one harness block of at most 250 lines: its banner, a table (what
+    differs: METHOD, RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and
+    bellm.py. So any script's harness serves the tools (eval_sts.py reads run folders through the
+    script that wrote them). Each script, above its harness and whole, within its size."""
     rest = {}
     for script in ("sscl", "jtcse", "bellm"):
         text = (ROOT / f"{script}.py").read_text()
         assert text.count(HARNESS) == 1, script
-        table, rest[script] = text.split(HARNESS)[1].split("# ---- (the table ends here)\n")
+        above, block = text.split(HARNESS)
+        assert len(block.split("\nif __name__")[0].splitlines()) <= 250, script
+        assert all(a <= b for a, b in zip((len(above.splitlines()), len(text.splitlines())),
+                                          SIZES[script])), script
+        table, rest[script] = block.split("# ---- (the table ends here)\n")
         assert len(table.splitlines()) <= 20, script
         names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
         assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
