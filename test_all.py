@@ -5865,7 +5865,8 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         shutil.copytree(c.plain, c.tmp / "other"), swap_tokens(c.tmp / "other"))),
     ("eval_sts", lambda c: EV(c, "--ensemble", "--max-len", 32) + ["--model", c.run, c.plain],
      ["reads up to 64 tokens", "up to 32", "one maximum length"], None),
-    # ---- the update (optimiser, clipping, schedule) is the run's: --resume keeps it ----
+    # ---- the update (optimiser, clipping, schedule) is the run's: --resume keeps it (the rows
+    # of runs that predate a flag are gone: a checkpoint without best/'s save id is refused) ----
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume", "--max-grad-norm", "0"),
      ["--max-grad-norm 1.0", "--max-grad-norm 0.0"], None),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--weight-decay", "0"),
