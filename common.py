@@ -67,11 +67,7 @@ def write_whole(path, write, pause=None):
                 pause()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync(os.path.dirname(os.path.abspath(path)))  # the rename on disk
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -665,9 +665,8 @@ def settle(run_dir, state=None):
 
 @contextlib.contextmanager
 def reading(run_dir):
-    """A reader of a run folder (eval_sts.py, the analyses, jtcse.py --distill): the folder settled
-    when no training run holds it (a run settles its own saves), best/ never swapped while the
-    reader is inside. -> best/"""
+    """A reader of a run folder (eval_sts.py, the analyses, --distill): settled if no run holds it
+    (a run settles its own saves); best/ never swapped while the reader is inside. -> best/"""
     with contextlib.suppress(OSError), open(os.path.join(run_dir, common.LOCK), "a+") as lock:
         if common.flock(lock, "EX", "NB"):
             settle(run_dir)
@@ -769,11 +768,10 @@ def restore(state, model, optimizer, scheduler, lr, log, **generators):
 
 
 def save_step(out_dir, run, step, metric, dev, state, write, log):
-    """Rank 0, after an evaluation (dev: its score) or at a stop (dev None): the training state
-    and the run's record (run: best score, its save's id, dev curve) replace checkpoint.pt, the
-    commit point; a new best model is first written whole into .best.new (write(folder), then its
-    sentemb.json: state["meta"], step, score, save id), put in place after (settle). Weights no
-    longer finite are never saved; a failed save is one line. -> the run's record"""
+    """Rank 0, after an evaluation (dev: its score) or at a stop (dev None): the training state and
+    the run's record (best score, its save's id, dev curve) replace checkpoint.pt, the commit; a
+    new best is first written whole into .best.new (write(folder), its sentemb.json: state["meta"],
+    step, score, save id), put in place after (settle). -> the run's record; a failure: one line"""
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
         save_step(out_dir, run, step, metric, None, state, write, log)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "

@@ -3649,7 +3649,8 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
     inductor's kernels are the slow tier's, through each script's --compile) on SSCL's step,
     dropout off: the loss and the gradients of the eager step, fp32 and bf16, on steps of other
     batch sizes and lengths (length groups on); after the first step of each precision those
-    steps compile no new graph (torch._dynamo's count); the compiled encoder gives eval's vectors."""
+    steps compile no new graph (torch._dynamo's count); the compiled encoder gives eval's
+    vectors."""
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer, BertConfig
     cpu, tok = torch.device("cpu"), AutoTokenizer.from_pretrained(bert_tokenizer_dir)
@@ -3837,7 +3838,8 @@ def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_di
     equal_steps(*[lambda enc, mod=mod: (torch.manual_seed(1), mod.train_step(
         enc, tok, sents, [2], cpu, max_len=16))[1] for mod in (m, sscl)], models)
     m = copied_section("jtcse")
-    models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2) for mod in (m, jtcse)]
+    models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2)
+              for mod in (m, jtcse)]
     equal_steps(*[lambda twin, mod=mod: (torch.manual_seed(1), mod.train_step(
         twin, tok, sents, 1, cpu, max_len=16))[1][0] for mod in (m, jtcse)], models)
     m = copied_section("bellm")
@@ -4240,16 +4242,19 @@ def harness_state(m, v):
             "args": {"lr": 1.0}, "step": v, "world": 1, "rng": common.rng_states()}
 
 
+def record(state):
+    """The run's record that save_step carries from a checkpoint's state (None: a new run's)."""
+    return {k: state[k] for k in ("best", "save", "curve")} if state else \
+        {"best": -math.inf, "save": None, "curve": []}
+
+
 def save_versions(m, out, pause, done):
     """In a child process: save versions v+1, v+2, ... of a run folder for ever with script m's
     save_step (a new best model every other save, the training state alone otherwise); one byte to
     the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
-    m.check_run = lambda folder, meta: None  # the model below is no Hugging Face folder
-    state = m.settle(str(out))
-    run = {k: state[k] for k in ("best", "save", "curve")} if state else \
-        {"best": -math.inf, "save": None, "curve": []}
-    v = state["step"] if state else 0
+    state = m.settle(str(out))  # (the caller has m.check_run pass: no Hugging Face folder here)
+    run, v = record(state), state["step"] if state else 0
     while True:
         v += 1
 
@@ -4539,11 +4544,8 @@ def save_as(m, out, v, write=None):
     new best model (write(folder) writes it; dev score v) or the training state alone."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(m, "check_run", lambda folder, meta: None)  # no Hugging Face folder here
-        state = m.settle(str(out))
-        run = {k: state[k] for k in ("best", "save", "curve")} if state else \
-            {"best": -math.inf, "save": None, "curve": []}
-        m.save_step(str(out), run, v, "stsb_dev", float(v) if write else None,
-                    harness_state(m, v), write, lambda *_: None)
+        m.save_step(str(out), record(m.settle(str(out))), v, "stsb_dev",
+                    float(v) if write else None, harness_state(m, v), write, lambda *_: None)
 
 
 @pytest.mark.slow
@@ -4685,7 +4687,7 @@ def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_pat
     if pid == 0:  # the writer, never back into pytest
         try:
             os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
-            lock, run = common.lock_run(str(out)), {"best": -math.inf, "save": None, "curve": []}
+            lock, run = common.lock_run(str(out)), record(None)
             for step in itertools.count(1):
                 assert not lock.closed  # held while it saves, as a training run holds it
                 v = versions[step % 3]
