@@ -12,6 +12,7 @@ The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes
 numbers printed during training and by eval_sts.py come from the same function.
 """
 import argparse
+import atexit
 import codecs
 import contextlib
 import csv
@@ -250,6 +251,7 @@ def start():
     rank, world, device = 0, 1, pick_device()
     if "RANK" in os.environ:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(torch.distributed.destroy_process_group)  # no teardown race at exit
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
