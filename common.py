@@ -168,6 +168,19 @@ def world_size():
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def collective(call, /, *tensors, **options):
+    """call(*tensors), a torch.distributed collective, returned once gloo's worker thread has let
+    go of the tensors. One whose Python object is gone while that thread holds it is freed there,
+    under the GIL: if the interpreter is exiting by then, the process aborts ("terminate called
+    without an active exception"); DDP keeps gloo's threads alive to the end. NCCL's work is held
+    by its watchdog, which destroy_process_group stops at exit."""
+    call(*tensors, **options)
+    held = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
+    if held and held[0].device.type == "cpu":
+        while any(t._use_count() > 1 for t in held):  # 1: its Python object's reference alone
+            time.sleep(1e-4)
+
+
 def gather(z):
     """(B, D) on each rank -> (world·B, D), ranks in order. all_gather returns tensors without a
     graph, so the local slot is replaced by z itself: gradients flow into this rank's embeddings."""
@@ -175,7 +188,7 @@ def gather(z):
     if not (dist.is_available() and dist.is_initialized()):
         return z
     parts = [torch.empty_like(z) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, z.detach().contiguous())
+    collective(dist.all_gather, parts, z.detach().contiguous())
     parts[dist.get_rank()] = z
     return torch.cat(parts)
 
@@ -251,7 +264,7 @@ def start():
     rank, world, device = 0, 1, pick_device()
     if "RANK" in os.environ:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        atexit.register(torch.distributed.destroy_process_group)  # no teardown race at exit
+        atexit.register(torch.distributed.destroy_process_group)  # before the interpreter goes
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -285,7 +298,7 @@ def stop_requested(world, device):
     at the same step."""
     if world > 1:
         t = torch.tensor(STOP["signum"], device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
         STOP["signum"] = int(t)
     return bool(STOP["signum"])
 
@@ -1098,7 +1111,7 @@ def summed(x, world, device):
     """A number summed over the ranks (torchrun), as a float."""
     t = torch.tensor(float(x), device=device)
     if world > 1:
-        torch.distributed.all_reduce(t)
+        collective(torch.distributed.all_reduce, t)
     return t.item()
 
 
