@@ -99,10 +99,9 @@ def read_curve(name):
     """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
     format in the three scripts; a view of the run's checkpoint, settled first); [] without one. A
     folder without a checkpoint (one of the earlier layout) is read as it is."""
-    found = run_folder(name)
-    run_dir = found[1] if found and found[1] else name
-    with found[0].reading(run_dir) if found and found[1] else contextlib.nullcontext():
-        path = os.path.join(run_dir, sscl.CURVE)
+    script, run_dir, _ = run_folder(name) or (None, None, None)
+    with script.reading(run_dir) if run_dir else contextlib.nullcontext():
+        path = os.path.join(run_dir or name, sscl.CURVE)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
     try:
         return [json.loads(line) for line in lines]
