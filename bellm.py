@@ -23,20 +23,22 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
 import argparse
 import contextlib
 import copy
+import csv
 import functools
+import io
 import json
 import math
 import os
-import shutil
-import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
+from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import get_linear_schedule_with_warmup
 
 import common
+import harness
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3; C-STS, §5.1:
 CSTS_PROMPT = 'Given the context {condition}, summarize the sentence {sentence} in one word:"'
@@ -105,6 +107,10 @@ p.add_argument("--lora-alpha", type=common.POS_INT, default=32, help="paper: 32"
 p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1")
 p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: selects the checkpoint")
 common.show_ranges(p)
+METHOD = "bellm"  # the "method" of its sentemb.json and checkpoint.pt
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping", "tasks",
+             "eval_first", "grad_ckpt"}  # --resume may change
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -234,6 +240,41 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
 
 
 # ---------------------------------------------------------------- the data loader -----------------
+def read_csv(path):
+    """--train, --csts (and eval_sts.py --csts) files: NLI triplets (sent0, sent1, hard_neg) or
+    C-STS rows (sentence1, sentence2, condition, label). -> kind ("nli" or "csts"), rows; an empty
+    or missing cell, or a label that is not a finite number, is a bad input naming its line."""
+    text = common.read_text(path)  # UTF-8; a spreadsheet's byte-order mark is dropped
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
+    reader = csv.DictReader(io.StringIO(text))
+    cols = set(reader.fieldnames or [])
+    if {"sent0", "sent1", "hard_neg"} <= cols:
+        kind, need = "nli", ("sent0", "sent1", "hard_neg")
+    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
+        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
+    else:
+        has = ",".join(sorted(cols)) or "no header"
+        common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
+                   f"sentence2,condition,label (C-STS); it has {has}")
+    rows = []
+    for r in reader:
+        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
+            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
+                       "delete the row")
+        try:
+            label = float(r["label"]) if kind == "csts" else 0.0
+        except ValueError:
+            label = math.nan
+        if not math.isfinite(label):
+            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
+                       "C-STS labels are 1-5")
+        rows.append(tuple(r[c] for c in need[:-1]) + (label,) if kind == "csts" else
+                    tuple(r[c] for c in need))
+    if not rows:
+        common.die(f"'{path}' has a header but no rows: pass a --train file with data")
+    return kind, rows
+
+
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
@@ -320,6 +361,34 @@ def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=False):
     return lora
 
 
+
+def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
+    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
+    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
+    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
+    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
+    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
+    input (s·H) and one layer is recomputed at a time."""
+    c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
+    A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
+        + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
+    act = tokens * (n * s * c.hidden_size + A if grad_ckpt else n * A)
+    weights = sum(q.numel() * q.element_size() for q in dec.parameters() if not q.requires_grad)
+    return weights / 2**30, 16 * n_lora / 2**30, act / 2**30
+
+
+def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
+    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: bf16 weights or
+    autocast (2 bytes a value, mostly)."""
+    s, n = 2 if bf16 else 4, sum(q.numel() for q in params)
+    est = [memory_estimate(dec, n, s, texts * longest, longest, r, c) for c in (0, 1)]
+    per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
+    w, o, act = est[grad_ckpt]
+    return (f"memory (estimate): weights {w:.2f} GiB, LoRA + AdamW {o:.2f} GiB, activations "
+            f"{per_tok[0]:,.0f} KiB a token ({per_tok[1]:,.0f} with --grad-ckpt): {act:.2f} GiB "
+            f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
+            f"{w + o + act:.2f} GiB in all")
+
 def prompt_tokens(tokenizer, dec, prompt, max_len, name):
     """The tokens of the prompt around a sentence, once --max-len is known to fit the model's
     positions with them."""
@@ -360,16 +429,16 @@ def load_adapter(dec, run_dir):
     except Exception as e:  # a damaged config or weights, or another base model's adapter (shapes)
         common.die(f"{where} ({type(e).__name__}: {common.first_line(e)}): adapter_config.json or "
                    "adapter_model.safetensors is damaged, or made for another base model; "
-                   f"{RECOPY}")
+                   f"{harness.RECOPY}")
     want = set(get_peft_model_state_dict(model))
     have = common.safetensors_keys(os.path.join(run_dir, "adapter_model.safetensors"), where,
-                                   RECOPY)
+                                   harness.RECOPY)
     if want != have:
         odd = sorted(want - have) or sorted(have - want)
         said = "lacks" if want - have else "holds"
         common.die(f"{where}: adapter_model.safetensors {said} {len(odd)} adapter weights ({odd[0]}"
                    f"{', ...' * (len(odd) > 1)}) {'that' if want - have else 'beyond what'} "
-                   f"adapter_config.json and the base model ask for: {RECOPY}")
+                   f"adapter_config.json and the base model ask for: {harness.RECOPY}")
     return model
 
 
@@ -393,18 +462,46 @@ def check_run(run_dir, meta):
     path, where = os.path.join(run_dir, common.META), f"cannot load the bellm.py run in '{run_dir}'"
     common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for rel in ("adapter_config.json", "adapter_model.safetensors"):
-        common.check_file(run_dir, rel, where, RECOPY)
+        common.check_file(run_dir, rel, where, harness.RECOPY)
     from transformers import AutoConfig
     base = meta["base_model"]
     n = common.load_pretrained(AutoConfig, base).num_hidden_layers
     if meta["bi_layers"] > n:  # the words of --bi-layers
         common.die(f"{path}: bi_layers {meta['bi_layers']} is outside 0..{n} ('{base}' has {n} "
-                   f"layers): set it to 0..{n}, or {RECOPY}")
+                   f"layers): set it to 0..{n}, or {harness.RECOPY}")
     if "max_len" in meta:
         common.check_max_len(meta["max_len"], common.load_pretrained(AutoConfig, base), base,
                              f"{path}: max_len")
-    common.check_lora_config(os.path.join(run_dir, "adapter_config.json"), meta, path, where,
-                             RECOPY)
+    check_lora_config(os.path.join(run_dir, "adapter_config.json"), meta, path, where)
+
+
+
+# adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
+# would run another model than the one trained
+LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
+              "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+              "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
+              "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
+
+
+def check_lora_config(lora_path, meta, path, where):
+    """A run's adapter_config.json: plain LoRA as bellm.py trains it, its r and alpha those of
+    sentemb.json (meta, at path), or one line naming the key."""
+    lora, fix = common.read_json(lora_path, where, harness.RECOPY), harness.RECOPY
+    ok = {"r": lambda v: type(v) is int and v >= 1,
+          "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
+          **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
+    for key, good in ok.items():
+        if key in lora and not good(lora[key]):
+            want = "an integer >= 1" if key == "r" else "a number > 0" if key == "lora_alpha" \
+                else json.dumps(LORA_FIXED[key])
+            common.die(f"{lora_path}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
+                       f"({key} {want}): set it so, or {fix}")
+    for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
+        if key in meta and lora.get(ours) != meta[key]:
+            common.die(f"{lora_path}: {ours} {json.dumps(lora.get(ours))} disagrees with {path}'s "
+                       f"{key} {meta[key]} (bellm.py --{key.replace('_', '-')}): set it to "
+                       f"{meta[key]}, or {fix}")
 
 
 def load_encoder(run_dir, meta, device):
@@ -464,7 +561,7 @@ def check_args(a, world):
     tasks = check_tasks(a.tasks)
     if a.batch_size * world < 2:
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
-    if a.csts and (not os.path.isfile(a.csts) or common.read_csv(a.csts)[0] != "csts"):
+    if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
     if not a.bi_layers and (odd := [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
                                     ("bi_mode", "bi_strategy")
@@ -489,27 +586,26 @@ def check_data(a, kind, csts_dev):
 # ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
-    rank, world, device, log = common.start()
+    rank, world, device, log = harness.start()  # torchrun: one process a GPU
     tasks = check_args(a, world)
 
     # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = common.read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = common.read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
+    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
     check_data(a, kind, csts_dev is not None)
-    data = common.check_sts(common.senteval_dir(a.data_dir), tasks if a.final_eval else [])
+    data = common.sts_data(a.data_dir, tasks if a.final_eval else [])
     metric = "csts_dev" if csts_dev else "stsb_dev"
     per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
     steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
 
-    # the run folder, locked; --resume: its training state, trained as this command says
-    out = a.output_dir
-    state, lock = open_run(out, [a.model], a, rank, world, device)  # lock: held till exit
-    if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
-        return log(common.complete(state["step"], len(steps), out))
-    lr = a.lr or (state["args"]["lr"] if state else 2e-4)  # the paper's, or the resumed run's
+    # the run folder (harness.py), locked; --resume: its state, trained as this command says
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
+    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
+        return
+    lr = a.lr or (run.state["args"]["lr"] if run.state else 2e-4)  # the paper's, or the run's
 
     # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
-    common.seed_everything(a.seed)  # the same added layers, LoRA and dropout stream on every rank
+    torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
     longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
@@ -517,7 +613,7 @@ def main():
     bf16 = a.bf16 or device.type == "cuda"  # autocast: --bf16, always on CUDA
     lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
-    model = common.ddp(raw_model, world)  # DDP: the LoRA weights' gradients averaged over the ranks
+    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
     forward = common.in_length_groups(  # --compile: each decoder layer, in place (training, eval)
         functools.partial(embed, common.compiled_layers(model, a.compile)), a.length_grouping)
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
@@ -529,305 +625,53 @@ def main():
     params = [q for q in raw_model.parameters() if q.requires_grad]  # the update (authors' code)
     optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
-    step, run = restore(state, raw_model, optimizer, scheduler, lr, log)  # run: dev curve, best
-    check_base(meta, state["meta"] if state else {}, a.model, CKPT)
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
+    check_base(meta, run.state["meta"] if run.state else {}, a.model, harness.CKPT)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
         f"{common.device_line(world, device, a.bf16)}")
-    log(common.memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2),
-                           longest, dtype == torch.bfloat16 or bf16, grad_ckpt))
+    log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
+                    dtype == torch.bfloat16 or bf16, grad_ckpt))
 
-    handlers = common.catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    meter = harness.Meter(device, per_step, "rows")  # the step lines' speed
     raw_model.train()
-    clock = common.new_clock(step)  # the step lines' speed
-    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows per rank
-            optimizer.zero_grad(set_to_none=True)
-            with common.metered(clock, forward):  # the step's FLOPs
-                for ids, last in common.micro_batches(steps[step - 1], a.batch_size,
-                                                      a.grad_accum, rank, world):
-                    with common.no_sync(model, last):
+    for step in range(first, len(steps) + 1):  # step 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
+            with meter.step(forward):
+                optimizer.zero_grad(set_to_none=True)
+                for k in range(a.grad_accum):  # micro-batch k: this rank's rows of it
+                    ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                    sync = world == 1 or k == a.grad_accum - 1  # DDP all-reduces after the last
+                    with contextlib.nullcontext() if sync else model.no_sync():
                         loss, n = train_step(forward, tokenizer, [rows[i] for i in ids], kind,
                                              a.prompt, device, a.temp, a.max_len, bf16, world,
-                                             a.grad_accum, common.gather)
-                    clock["tokens"] += n  # real ones
-                    common.check_loss(loss, step, lr, out)
-            gnorm = common.clip_gradients(params, a.max_grad_norm)  # before clipping: gnorm
-            optimizer.step()
-            scheduler.step()
+                                             a.grad_accum, harness.gather)
+                    meter.tokens += n  # real ones
+                    if not torch.isfinite(loss):  # before the update: the last save is good
+                        run.diverged(step, loss)
+                gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
+                    params, a.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
-                    f"{scheduler.get_last_lr()[0]:.2e}  "
-                    f"{common.rates(clock, step, per_step, 'rows', world, device)}")
-                clock = common.new_clock(step, clock)
-        halt = common.stop_requested(world, device)  # a signal on any rank: every rank stops here
+                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
+        halt = run.stop_requested()  # a signal on any rank: every rank stops here
         evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
-            dev = common.dev_eval(raw_model, dev_score, encode, data, csts_dev) if evaluate \
-                else None
-            state = training_state(raw_model, optimizer, scheduler, a, lr, step, meta)
-            run = save_step(out, run, step, metric, dev, state, lora.save_pretrained, log)
-        if evaluate or halt:
-            clock = common.saved(world, step, clock)
+        dev = None
+        if evaluate and rank == 0:  # the dev score, without dropout
+            raw_model.eval()
+            dev = dev_score(encode, data, csts_dev)
+            raw_model.train()
+        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
+            run.save(step, metric, dev, lora.save_pretrained)
         if halt:
             break
 
-    log(common.peak_memory(device, world))
-    if common.STOP["signum"]:  # saved at this step: exit 128 + the signal's number
-        sys.exit(common.stopped(step, out, log))
-    common.STOP["now"] = True  # training has ended: a signal now exits at once
-    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        final_table(out, data, tasks, device, a.bf16, run["best"])
-    common.restore_signals(handlers)
-
-
-# ---------------------------------------------------------------- the harness ---------------------
-# What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
-# table (test_all.py holds them equal); a reader who copies the method leaves it behind.
-METHOD = "bellm"  # this script: the "method" of its sentemb.json and checkpoint.pt
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping", "tasks",
-             "eval_first", "grad_ckpt"}  # --resume may change
-# ---- (the table ends here)
-# A run folder: checkpoint.pt, all the run knows (flags, model description, weights, optimiser,
-# schedule, RNG, step, dev curve, best score, its save's id), replaced whole: the one commit point;
-# best/, the best model (its sentemb.json names its save); dev.jsonl, a view of the curve. A new
-# best is written into .best.new, committed by checkpoint.pt, then renamed into best/ (settle).
-CKPT, BEST, NEW, OLD, CURVE = common.CKPT, common.BEST, ".best.new", ".best.old", "dev.jsonl"
-OURS = {common.LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # the names of a save under way
-RECOPY = "copy the whole run folder again, or train again"
-
-
-def open_run(out_dir, inputs, a, rank, world, device):
-    """The run folder, locked for this run (on rank 0, while the lock returned is open) and settled:
-    never an input model; with --resume a run of this script, else new, empty or holding only the
-    names of a save under way. -> the state --resume continues (None: a new run), the lock"""
-    lock = None
-    if rank == 0:
-        for name in inputs:
-            if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
-                common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
-                           "overwrite its weights; pass another --output-dir")
-        found = sorted(set(os.listdir(out_dir)) - OURS) if os.path.isdir(out_dir) else []
-        if not a.resume and found:  # before .lock is made: a folder of the user's stays as it is
-            method = (common.run_of(out_dir) or [None])[0]
-            common.die(f"'{out_dir}' holds {', '.join(found[:3])}, which {METHOD}.py did not "
-                       "write: pass a new or empty --output-dir" if not method else
-                       f"'{out_dir}' already holds a run of {method}.py: pass "
-                       f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-        lock = common.lock_run(out_dir)
-        if settle(out_dir) is None and a.resume:
-            common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
-                       "run")
-    if world > 1:
-        torch.distributed.barrier()
-    return read_resume(out_dir, a, device) if a.resume else None, lock
-
-
-def settle(run_dir, state=None):
-    """What a kill left, decided by the save ids (holding the lock): a .best.new that checkpoint.pt
-    names was committed: checked, it takes best/'s place; any other goes, as do .best.old and the
-    .tmp files; dev.jsonl is rewritten from the checkpoint; a best/ that is not the save it names
-    is one line. state: checkpoint.pt's, when the caller has it. -> it (None: no checkpoint)"""
-    at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
-    for name in OURS - {common.LOCK}:  # our names, of the kind we write
-        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
-            common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
-                       f"{METHOD}.py writes there: delete it, then run again")
-    if state is None and os.path.lexists(at(CKPT)):
-        state = read_checkpoint(run_dir)
-    save = state and state["save"]
-    try:
-        if save and common.save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
-            if not ours:  # a leftover: checked before it is used
-                check_run(at(NEW), read_meta(at(NEW)))
-            with common.folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
-                common.pause()
-                if os.path.isdir(at(BEST)):
-                    os.replace(at(BEST), at(OLD))
-                    common.pause()
-                os.replace(at(NEW), at(BEST))
-                common.fsync(run_dir)
-                common.pause()
-        for name in (NEW, OLD):  # a save never committed; the best model replaced
-            if os.path.isdir(at(name)):
-                shutil.rmtree(at(name))
-        for name in (CKPT + ".tmp", CURVE + ".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(at(name))
-        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
-        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
-            common.write_whole(at(CURVE), lambda f: f.write(view), common.pause)
-    except OSError as e:
-        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
-                   "disk space or make it writable, then run again")
-    if save and common.save_id(at(BEST)) != save:
-        common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
-                   f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")
-    return state
-
-
-@contextlib.contextmanager
-def reading(run_dir):
-    """A reader of a run folder (eval_sts.py, the analyses, --distill): settled if no run holds it
-    (a run settles its own saves); best/ never swapped while the reader is inside. -> best/"""
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, common.LOCK), "a+") as lock:
-        if common.flock(lock, "EX", "NB"):
-            settle(run_dir)
-    with common.folder_lock(run_dir, "SH"):
-        yield os.path.join(run_dir, BEST)
-
-
-def read_checkpoint(run_dir, device="cpu"):
-    """RUN_DIR/checkpoint.pt of a run of this script, every field of its type, or one line naming
-    the field. -> the state"""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=True)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
-    if not isinstance(state, dict) or state.get("method") != METHOD:
-        common.die(f"{path} was not written by {METHOD}.py: pass a run folder of {METHOD}.py")
-    if "save" not in state and "step" in state:
-        common.die(f"{path} predates best/ (an earlier {METHOD}.py's run): eval_sts.py reads it, "
-                   f"the {METHOD}.py that wrote it resumes it")
-    number = lambda v: isinstance(v, (int, float))  # noqa: E731
-    ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
-          "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
-          "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
-          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
-          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
-          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
-          "best": number, "save": lambda v: v is None or isinstance(v, str),
-          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
-              e.get("score")) and type(e.get("step")) is int for e in v)}
-    if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
-        common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
-    return state
-
-
-def read_resume(out_dir, a, device):
-    """--resume: checkpoint.pt, trained with this command's flags but those of RESUMABLE (each of
-    its type) by as many processes (the global batch), or one line naming what differs."""
-    state, now = read_checkpoint(out_dir, device), common.flags(a)
-    old, world = state["args"], common.world_size()
-    kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
-    if bad := [k for k in old if k in now and None not in (old[k], now[k])
-               and kind(old[k]) != kind(now[k])]:
-        common.die(f"--resume: {os.path.join(out_dir, CKPT)} is damaged ({bad[0]} of the wrong "
-                   f"type): {RECOPY}")
-    if state["world"] != world:
-        common.die(f"--resume: the run was trained by {state['world']} process(es), this command "
-                   f"runs {world}: resume it with torchrun --nproc_per_node {state['world']} (1: "
-                   "without torchrun), so that its steps keep their global batch")
-    if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
-                   and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-        said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
-        common.die(f"--resume: the run was started with {said(old.get)}, this command says "
-                   f"{said(now.get)}: resume with the run's own settings")
-    return state
-
-
-def training_state(model, optimizer, scheduler, a, lr, step, meta, **extra):
-    """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
-    frozen ones: the model files'), optimiser, schedule, flags, RNG states, step, extra (the
-    method's own generators), and the model's description (meta); save_step adds the record."""
-    return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
-                      if v.requires_grad},
-            "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
-            "meta": meta, "args": {**common.flags(a), "lr": lr}, "step": step,
-            "world": common.world_size(), "rng": common.rng_states(),
-            **{k: v.get_state() for k, v in extra.items()}}
-
-
-def restore(state, model, optimizer, scheduler, lr, log, **generators):
-    """--resume: the trained weights, optimiser, schedule, RNG states (generators: the method's)
-    of the saved step; the rate over this command's schedule (a larger --max-steps stretches it,
-    as HF Trainer does), a new --lr from that step on. -> (step, the run's record: 0, none new)"""
-    if state is None:
-        return 0, {"best": -math.inf, "save": None, "curve": []}
-    if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
-        common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
-    trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
-    try:
-        if set(state["model"]) != trained:  # the trained weights, no more, no fewer
-            raise KeyError(sorted(set(state["model"]) ^ trained)[0])
-        model.load_state_dict(state["model"], strict=False)
-        optimizer.load_state_dict(state["opt"])
-        scheduler.load_state_dict(state["sched"])
-        for k, g in generators.items():  # (the method's own, e.g. JTCSE's R)
-            g.set_state(state[k].cpu())
-    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
-                   f"({type(e).__name__}: {common.first_line(e)}): pass the --output-dir of a run "
-                   "of this model and settings")
-    common.set_rng_states(state["rng"])
-    for g in optimizer.param_groups:  # the rate over this command's schedule
-        g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-        log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
-    return state["step"], {k: state[k] for k in ("best", "save", "curve")}
-
-
-def save_step(out_dir, run, step, metric, dev, state, write, log):
-    """Rank 0, after an evaluation (dev: its score) or at a stop (dev None): the training state and
-    the run's record (best score, its save's id, dev curve) replace checkpoint.pt, the commit; a
-    new best is first written whole into .best.new (write(folder), its sentemb.json: state["meta"],
-    step, score, save id), put in place after (settle). -> the run's record; a failure: one line"""
-    if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
-        save_step(out_dir, run, step, metric, None, state, write, log)
-        common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
-                   f"(all alike?); the training state is saved in {out_dir}")
-    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
-        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
-                   "step: resume from it with a lower --lr (--resume --lr ...)")
-    new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
-    if dev is not None:
-        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
-    if new_best:
-        run = {**run, "best": dev, "save": f"{step}-{os.urandom(4).hex()}"}
-    state = {**state, **run}
-    try:
-        if new_best:
-            os.makedirs(new)
-            write(new)
-            with open(os.path.join(new, common.META), "w") as f:
-                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev}, f,
-                          indent=2)
-            common.sync_tree(new)  # on disk before the commit names it
-        common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
-                           common.pause)  # the commit point
-    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-        shutil.rmtree(new, ignore_errors=True)
-        common.save_failed(e, out_dir)
-    settle(out_dir, state)
-    if dev is not None:
-        log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
-    return run
-
-
-def read_meta(folder):
-    """A model folder's sentemb.json, a run description of this script, or one line."""
-    path = os.path.join(folder, common.META)
-    meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
-    if meta.get("method") != METHOD:
-        common.die(f"{path} is not a run description of {METHOD}.py (method "
-                   f"{meta.get('method')!r}): {RECOPY}")
-    return meta
-
-
-def final_table(out_dir, data, tasks, device, bf16, best):
-    """The best model on the test sets, loaded as eval_sts.py loads it."""
-    folder = os.path.join(out_dir, BEST)
-    meta = read_meta(folder)
-    check_run(folder, meta)
-    encode = load_encoder(folder, meta, device)
-    print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
-    with common.autocast(device, bf16):
-        print(common.format_table(common.evaluate(encode, data, tasks)))
+    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
+        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+            run.final_table(load_encoder, data, tasks, a.bf16)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import common
 import eval_sts
 import figures
-from bellm import (BeLLM, PROMPT, check_prompt, check_tasks, fill, forward, last_token,
+from bellm import (BeLLM, PROMPT, check_prompt, read_csv, check_tasks, fill, forward, last_token,
                    load_adapted, load_decoder, make_encode, prompted)
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -62,12 +62,12 @@ def main():
         common.die("pass one of --degradation, --dependency and --representative-words")
     figures.check(a.plot)  # a bad --plot path stops before the data is looked for
     tasks = check_tasks(a.tasks)
-    data = common.senteval_dir(a.data_dir)
-    common.seed_everything(a.seed)
+    data = common.sts_data(a.data_dir, [] if a.degradation else ["STS-B"])
+    torch.manual_seed(a.seed)
     if a.dependency:
-        return dependency(a, device, common.check_sts(data, ["STS-B"]))
+        return dependency(a, device, data)
     if a.representative_words:
-        return representative_words(a, device, common.check_sts(data, ["STS-B"]))
+        return representative_words(a, device, data)
     check_prompt(a.prompt, False)
     tok, dec = load_decoder(a.model[0], 0, "convert", device)
     degradation(a, tok, dec.eval(), device, data, tasks)
@@ -291,7 +291,7 @@ def representative_words(a, device, data):
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
     source = "the STS-B test sentences" if not a.train else f"'{os.path.basename(a.train)}'"
     counts = word_counts(sents if not a.train else
-                         [t for r in common.read_csv(a.train)[1] for t in r if isinstance(t, str)])
+                         [t for r in read_csv(a.train)[1] for t in r if isinstance(t, str)])
     res = {}
     for name in a.model:
         meta = eval_sts.read_meta(name) if os.path.isdir(name) else None

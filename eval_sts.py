@@ -40,6 +40,7 @@ import torch
 import bellm
 import common
 import figures
+import harness
 import jtcse
 import sscl
 from eval_more import (SENTEVAL_PREFIX, format_mteb, format_retrieval, mteb_tasks, read_groups,
@@ -59,7 +60,7 @@ METHODS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # sentemb.json's metho
 def run_folder(name):
     """A run of ours that NAME is: (its script, the run folder (None: a model folder with a
     sentemb.json, e.g. a copy of best/), the model folder to read); None: a plain model."""
-    if not (found := common.run_of(name)):
+    if not (found := harness.run_of(name)):
         return None
     method, run_dir, folder = found
     if method not in METHODS:
@@ -77,8 +78,9 @@ def reading(name):
         yield None, name, None
         return
     script, run_dir, folder = found
-    with script.reading(run_dir) if run_dir else contextlib.nullcontext(folder) as folder:
-        meta = script.read_meta(folder)
+    with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
+            contextlib.nullcontext(folder) as folder:
+        meta = harness.read_meta(folder, script.METHOD)
         script.check_run(folder, meta)
         yield script, folder, meta
 
@@ -100,8 +102,9 @@ def read_curve(name):
     format in the three scripts; a view of the run's checkpoint, settled first); [] without one. A
     folder without a checkpoint (one of the earlier layout) is read as it is."""
     script, run_dir, _ = run_folder(name) or (None, None, None)
-    with script.reading(run_dir) if run_dir else contextlib.nullcontext():
-        path = os.path.join(run_dir or name, sscl.CURVE)
+    with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
+            contextlib.nullcontext():
+        path = os.path.join(run_dir or name, harness.CURVE)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
     try:
         return [json.loads(line) for line in lines]
@@ -121,9 +124,9 @@ def csts_prompt(name, pooler, prompt):
 def read_csts(path, models, ensemble, prompt):
     """--csts FILE: C-STS rows (sentence1, sentence2, condition, label), checked before any model
     loads: a C-STS csv with labels that vary, and models that read a condition."""
-    if not os.path.isfile(path) or common.read_csv(path)[0] != "csts":
+    if not os.path.isfile(path) or bellm.read_csv(path)[0] != "csts":
         common.die(f"--csts '{path}' is not a C-STS csv (sentence1,sentence2,condition,label)")
-    rows = common.read_csv(path)[1]
+    rows = bellm.read_csv(path)[1]
     if len({r[3] for r in rows}) < 2:
         common.die(f"--csts '{path}': every label is {rows[0][3]:g}, so Spearman is undefined "
                    "(C-STS's test labels are not public): evaluate csts_validation.csv")

@@ -27,13 +27,14 @@ import functools
 import json
 import math
 import os
-import shutil
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import harness
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +88,9 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
                "learns the sum of these encoders' embeddings (MSE): a twin run; + an SSCL/SimCSE "
                "run or a plain encoder (its CLS) = +UC D")
 common.show_ranges(p)
+METHOD = "jtcse"  # the "method" of its sentemb.json and checkpoint.pt
+RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
+             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping"}  # --resume
 
 
 # ---------------------------------------------------------------- the model patch: CAEL -----------
@@ -276,11 +280,11 @@ def sts_sentences(data, task, split):
 
 
 # ---------------------------------------------------------------- the run folder ------------------
-def make_encode(towers, tokenizer, max_len, device):
+def make_encode(towers, tokenizer, max_len, device, compile=False):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.encoder(lambda batch: sum(cls(t, batch) for t in towers), tokenizer,
-                          max_len, device)
+    return common.compiled_encode(common.encoder(lambda batch: sum(cls(t, batch) for t in towers),
+                                                 tokenizer, max_len, device), compile)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
@@ -318,14 +322,16 @@ def check_run(run_dir, meta):
     common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for t in meta["towers"]:
         for rel in RUN_FILES:
-            common.check_file(run_dir, os.path.normpath(os.path.join(t, rel)), where, RECOPY)
+            common.check_file(run_dir, os.path.normpath(os.path.join(t, rel)), where,
+                              harness.RECOPY)
     present = [t for t in ("tower_a", "tower_b") if os.path.isdir(os.path.join(run_dir, t))]
     if meta["towers"] != ["."] and sorted(meta["towers"]) != present:  # a twin, evaluated whole
         common.die(f"{path}: towers {json.dumps(meta['towers'])} disagrees with the tower folders "
-                   f"of the run folder ({present}): set it to {json.dumps(present)}, or {RECOPY}")
+                   f"of the run folder ({present}): set it to {json.dumps(present)}, or "
+                   f"{harness.RECOPY}")
     towers = [os.path.normpath(os.path.join(run_dir, t)) for t in meta["towers"]]
     for t in towers:
-        common.check_weights(t, f"{where} ({t})", RECOPY)
+        common.check_weights(t, f"{where} ({t})", harness.RECOPY)
     check_towers(towers, meta["max_len"], meta.get("num_cael"),
                         meta.get("drop_layernorm", 0), meta=path)
 
@@ -391,7 +397,7 @@ def teacher_run(name, load):
     """A --distill teacher that is a run of ours (a run folder, its best/, a copy of it), checked
     by the script that wrote it (JTCSE: this one; SSCL or SimCSE: sscl.py) and read as eval_sts.py
     reads it. -> load(script, its model folder, its sentemb.json); None: a plain encoder"""
-    if not (found := common.run_of(name)):
+    if not (found := harness.run_of(name)):
         return None
     method, run_dir, folder = found
     if method not in ("jtcse", "sscl"):
@@ -403,8 +409,9 @@ def teacher_run(name, load):
             import sscl as script
         except ImportError:
             common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
-    with script.reading(run_dir) if run_dir else contextlib.nullcontext(folder) as folder:
-        meta = script.read_meta(folder)
+    with harness.reading(run_dir, method, script.check_run) if run_dir else \
+            contextlib.nullcontext(folder) as folder:
+        meta = harness.read_meta(folder, method)
         script.check_run(folder, meta)
         return load(script, folder, meta)
 
@@ -484,26 +491,26 @@ def check_args(a, world):
 # ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
-    rank, world, device, log = common.start()
+    rank, world, device, log = harness.start()  # torchrun: one process a GPU
     skip = check_args(a, world)  # eq. 15's terms left out (Table X)
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
-    data = common.check_sts(common.senteval_dir(a.data_dir), common.TASKS if a.final_eval else [])
+    data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
         sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
     steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
-    # the run folder, locked; --resume: its training state, trained as this command says
-    out, inputs = a.output_dir, [a.model_a, a.model_b, *(a.distill or [])]
-    state, lock = open_run(out, inputs, a, rank, world, device)  # lock: held till exit
-    if state and state["step"] >= len(steps):  # nothing is wrong, nothing is left: exit 0
-        return log(common.complete(state["step"], len(steps), out))
-    lr = a.lr or (state["args"]["lr"] if state else 1e-5 if a.distill else 1.3e-6)  # --lr
+    # the run folder (harness.py), locked; --resume: its state, trained as this command says
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model_a, a.model_b, *(a.distill or [])],
+                      device)
+    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
+        return
+    lr = a.lr or (run.state["args"]["lr"] if run.state else 1e-5 if a.distill else 1.3e-6)
 
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
-    common.seed_everything(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
+    torch.manual_seed(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
     names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
     towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
@@ -511,11 +518,12 @@ def main():
     raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
     teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
         if a.distill else None  # it encodes the text the student reads (cut to --max-len)
-    model = common.ddp(raw_model, world)
-    forward = common.in_length_groups(common.compiled(functools.partial(cls, model) if a.distill
-                                      else model, a.compile), a.length_grouping, raw_model)
+    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
+    student = functools.partial(cls, model) if a.distill else model
+    forward = common.in_length_groups(torch.compile(student, dynamic=True) if a.compile else
+                                      student, a.length_grouping, raw_model)  # the same outputs
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = common.compiled_encode(make_encode(towers, tokenizer, eval_len, device), a.compile)
+    encode = make_encode(towers, tokenizer, eval_len, device, a.compile)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
                 objective=None if a.distill else a.objective,
                 num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
@@ -525,304 +533,53 @@ def main():
     params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
-    step, run = restore(state, raw_model, optimizer, scheduler, lr, log, r_gen=r_gen)
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta, r_gen=r_gen)  # each save's
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
         f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
 
-    handlers = common.catch_signals()  # SIGINT, SIGTERM: stop at the next step, saved
+    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
     raw_model.train()
-    clock = common.new_clock(step)  # the step lines' speed
-    for step in range(step + 1 if state else 0, len(steps) + 1):  # 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences per rank
+    for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
-            optimizer.zero_grad(set_to_none=True)
-            with common.metered(clock, forward):  # the step's FLOPs
-                for rows, last in common.micro_batches(steps[step - 1], a.batch_size,
-                                                       a.grad_accum, rank, world):
-                    with common.no_sync(model, last):
+            with meter.step(forward):
+                optimizer.zero_grad(set_to_none=True)
+                for k in range(a.grad_accum):  # micro-batch k: this rank's rows of it
+                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                    sync = world == 1 or k == a.grad_accum - 1  # DDP all-reduces after the last
+                    with contextlib.nullcontext() if sync else model.no_sync():
                         loss, terms = train_step(
                             forward, tokenizer, [sentences[i] for i in rows], R, device, a.temp,
                             a.max_len, a.objective, skip, a.drop_layernorm > 0,
                             a.bf16 or device.type == "cuda", teacher, world, a.grad_accum,
-                            common.gather)
-                    common.check_loss(loss, step, lr, out)
-            terms["gnorm"] = common.clip_gradients(params, a.max_grad_norm)  # before clipping
-            optimizer.step()
-            scheduler.step()
+                            harness.gather)
+                    if not torch.isfinite(loss):  # before the update: the last save is good
+                        run.diverged(step, loss)
+                terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
+                    params, a.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
             if step % a.log_steps == 0 or step == len(steps):
                 parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
                 log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
-                    f"  R {R}") + f"  {common.rates(clock, step, per_step, 'sent', world, device)}")
-                clock = common.new_clock(step, clock)
-        halt = common.stop_requested(world, device)  # a signal on any rank: every rank stops here
-        evaluate = step % a.eval_steps == 0 or step == len(steps)
-        if (evaluate or halt) and rank == 0:  # the state; with a new best dev score, the model
-            dev = common.dev_eval(raw_model, common.stsb_dev, encode, data) if evaluate else None
-            state = training_state(raw_model, optimizer, scheduler, a, lr, step, meta, r_gen=r_gen)
-            run = save_step(out, run, step, "stsb_dev", dev, state,
-                            functools.partial(save_model, towers, names, tokenizer, eval_len), log)
-        if evaluate or halt:
-            clock = common.saved(world, step, clock)
+                    f"  R {R}") + f"  {meter.line()}")
+        halt = run.stop_requested()  # a signal on any rank: every rank stops here
+        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        if evaluate and rank == 0:  # the dev score, without dropout
+            raw_model.eval()
+            dev = common.stsb_dev(encode, data)
+            raw_model.train()
+        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
+            run.save(step, "stsb_dev", dev,
+                     functools.partial(save_model, towers, names, tokenizer, eval_len))
         if halt:
             break
 
-    log(common.peak_memory(device, world))
-    if common.STOP["signum"]:  # saved at this step: exit 128 + the signal's number
-        sys.exit(common.stopped(step, out, log))
-    common.STOP["now"] = True  # training has ended: a signal now exits at once
-    if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-        final_table(out, data, common.TASKS, device, a.bf16, run["best"])
-    common.restore_signals(handlers)
-
-
-# ---------------------------------------------------------------- the harness ---------------------
-# What a run needs to lose nothing, the same text in sscl.py, jtcse.py and bellm.py but for this
-# table (test_all.py holds them equal); a reader who copies the method leaves it behind.
-METHOD = "jtcse"  # this script: the "method" of its sentemb.json and checkpoint.pt
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet",
-             "length_grouping"}  # --resume may change
-# ---- (the table ends here)
-# A run folder: checkpoint.pt, all the run knows (flags, model description, weights, optimiser,
-# schedule, RNG, step, dev curve, best score, its save's id), replaced whole: the one commit point;
-# best/, the best model (its sentemb.json names its save); dev.jsonl, a view of the curve. A new
-# best is written into .best.new, committed by checkpoint.pt, then renamed into best/ (settle).
-CKPT, BEST, NEW, OLD, CURVE = common.CKPT, common.BEST, ".best.new", ".best.old", "dev.jsonl"
-OURS = {common.LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # the names of a save under way
-RECOPY = "copy the whole run folder again, or train again"
-
-
-def open_run(out_dir, inputs, a, rank, world, device):
-    """The run folder, locked for this run (on rank 0, while the lock returned is open) and settled:
-    never an input model; with --resume a run of this script, else new, empty or holding only the
-    names of a save under way. -> the state --resume continues (None: a new run), the lock"""
-    lock = None
-    if rank == 0:
-        for name in inputs:
-            if os.path.isdir(name) and os.path.isdir(out_dir) and os.path.samefile(name, out_dir):
-                common.die(f"--output-dir '{out_dir}' is the input model '{name}': training would "
-                           "overwrite its weights; pass another --output-dir")
-        found = sorted(set(os.listdir(out_dir)) - OURS) if os.path.isdir(out_dir) else []
-        if not a.resume and found:  # before .lock is made: a folder of the user's stays as it is
-            method = (common.run_of(out_dir) or [None])[0]
-            common.die(f"'{out_dir}' holds {', '.join(found[:3])}, which {METHOD}.py did not "
-                       "write: pass a new or empty --output-dir" if not method else
-                       f"'{out_dir}' already holds a run of {method}.py: pass "
-                       f"{'--resume to continue it, or ' * (method == METHOD)}another --output-dir")
-        lock = common.lock_run(out_dir)
-        if settle(out_dir) is None and a.resume:
-            common.die(f"--resume: no {os.path.join(out_dir, CKPT)}; drop --resume to start a new "
-                       "run")
-    if world > 1:
-        torch.distributed.barrier()
-    return read_resume(out_dir, a, device) if a.resume else None, lock
-
-
-def settle(run_dir, state=None):
-    """What a kill left, decided by the save ids (holding the lock): a .best.new that checkpoint.pt
-    names was committed: checked, it takes best/'s place; any other goes, as do .best.old and the
-    .tmp files; dev.jsonl is rewritten from the checkpoint; a best/ that is not the save it names
-    is one line. state: checkpoint.pt's, when the caller has it. -> it (None: no checkpoint)"""
-    at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
-    for name in OURS - {common.LOCK}:  # our names, of the kind we write
-        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
-            common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
-                       f"{METHOD}.py writes there: delete it, then run again")
-    if state is None and os.path.lexists(at(CKPT)):
-        state = read_checkpoint(run_dir)
-    save = state and state["save"]
-    try:
-        if save and common.save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
-            if not ours:  # a leftover: checked before it is used
-                check_run(at(NEW), read_meta(at(NEW)))
-            with common.folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
-                common.pause()
-                if os.path.isdir(at(BEST)):
-                    os.replace(at(BEST), at(OLD))
-                    common.pause()
-                os.replace(at(NEW), at(BEST))
-                common.fsync(run_dir)
-                common.pause()
-        for name in (NEW, OLD):  # a save never committed; the best model replaced
-            if os.path.isdir(at(name)):
-                shutil.rmtree(at(name))
-        for name in (CKPT + ".tmp", CURVE + ".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(at(name))
-        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
-        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
-            common.write_whole(at(CURVE), lambda f: f.write(view), common.pause)
-    except OSError as e:
-        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
-                   "disk space or make it writable, then run again")
-    if save and common.save_id(at(BEST)) != save:
-        common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
-                   f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")
-    return state
-
-
-@contextlib.contextmanager
-def reading(run_dir):
-    """A reader of a run folder (eval_sts.py, the analyses, --distill): settled if no run holds it
-    (a run settles its own saves); best/ never swapped while the reader is inside. -> best/"""
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, common.LOCK), "a+") as lock:
-        if common.flock(lock, "EX", "NB"):
-            settle(run_dir)
-    with common.folder_lock(run_dir, "SH"):
-        yield os.path.join(run_dir, BEST)
-
-
-def read_checkpoint(run_dir, device="cpu"):
-    """RUN_DIR/checkpoint.pt of a run of this script, every field of its type, or one line naming
-    the field. -> the state"""
-    path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=True)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
-    if not isinstance(state, dict) or state.get("method") != METHOD:
-        common.die(f"{path} was not written by {METHOD}.py: pass a run folder of {METHOD}.py")
-    if "save" not in state and "step" in state:
-        common.die(f"{path} predates best/ (an earlier {METHOD}.py's run): eval_sts.py reads it, "
-                   f"the {METHOD}.py that wrote it resumes it")
-    number = lambda v: isinstance(v, (int, float))  # noqa: E731
-    ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
-          "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
-          "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
-          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
-          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
-          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
-          "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
-          "best": number, "save": lambda v: v is None or isinstance(v, str),
-          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
-              e.get("score")) and type(e.get("step")) is int for e in v)}
-    if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
-        common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
-    return state
-
-
-def read_resume(out_dir, a, device):
-    """--resume: checkpoint.pt, trained with this command's flags but those of RESUMABLE (each of
-    its type) by as many processes (the global batch), or one line naming what differs."""
-    state, now = read_checkpoint(out_dir, device), common.flags(a)
-    old, world = state["args"], common.world_size()
-    kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
-    if bad := [k for k in old if k in now and None not in (old[k], now[k])
-               and kind(old[k]) != kind(now[k])]:
-        common.die(f"--resume: {os.path.join(out_dir, CKPT)} is damaged ({bad[0]} of the wrong "
-                   f"type): {RECOPY}")
-    if state["world"] != world:
-        common.die(f"--resume: the run was trained by {state['world']} process(es), this command "
-                   f"runs {world}: resume it with torchrun --nproc_per_node {state['world']} (1: "
-                   "without torchrun), so that its steps keep their global batch")
-    if changed := [k for k in old if k not in RESUMABLE and old[k] != now.get(k)
-                   and (k in now or old[k])]:  # a flag now gone: ignored where it was off
-        said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
-        common.die(f"--resume: the run was started with {said(old.get)}, this command says "
-                   f"{said(now.get)}: resume with the run's own settings")
-    return state
-
-
-def training_state(model, optimizer, scheduler, a, lr, step, meta, **extra):
-    """What --resume needs to go on as the uninterrupted run would: the trained weights (not the
-    frozen ones: the model files'), optimiser, schedule, flags, RNG states, step, extra (the
-    method's own generators), and the model's description (meta); save_step adds the record."""
-    return {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
-                      if v.requires_grad},
-            "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "method": METHOD,
-            "meta": meta, "args": {**common.flags(a), "lr": lr}, "step": step,
-            "world": common.world_size(), "rng": common.rng_states(),
-            **{k: v.get_state() for k, v in extra.items()}}
-
-
-def restore(state, model, optimizer, scheduler, lr, log, **generators):
-    """--resume: the trained weights, optimiser, schedule, RNG states (generators: the method's)
-    of the saved step; the rate over this command's schedule (a larger --max-steps stretches it,
-    as HF Trainer does), a new --lr from that step on. -> (step, the run's record: 0, none new)"""
-    if state is None:
-        return 0, {"best": -math.inf, "save": None, "curve": []}
-    if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
-        common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
-    trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
-    try:
-        if set(state["model"]) != trained:  # the trained weights, no more, no fewer
-            raise KeyError(sorted(set(state["model"]) ^ trained)[0])
-        model.load_state_dict(state["model"], strict=False)
-        optimizer.load_state_dict(state["opt"])
-        scheduler.load_state_dict(state["sched"])
-        for k, g in generators.items():  # (the method's own, e.g. JTCSE's R)
-            g.set_state(state[k].cpu())
-    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        common.die(f"--resume: the checkpoint does not fit the model and settings of this command "
-                   f"({type(e).__name__}: {common.first_line(e)}): pass the --output-dir of a run "
-                   "of this model and settings")
-    common.set_rng_states(state["rng"])
-    for g in optimizer.param_groups:  # the rate over this command's schedule
-        g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-        log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step {state['step']} on")
-    return state["step"], {k: state[k] for k in ("best", "save", "curve")}
-
-
-def save_step(out_dir, run, step, metric, dev, state, write, log):
-    """Rank 0, after an evaluation (dev: its score) or at a stop (dev None): the training state and
-    the run's record (best score, its save's id, dev curve) replace checkpoint.pt, the commit; a
-    new best is first written whole into .best.new (write(folder), its sentemb.json: state["meta"],
-    step, score, save id), put in place after (settle). -> the run's record; a failure: one line"""
-    if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
-        save_step(out_dir, run, step, metric, None, state, write, log)
-        common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
-                   f"(all alike?); the training state is saved in {out_dir}")
-    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
-        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
-                   "step: resume from it with a lower --lr (--resume --lr ...)")
-    new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
-    if dev is not None:
-        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
-    if new_best:
-        run = {**run, "best": dev, "save": f"{step}-{os.urandom(4).hex()}"}
-    state = {**state, **run}
-    try:
-        if new_best:
-            os.makedirs(new)
-            write(new)
-            with open(os.path.join(new, common.META), "w") as f:
-                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev}, f,
-                          indent=2)
-            common.sync_tree(new)  # on disk before the commit names it
-        common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
-                           common.pause)  # the commit point
-    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
-        shutil.rmtree(new, ignore_errors=True)
-        common.save_failed(e, out_dir)
-    settle(out_dir, state)
-    if dev is not None:
-        log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
-    return run
-
-
-def read_meta(folder):
-    """A model folder's sentemb.json, a run description of this script, or one line."""
-    path = os.path.join(folder, common.META)
-    meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
-    if meta.get("method") != METHOD:
-        common.die(f"{path} is not a run description of {METHOD}.py (method "
-                   f"{meta.get('method')!r}): {RECOPY}")
-    return meta
-
-
-def final_table(out_dir, data, tasks, device, bf16, best):
-    """The best model on the test sets, loaded as eval_sts.py loads it."""
-    folder = os.path.join(out_dir, BEST)
-    meta = read_meta(folder)
-    check_run(folder, meta)
-    encode = load_encoder(folder, meta, device)
-    print(f"the best checkpoint (dev {best:.2f}) on the test sets:")
-    with common.autocast(device, bf16):
-        print(common.format_table(common.evaluate(encode, data, tasks)))
+    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
+        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+            run.final_table(load_encoder, data, common.TASKS, a.bf16)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ def e_cls(models, sents, max_len, device, batch_size=128):
          for key, (ts, _, _) in models.items()}
     for i in common.progress(range(0, len(sents), batch_size), "E_CLS", unit="batch"):
         for key, (ts, tokenizer, k) in models.items():
-            batch = common.tokenize(tokenizer, sents[i:i + batch_size], max_len, device)
+            batch = tokenizer(sents[i:i + batch_size], padding=True, truncation=True,
+                              max_length=max_len, return_tensors="pt").to(device)
             m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens but CLS
             xs = [t.embeddings(input_ids=batch["input_ids"],
                                token_type_ids=batch.get("token_type_ids")) for t in ts]  # (b, L, H)
@@ -238,7 +239,7 @@ def e_cls_against_sts(a, towers, device):
     a twin's two towers, no cross-attention: what inference runs) and the 7-STS average; Spearman
     and Pearson correlation of each layer's E_CLS with the average over the models; the figure
     plots the last layer's."""
-    data = common.check_sts(common.senteval_dir(a.data_dir))  # every file, before the work
+    data = common.sts_data(a.data_dir)  # every file, before the work
     sents, _ = stsb_sentences(data)
     E, avg = {}, {}
     for name, names in towers.items():
@@ -319,7 +320,7 @@ def inference_cost(name, tokens):
 def cost_table(a, towers, device):
     """Table VII: per model, its parameters, GMACs for one sentence of --cost tokens, the 7-STS
     average and η = Avg. / GMACs."""
-    data, rows = common.check_sts(common.senteval_dir(a.data_dir)), {}
+    data, rows = common.sts_data(a.data_dir), {}
     for name in towers:
         params, macs, linear = inference_cost(name, a.cost)
         rows[name] = (len(towers[name]), params, macs, linear, sts_average(name, data, device))
@@ -363,7 +364,8 @@ def attention_figure(a, towers, device):
     rows = []  # (row label, tokens, [(L, L)] per layer), one row per tower
     for name, names in towers.items():
         ts, tokenizer = load_model(name, names)
-        batch = common.tokenize(tokenizer, [a.attention], a.max_len, device)
+        batch = tokenizer([a.attention], padding=True, truncation=True, max_length=a.max_len,
+                          return_tensors="pt").to(device)
         tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
         for t, tower in enumerate(ts):
             suffix = "" if len(ts) == 1 else " " + "I" * (t + 1)
@@ -397,7 +399,8 @@ def modulus(towers, tokenizer, sents, max_len, device, batch_size=128):
     over the sentences (and a twin's towers). -> (tokens' mean, CLS mean)"""
     tokens = cls = count = 0.0
     for i in common.progress(range(0, len(sents), batch_size), "modulus", unit="batch"):
-        batch = common.tokenize(tokenizer, sents[i:i + batch_size], max_len, device)
+        batch = tokenizer(sents[i:i + batch_size], padding=True, truncation=True,
+                          max_length=max_len, return_tensors="pt").to(device)
         real = batch["attention_mask"].bool()  # (b, L)
         for t in towers:
             norms = t(**batch).last_hidden_state.norm(dim=-1)  # (b, L)
@@ -411,7 +414,7 @@ def modulus_figure(a, towers, device):
     """Fig. 8: per model, the LayerNorms removed (its --drop-layernorm N), the 7-STS average and
     the mean L2 norm of the last hidden state (every token; CLS) over the STS-B test sentences;
     the figure: both against N."""
-    data = common.check_sts(common.senteval_dir(a.data_dir))  # every file, before the work
+    data = common.sts_data(a.data_dir)  # every file, before the work
     sents, _ = stsb_sentences(data)
     rows = {}
     for name, names in towers.items():

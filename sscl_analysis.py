@@ -17,6 +17,7 @@ from transformers import AutoModel, AutoTokenizer
 import common
 import eval_sts
 import figures
+import harness
 import sscl
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -51,7 +52,8 @@ def over_smoothing(name, a, sents, device):
     n = bert.config.num_hidden_layers
     tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
-        batch = common.tokenize(tokenizer, sents[i:i + 128], a.max_len, device)
+        batch = tokenizer(sents[i:i + 128], padding=True, truncation=True, max_length=a.max_len,
+                          return_tensors="pt").to(device)
         with common.autocast(device):
             hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
         mask = batch["attention_mask"].float()  # (b, L)
@@ -70,7 +72,8 @@ def over_smoothing(name, a, sents, device):
             layer_sim[l] += F.cosine_similarity(pooled[l], pooled[l + 1], dim=-1).sum().cpu()
     heat = None
     if a.sentence:  # Fig. 5: (L, L) cosines of the last layer's tokens, special tokens included
-        batch = common.tokenize(tokenizer, [a.sentence], a.max_len, device)
+        batch = tokenizer([a.sentence], padding=True, truncation=True, max_length=a.max_len,
+                          return_tensors="pt").to(device)
         h = F.normalize(bert(**batch).last_hidden_state[0].float(), dim=-1)  # (L, H)
         heat = ((h @ h.T).cpu().numpy(), tokenizer.convert_ids_to_tokens(batch["input_ids"][0]))
     return (tok_sim / len(sents)).tolist(), (layer_sim / len(sents)).tolist(), heat
@@ -120,8 +123,8 @@ def convergence(a):
     for m in a.model:
         curves[m] = eval_sts.read_curve(m) if os.path.isdir(m) else []
         if not curves[m]:
-            common.die(f"'{m}' holds no dev curve ({sscl.CURVE}): --convergence takes run folders "
-                       "of sscl.py, jtcse.py or bellm.py, trained with this version")
+            common.die(f"'{m}' holds no dev curve ({harness.CURVE}): --convergence takes run "
+                       "folders of sscl.py, jtcse.py or bellm.py, trained with this version")
     short = [os.path.basename(os.path.normpath(m)) for m in a.model]
     label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
     score = {m: {e["step"]: e["score"] for e in c} for m, c in curves.items()}

@@ -40,6 +40,7 @@ import common
 import eval_more
 import eval_sts
 import figures
+import harness
 import jtcse
 import jtcse_analysis
 import seeds
@@ -86,6 +87,12 @@ def need(*paths):
     if missing := [str(p) for p in paths if not Path(p).exists()]:
         why = f"needs {', '.join(missing)} (README: Set up and test)"
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+
+
+def tokenize(tok, texts, max_len, device):
+    """A padded batch, as the scripts' train_step tokenises one."""
+    return tok(texts, padding=True, truncation=True, max_length=max_len,
+               return_tensors="pt").to(device)
 
 
 def sentence(rng, n=None):
@@ -230,7 +237,7 @@ def losses(stdout):
 
 
 def curve_of(out):
-    return [json.loads(line) for line in (out / sscl.CURVE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / harness.CURVE).read_text().splitlines()]
 
 
 def torchrun(script, nproc, *args):
@@ -464,7 +471,7 @@ def bl_make_model(tok_dir, tmp, family="llama", layers=4):
 def bl_batch(tok, sents, side="right", prompt=bellm.PROMPT):
     tok.padding_side = side
     texts, n = bellm.prompted(tok, {"prompt": prompt, "max_len": 64}, sents)
-    return common.tokenize(tok, texts, n, bl_CPU)
+    return tokenize(tok, texts, n, bl_CPU)
 
 
 def bl_real(h, am):  # the real positions of (b, L, H), flattened
@@ -542,7 +549,7 @@ MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
 
 def files_of(folder):
     return {p: p.read_bytes() for p in Path(folder).rglob("*")
-            if p.is_file() and p.name != common.LOCK}
+            if p.is_file() and p.name != harness.LOCK}
 
 
 def resume_args(method, out):
@@ -1304,7 +1311,7 @@ def test_eval_sts_csts_embeds_each_sentence_under_its_condition(tok_dir, tmp_pat
     encode = bellm.make_encode(dec.eval(), tok, dict(bi_layers=0, bi_mode="parallel",
                                                       bi_strategy="convert", max_len=256,
                                                       prompt=bellm.CSTS_PROMPT), bl_CPU)
-    rows = common.read_csv(path)[1]
+    rows = bellm.read_csv(path)[1]
 
     def score(cond):
         cos = F.cosine_similarity(encode([r[0] for r in rows], cond), encode([r[1] for r in rows],
@@ -1351,10 +1358,10 @@ def test_tools_files_as_spreadsheets_write_them_are_read(tmp_path):
     long = "word " * 30000  # 150,000 characters
     nli = tmp_path / "nli.csv"
     nli.write_bytes(codecs.BOM_UTF8 + f'sent0,sent1,hard_neg\n"{long}",b,c\nd,e,f\n'.encode())
-    assert common.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
+    assert bellm.read_csv(nli) == ("nli", [(long, "b", "c"), ("d", "e", "f")])
     csts = tmp_path / "csts.csv"
     csts.write_bytes(codecs.BOM_UTF8 + b"sentence1,sentence2,condition,label\na,b,c,4\n")
-    assert common.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
+    assert bellm.read_csv(csts) == ("csts", [("a", "b", "c", 4.0)])
     txt = tmp_path / "train.txt"
     txt.write_bytes(codecs.BOM_UTF8 + b"first sentence\nsecond\n")
     assert common.read_sentences(txt) == ["first sentence", "second"]
@@ -1445,7 +1452,7 @@ def test_common_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
     tok, B = AutoTokenizer.from_pretrained(bert_nodrop_dir), 8
     enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), pooler,
                                proj_dim=16).train().double()
-    batch = common.tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
+    batch = tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
 
     def loss_of(grouped):
@@ -1568,7 +1575,7 @@ def test_tools_each_script_trains_the_same_with_and_without_length_groups(
         groups.clear()
 
 
-# ---- tools: imports (no cycle; the method scripts import only common.py) ----
+# ---- tools: imports (no cycle; the method scripts import only common.py and harness.py) ----
 PROJECT = {p.stem for p in ROOT.glob("*.py")} - {"test_all", "conftest"}
 
 
@@ -1610,21 +1617,23 @@ def lazy_imports(script):
     return found
 
 
-def test_tools_no_import_cycle_and_the_method_scripts_import_only_common():
+def test_tools_no_import_cycle_and_the_method_scripts_import_only_common_and_harness():
     """Every module of the project (the repository root and bench/) read with ast: its imports at
-    module level, inside functions and through importlib. common.py imports nothing of the
-    project; each method script only common.py, but for one lazy import under one flag (sscl.py
-    --select-on transfer: transfer.py, SentEval's classifiers; jtcse.py --distill of an SSCL run:
-    sscl.py, its loader), inside the function that flag runs; and the graph has no cycle."""
+    module level, inside functions and through importlib. The three layers: common.py imports
+    nothing of the project; harness.py only common.py; each method script only those two, but for
+    one lazy import under one flag (sscl.py --select-on transfer: transfer.py, SentEval's
+    classifiers; jtcse.py --distill of an SSCL run: sscl.py, its loader), inside the function that
+    flag runs; the tools read run folders through harness.py; and the graph has no cycle."""
     assert project_imports(ROOT / "common.py") == set()
+    assert project_imports(ROOT / "harness.py") == {"common"}
     for script in ("sscl", "jtcse", "bellm"):
         lazy = lazy_imports(script)
         allowed = {other for (s, other) in LAZY if s == script}
-        assert project_imports(ROOT / f"{script}.py") == {"common"} | allowed, script
+        assert project_imports(ROOT / f"{script}.py") == {"common", "harness"} | allowed, script
         assert {m: lazy[m] for m in allowed} == {m: LAZY[script, m] for m in allowed}, script
     graph = {p.stem: project_imports(p) - {p.stem}
              for p in [*ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]}
-    assert graph["eval_sts"] >= {"sscl", "jtcse", "bellm", "transfer", "eval_more"}  # read: real
+    assert graph["eval_sts"] >= {"sscl", "jtcse", "bellm", "transfer", "eval_more", "harness"}
     assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph))
 
 
@@ -1925,8 +1934,8 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
     code, _, err = main_of(module, capsys, monkeypatch, *args)
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1 and "stsb_dev at step 0 is nan" in errors[0], err
-    assert torch.load(out / sscl.CKPT, weights_only=False)["step"] == 0
-    assert not (out / sscl.BEST).exists()
+    assert torch.load(out / harness.CKPT, weights_only=False)["step"] == 0
+    assert not (out / harness.BEST).exists()
 
 
 @pytest.mark.slow
@@ -2017,7 +2026,7 @@ def test_sscl_layer_m_reads_hidden_states_m(bert_dir, pooler):
     from transformers import AutoModel, AutoTokenizer
     tok, stock = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_dir), pooler).eval()
-    batch = common.tokenize(tok, ["a man is playing a guitar", "two dogs"], 16, torch.device("cpu"))
+    batch = tokenize(tok, ["a man is playing a guitar", "two dogs"], 16, torch.device("cpu"))
     with torch.no_grad():
         z, (z1, z3) = enc(batch, [1, 3])
         hs = stock(**batch, output_hidden_states=True).hidden_states
@@ -2035,10 +2044,10 @@ def test_sscl_end_to_end_resume_and_eval(bert_dir, train_txt, sts_dir, tmp_path)
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--proj-dim", 8))
     assert proc.returncode == 0, proc.stderr
     assert "stsb_dev" in proc.stdout and re.search(r"STS12 .* SICK-R\s+Avg\.", proc.stdout)
-    meta = json.loads((out / sscl.BEST / "sentemb.json").read_text())
+    meta = json.loads((out / harness.BEST / "sentemb.json").read_text())
     assert meta["method"] == "sscl" and meta["proj_dim"] == 8 and meta["layers"] == [2]
     from transformers import AutoModel
-    AutoModel.from_pretrained(out / sscl.BEST)  # a plain HF folder
+    AutoModel.from_pretrained(out / harness.BEST)  # a plain HF folder
     ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B", "--split",
              "dev")
     assert ev.returncode == 0, ev.stderr
@@ -2087,7 +2096,7 @@ def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
 def test_sscl_bad_arguments(bert_dir, train_txt, sts_dir, tmp_path, bad, words):
     assert_bad_input(run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, tmp_path / "r"), *bad),
                      *words)
-    assert not (tmp_path / "r" / sscl.BEST).exists()
+    assert not (tmp_path / "r" / harness.BEST).exists()
 
 
 @pytest.mark.slow
@@ -2113,7 +2122,7 @@ def test_sscl_nan_keeps_best_checkpoint(bert_dir, train_txt, sts_dir, tmp_path):
     out = tmp_path / "r"
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--lr", "1e30"))
     assert_bad_input(proc, "--lr", "kept")
-    meta = json.loads((out / sscl.BEST / "sentemb.json").read_text())
+    meta = json.loads((out / harness.BEST / "sentemb.json").read_text())
     assert meta["step"] == 0  # the step-0 checkpoint, the last good one
     ev = run("eval_sts.py", "--model", out, "--data-dir", sts_dir, "--tasks", "STS-B")
     assert ev.returncode == 0, ev.stderr
@@ -2135,14 +2144,14 @@ def test_sscl_two_ranks_authors_objective_gathers_only_the_last_layer(bert_nodro
                                             "--objective", "authors", steps=1, eval_steps=100,
                                             layer="1,3"))
     assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads((out / sscl.BEST / common.META).read_text())["objective"] == "authors"
+    assert json.loads((out / harness.BEST / common.META).read_text())["objective"] == "authors"
     sents = common.read_sentences(train_txt)
     order = torch.randperm(len(sents), generator=torch.Generator().manual_seed(42)).tolist()
     # no dropout
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_nodrop_dir), "avg").train()
     tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
     with torch.no_grad():
-        per_rank = [enc(common.tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
+        per_rank = [enc(tokenize(tok, [sents[i] for i in order[r * B:(r + 1) * B]], 16,
                                         torch.device("cpu")), layers) for r in range(2)]
     z = torch.cat([z for z, _ in per_rank]).double()  # gathered: (2B, D); both views equal
     own = [m.double() for m in per_rank[0][1]]  # rank 0's layer-M vectors, (B, D) per M
@@ -2164,7 +2173,7 @@ def test_sscl_run_is_a_sentence_transformers_folder(bert_dir, train_txt, sts_dir
                                                                  "--pooler", pooler, "--proj-dim",
                                       proj, steps=2))
     assert code == 0, err
-    best = out / sscl.BEST
+    best = out / harness.BEST
     modules = json.loads((best / "modules.json").read_text())
     assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == \
         [("", "Transformer"), ("1_Pooling", "Pooling")] + ([("2_Dense", "Dense")]
@@ -2188,7 +2197,7 @@ def test_sscl_num_layers_is_hidden_states_k_and_all_layers_is_the_stock_model(be
     plain encoder pools the same hidden state."""
     from transformers import AutoTokenizer
     tok, stock = AutoTokenizer.from_pretrained(bert_dir), AutoModel.from_pretrained(bert_dir).eval()
-    batch = common.tokenize(tok, SENTS[:4], 64, torch.device("cpu"))
+    batch = tokenize(tok, SENTS[:4], 64, torch.device("cpu"))
     with torch.no_grad():
         want = stock(**batch, output_hidden_states=True)
         for k in (1, 2, 3, 4):
@@ -2226,7 +2235,7 @@ def test_sscl_select_on_transfer_keeps_the_best_transfer_dev_checkpoint(
     curve = curve_of(out)
     assert [(e["step"], e["metric"]) for e in curve] == [(s, "transfer_dev") for s in (0, 2, 4)]
     assert "stsb_dev" not in log and len(re.findall(r"transfer_dev \S+", log)) == 3
-    meta = json.loads((out / sscl.BEST / common.META).read_text())
+    meta = json.loads((out / harness.BEST / common.META).read_text())
     best = max(curve, key=lambda e: e["score"])  # the first of equal scores: a new best must beat
     assert best["step"] not in (0, 4)  # the selection picked a middle step, not the first or last
     assert (meta["select_on"], meta["step"], meta["transfer_dev"]) == (
@@ -2244,7 +2253,7 @@ def test_sscl_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, c
     for name, rows in (("simcse", [(0, 79.73), (50, 83.64), (100, 83.77)]),
                        ("sscl", [(0, 79.73), (25, 82.0), (50, 83.55)])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / sscl.CURVE).write_text("".join(json.dumps(
+        (tmp_path / name / harness.CURVE).write_text("".join(json.dumps(
             {"step": s, "metric": "stsb_dev", "score": v}) + "\n" for s, v in rows))
     pytest.importorskip("matplotlib")
     code, log, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model",
@@ -2266,10 +2275,10 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
     proc = run("sscl.py", *sscl_args(bert_dir, train_txt, sts_dir, out, "--num-layers", 2,
                                      "--lr", "1e-30", "--no-final-eval", layer=1))
     assert proc.returncode == 0, proc.stderr
-    meta = json.loads((out / sscl.BEST / common.META).read_text())
-    assert meta["num_layers"] == 2 and json.loads((out / sscl.BEST / "config.json").read_text())[
+    meta = json.loads((out / harness.BEST / common.META).read_text())
+    assert meta["num_layers"] == 2 and json.loads((out / harness.BEST / "config.json").read_text())[
         "num_hidden_layers"] == 2 and AutoModel.from_pretrained(
-            out / sscl.BEST).config.num_hidden_layers == 2
+            out / harness.BEST).config.num_hidden_layers == 2
     cpu = torch.device("cpu")
     ours = eval_sts.load_model(str(out), device=cpu)(SENTS)
     torch.testing.assert_close(ours, eval_sts.hf_encoder(str(bert_dir), "cls", 512, cpu, 2)(SENTS))
@@ -2277,7 +2286,7 @@ def test_sscl_num_layers_run_reloads_cut_everywhere(bert_dir, train_txt, sts_dir
              "--tasks", "STS-B", "--split", "dev")
     assert ev.returncode == 0, ev.stderr
     assert f"{float(ev.stdout.split()[2]):.2f}" == re.findall(r"best (\S+)\)", proc.stdout)[-1]
-    st_encodes_as_we_do(out / sscl.BEST)
+    st_encodes_as_we_do(out / harness.BEST)
 
 
 # ---------------------------------------------------------------- JTCSE ---------------------------
@@ -2692,7 +2701,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
     # same seed, same losses
     assert strip(o1.replace("run1", "run")) == strip(o2.replace("run2", "run"))
     run_dir = tmp_path / "run1"
-    best = run_dir / sscl.BEST
+    best = run_dir / harness.BEST
     assert ((best / "tower_a" / "config.json").is_file()
             and (best / "tower_b" / "tokenizer.json").is_file())
     # a separate process
@@ -2707,7 +2716,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
     enc = jtcse.load_encoder(str(best), meta, torch.device("cpu"))
     tok = PreTrainedTokenizerFast.from_pretrained(best / "tower_a")
     towers = [AutoModel.from_pretrained(best / t).eval() for t in meta["towers"]]
-    b = common.tokenize(tok, ["a man is playing a guitar"], 16, "cpu")
+    b = tokenize(tok, ["a man is playing a guitar"], 16, "cpu")
     with torch.no_grad():
         torch.testing.assert_close(enc(["a man is playing a guitar"]),
                                    sum(t(**b).last_hidden_state[:, 0] for t in towers), atol=1e-5,
@@ -2726,7 +2735,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
                       d / "train.txt", "--output-dir", dd, "--batch-size", "8", "--max-len", "16",
                       "--max-steps", "2", "--no-add-sick", "--no-final-eval")
     assert "step     2  loss" in o and "lr 1e-05" in o
-    assert isinstance(AutoModel.from_pretrained(dd / sscl.BEST), BertModel)
+    assert isinstance(AutoModel.from_pretrained(dd / harness.BEST), BertModel)
     monkeypatch.setattr(sys, "argv", ["eval_sts.py", "--model", str(dd), "--tasks", "STS-B"])
     eval_sts.main()
     assert "STS-B" in capsys.readouterr().out
@@ -2736,7 +2745,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
                       "8", "--max-len", "16", "--max-steps", "2", "--no-add-sick",
                       "--no-final-eval")
     assert f"distil {run_dir} + {d / 'b'} into" in o and "step     2  loss" in o
-    assert json.loads((tmp_path / "uc_d" / sscl.BEST / common.META).read_text())["teacher"] == [
+    assert json.loads((tmp_path / "uc_d" / harness.BEST / common.META).read_text())["teacher"] == [
         str(run_dir), str(d / "b")]
 
 
@@ -2757,13 +2766,13 @@ def test_jtcse_roberta_towers_train_distill_and_evaluate(jt_env, tmp_path, capsy
     _, out, err = jt_main(capsys, monkeypatch, "--model-a", tmp_path / "ra", "--model-b",
                           tmp_path / "rb", "--output-dir", tmp_path / "twin", *common_args)
     assert "'%s' has no pooler.* weights" % (tmp_path / "rb") in err and "step     2  loss" in out
-    meta = json.loads((tmp_path / "twin" / sscl.BEST / common.META).read_text())
+    meta = json.loads((tmp_path / "twin" / harness.BEST / common.META).read_text())
     assert meta["max_len"] == 128 - tok.pad_token_id - 1
     _, out, _ = jt_main(capsys, monkeypatch, "--distill", tmp_path / "twin", "--model-a",
                         tmp_path / "ra", "--output-dir", tmp_path / "d", *common_args)
     assert "step     2  loss" in out
     from transformers import RobertaModel
-    assert isinstance(AutoModel.from_pretrained(tmp_path / "d" / sscl.BEST), RobertaModel)
+    assert isinstance(AutoModel.from_pretrained(tmp_path / "d" / harness.BEST), RobertaModel)
     for run_dir in ("twin", "d"):
         code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / run_dir,
                                  "--data-dir", JT_DATA["sts"], "--tasks", "STS-B")
@@ -2778,7 +2787,7 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
     removed; --compare --modulus prints N, the norms modulus() computes and the 7-STS average."""
     d, tok = jt_env
     jt_train(jt_env, tmp_path / "ln", capsys, monkeypatch, "--drop-layernorm", "1")
-    meta = json.loads((tmp_path / "ln" / sscl.BEST / common.META).read_text())
+    meta = json.loads((tmp_path / "ln" / harness.BEST / common.META).read_text())
     assert meta["drop_layernorm"] == 1
     last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=False)["model"]  # step 3
     for i, t in enumerate("ab"):  # the last training state, not the best one (maybe step 0)
@@ -2792,7 +2801,7 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
         assert not torch.equal(before["encoder.layer.3.output.dense.weight"],
                                after["encoder.layer.3.output.dense.weight"])
     s = ["a man is playing a guitar", "the cat sits on the mat"]
-    towers = [jtcse.drop_layernorm(BertModel.from_pretrained(tmp_path / "ln" / sscl.BEST / n)
+    towers = [jtcse.drop_layernorm(BertModel.from_pretrained(tmp_path / "ln" / harness.BEST / n)
                                    .eval(), 1) for n in ("tower_a", "tower_b")]
     b = jt_batch_of(tok, s)
     with torch.no_grad():
@@ -2941,8 +2950,8 @@ def test_jtcse_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_pat
             "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
             "--no-add-sick", "--no-final-eval")
     # a sum of two towers is not one module chain
-    assert not (tmp_path / "twin" / sscl.BEST / "modules.json").exists()
-    assert json.loads((tmp_path / "one" / sscl.BEST / "1_Pooling" / "config.json").read_text())[
+    assert not (tmp_path / "twin" / harness.BEST / "modules.json").exists()
+    assert json.loads((tmp_path / "one" / harness.BEST / "1_Pooling" / "config.json").read_text())[
         "pooling_mode_cls_token"]
     r = st_python(f"""
 import torch, eval_sts
@@ -3181,7 +3190,7 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
     assert out.splitlines()[-2].split() == ["STS-B", "Avg."]  # the final table
-    meta = json.load(open(tmp_path / "run1" / sscl.BEST / "sentemb.json"))
+    meta = json.load(open(tmp_path / "run1" / harness.BEST / "sentemb.json"))
     assert meta["method"] == "bellm" and meta["bi_layers"] == 2 and meta["bi_mode"] == "parallel"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks",
                "STS-B")
@@ -3304,7 +3313,7 @@ def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, cap
     assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
     # bf16 rounding, not a different computation
     assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
-    assert json.load(open(tmp_path / "gpu" / sscl.BEST / "sentemb.json"))["dtype"] == "bfloat16"
+    assert json.load(open(tmp_path / "gpu" / harness.BEST / "sentemb.json"))["dtype"] == "bfloat16"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
                "STS-B", "--bf16")
     assert e.returncode == 0, e.stderr
@@ -3385,7 +3394,7 @@ def test_bellm_memory_estimate_counts_the_saved_activations(tmp_path):
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
-        w, o, act = common.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
+        w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
         assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
@@ -3574,32 +3583,43 @@ def banners(script):
             if (m := re.match(r"# -{64} (.*?) -+$", line))}
 
 
-SIZES = {"sscl": (450, 700), "jtcse": (600, 850), "bellm": (600, 850)}  # above the harness, whole
+SIZES = {"sscl": 450, "jtcse": 600, "bellm": 700, "harness": 550, "common": 850}  # lines
 
 
-def test_harness_is_the_same_text_in_the_three_scripts_but_its_table():
-    """Each script ends with one harness block of at most 250 lines: its banner, a table (what
-    differs: METHOD, RESUMABLE) of at most 20 lines, then text equal in sscl.py, jtcse.py and
-    bellm.py. So any script's harness serves the tools (eval_sts.py reads run folders through the
-    script that wrote them). Each script, above its harness and whole, within its size."""
-    rest = {}
+def names_of(node, owners):
+    """The distinct OWNER.NAME references inside an ast node, for OWNER in owners."""
+    import ast
+    return {f"{n.value.id}.{n.attr}" for n in ast.walk(node) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id in owners}
+
+
+def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch():
+    """The three layers, each a file: the paper files, harness.py, common.py, each within its size
+    and the five within 3,150 lines. Each script's main() is a page (at most 100 lines) taking at
+    most 15 names of common.py and harness.py; its training loop (the DDP wrap before it) reads at
+    most 10 names from other files, harness.py's run folder and meter included, and calls the
+    update in plain torch: no_sync, clip_grad_norm_, optimizer.step, scheduler.step, eval/train."""
+    import ast
+    sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in SIZES}
+    assert all(sizes[n] <= SIZES[n] for n in SIZES) and sum(sizes.values()) <= 3150, sizes
     for script in ("sscl", "jtcse", "bellm"):
-        text = (ROOT / f"{script}.py").read_text()
-        assert text.count(HARNESS) == 1, script
-        above, block = text.split(HARNESS)
-        assert len(block.split("\nif __name__")[0].splitlines()) <= 250, script
-        assert all(a <= b for a, b in zip((len(above.splitlines()), len(text.splitlines())),
-                                          SIZES[script])), script
-        table, rest[script] = block.split("# ---- (the table ends here)\n")
-        assert len(table.splitlines()) <= 20, script
-        names = set(re.findall(r"^([A-Z_]+) = ", table, re.M))
-        assert names == {"METHOD", "RESUMABLE"} and f'METHOD = "{script}"' in table, script
-    assert rest["sscl"] == rest["jtcse"] == rest["bellm"]
+        tree = ast.parse((ROOT / f"{script}.py").read_text())
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        assert main.end_lineno - main.lineno + 1 <= 100, script
+        assert len(names_of(main, {"common", "harness"})) <= 15, names_of(main, {"common",
+                                                                                "harness"})
+        loop = next(n for n in main.body if isinstance(n, ast.For))
+        assert len(names_of(loop, {"common", "harness", "run", "meter"})) <= 10, script
+        code = ast.unparse(main)
+        for call in ("DDP(raw_model)", "model.no_sync()", "torch.nn.utils.clip_grad_norm_(",
+                     "optimizer.step()", "scheduler.step()", "raw_model.eval()",
+                     "raw_model.train()", "optimizer.zero_grad(set_to_none=True)"):
+            assert call in code, (script, call)
 
 
 def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(bert_dir, tok_dir,
                                                                               tmp_path):
-    """common.FlopCount (torch's formulas, without the per-module bookkeeping) counts what
+    """harness.FlopCount (torch's formulas, without the per-module bookkeeping) counts what
     torch.utils.flop_counter.FlopCounterMode counts, on a training step of each script (forward,
     loss and backward: SSCL's two views and layer-M negatives, the twin's cross stream, BeLLM with
     LoRA)."""
@@ -3620,26 +3640,28 @@ def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(b
     for step in steps:
         with FlopCounterMode(display=False) as theirs:
             step()
-        with common.FlopCount() as ours:
+        with harness.FlopCount() as ours:
             step()
         assert ours.flops == theirs.get_total_flops() > 0
 
 
 def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of_a_count(
         bert_dir):
-    """metered: the first step is counted (FlopCount), the others are its FLOPs a padded token
-    slot times their own slots; on steps of very different lengths (length groups on), each
+    """harness.Meter: the first step is counted (FlopCount), the others are its FLOPs a padded
+    token slot times their own slots; on steps of very different lengths (length groups on), each
     estimate is within 0.5% of the step's count, and the first is the count."""
     from transformers import AutoTokenizer
     cpu, tok = torch.device("cpu"), AutoTokenizer.from_pretrained(bert_dir)
     enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls")
-    forward, clock = common.in_length_groups(enc), common.new_clock(0)
+    forward, meter = common.in_length_groups(enc), harness.Meter(cpu, 8, "sent")
     for i in range(5):
         sents = uneven(random.Random(i), 8)
-        before = clock["flops"]
-        with common.metered(clock, forward), common.FlopCount() as exact:
+        before = meter.flops
+        with meter.step(forward), harness.FlopCount() as exact:
             sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
-        assert clock["flops"] - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
+        assert meter.flops - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
+    assert meter.steps == 5 and re.fullmatch(r"sent/s [\d.]+  GFLOP/s [\d.]+", meter.line())
+    assert meter.steps == meter.flops == 0  # counted anew after each step line
 
 
 def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_graphs(
@@ -3866,8 +3888,8 @@ def copy_run(script, cmd, tmp_path):
                           cwd=d).returncode == 0
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
                             env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
-    saving = (sscl.NEW, sscl.OLD, sscl.CKPT + ".tmp")  # step 1's save, under way
-    assert kill_when(proc, d / "run", lambda: (d / "run" / sscl.CKPT).exists() and any(
+    saving = (harness.NEW, harness.OLD, harness.CKPT + ".tmp")  # step 1's save, under way
+    assert kill_when(proc, d / "run", lambda: (d / "run" / harness.CKPT).exists() and any(
         (d / "run" / n).exists() for n in saving))
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
@@ -3991,9 +4013,10 @@ UPDATE_NOISE = 5e-5  # the bound on the gap; measured on a 2-core AMD EPYC: SSCL
 
 def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_dir, tmp_path):
     """With bf16 autocast (SSCL; BeLLM over a bf16 base, as on CUDA) no gradient scaler is used and
-    every trained weight and its gradient stay float32, so common.clip_gradients measures and clips
-    the true gradients: its norm is that of the fp32 gradients, and after clipping at half that
-    norm each gradient is exactly half what it was."""
+    every trained weight and its gradient stay float32, so the scripts' clipping
+    (torch.nn.utils.clip_grad_norm_) measures and clips the true gradients: its norm is that of the
+    fp32 gradients; at --max-grad-norm 0 (math.inf) the gradients stay as they were, bit for bit;
+    after clipping at half that norm each gradient is exactly half what it was."""
     tok = AutoTokenizer.from_pretrained(bert_dir)
     sentence_encoder = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").train()
     sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16, bf16=True)
@@ -4013,7 +4036,11 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
         assert params and all(q.dtype == q.grad.dtype == torch.float32 for q in params)
         grads = [q.grad.clone() for q in params]
         norm = float(torch.cat([g.flatten() for g in grads]).norm())
-        assert common.clip_gradients(params, norm / 2) == pytest.approx(norm, rel=1e-5)
+        assert float(torch.nn.utils.clip_grad_norm_(params, math.inf)) == pytest.approx(
+            norm, rel=1e-5)
+        assert all(torch.equal(q.grad, g) for q, g in zip(params, grads))
+        assert float(torch.nn.utils.clip_grad_norm_(params, norm / 2)) == pytest.approx(
+            norm, rel=1e-5)
         for q, g in zip(params, grads):
             torch.testing.assert_close(q.grad, g / 2, rtol=1e-5, atol=0)
 
@@ -4057,7 +4084,7 @@ def test_sscl_update_over_20_steps_is_the_authors_loop(bert_nodrop_dir, train_tx
     assert code == 0, err
 
     def authors(clip=1.0, weight_decay=0.0):
-        common.seed_everything(42)  # the model as main() builds it
+        torch.manual_seed(42)  # the model as main() builds it
         model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, str(bert_nodrop_dir)),
                                      "cls").train()
         tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
@@ -4092,7 +4119,7 @@ def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys
                   "--lr", "1e-3", "--no-add-sick", "--no-final-eval")[1]
 
     def authors(clip=0.0, **decay):
-        common.seed_everything(42)  # the twin as main() builds it, and R's generator
+        torch.manual_seed(42)  # the twin as main() builds it, and R's generator
         r_gen = torch.Generator().manual_seed(42)
         model = jtcse.Twin(*jtcse.load_towers(towers, 0, True)[:1], None).train()
         tok = AutoTokenizer.from_pretrained(towers[0])
@@ -4132,11 +4159,11 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
 
     def authors(clip=1.0, weight_decay=0.0, warmup=5):
         cpu = torch.device("cpu")
-        common.seed_everything(42)  # the model as main() builds it
+        torch.manual_seed(42)  # the model as main() builds it
         tok, dec = bellm.load_decoder(str(model_dir), 1, "convert", cpu, torch.float32)
         bellm.add_lora(dec, 4, 32, 0.0)
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
-        w0, (kind, rows) = trained(model), common.read_csv(str(nli))
+        w0, (kind, rows) = trained(model), bellm.read_csv(str(nli))
         norm_params = {id(q) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"
                        for q in m.parameters()}  # 4.38's get_decay_parameter_names, L962-970
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -4178,11 +4205,11 @@ def test_harness_dev_curve_is_written_whole_and_resume_drops_the_steps_after_its
     assert [(e["step"], e["metric"]) for e in curve] == [(s, "stsb_dev") for s in (0, 2, 4)]
     assert [f"{e['score']:.2f}" for e in curve] == re.findall(r"stsb_dev (\S+)", log)
     # a view one entry ahead of its checkpoint, then --resume to step 6
-    (out / sscl.CURVE).write_text((out / sscl.CURVE).read_text()
+    (out / harness.CURVE).write_text((out / harness.CURVE).read_text()
                                   + '{"step": 6, "metric": "stsb_dev", "score": -1.0}\n')
-    def stop(seed):  # the run folder opened and resumed, no model loaded yet: stop here
+    def stop(run, steps):  # the run folder opened, its checkpoint read, no model loaded: stop
         raise SystemExit(0)
-    monkeypatch.setattr(common, "seed_everything", stop)
+    monkeypatch.setattr(harness.Run, "complete", stop)
     main_of(sscl, capsys, monkeypatch, *sscl_args(bert_dir, train_txt, sts_dir, out, "--resume",
                                                   "--no-final-eval", steps=6))
     assert curve_of(out) == curve  # dropped at once, before any step
@@ -4212,14 +4239,14 @@ def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_lose
     checkpoint, and --resume ends with the uninterrupted run's curve, each step once."""
     for method, folder in run_templates.items():
         curve = eval_sts.read_curve(folder)
-        state = torch.load(folder / sscl.CKPT, weights_only=False)
+        state = torch.load(folder / harness.CKPT, weights_only=False)
         assert curve == state["curve"] and curve[-1]["step"] == state["step"], method
         assert {e["metric"] for e in curve} == {"stsb_dev"}, method
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
                                  steps=6, eval_steps=1)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out = tmp_path / "killed"
-    ckpt, tmp = out / sscl.CKPT, out / (sscl.CURVE + ".tmp")
+    ckpt, tmp = out / harness.CKPT, out / (harness.CURVE + ".tmp")
     for _ in range(2):
         resume = ["--resume"] if ckpt.exists() else []
         proc, _ = popen("sscl.py", *args(out), *resume, env={"SENTEMB_SAVE_PAUSE": "0.2"})
@@ -4235,15 +4262,20 @@ def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_lose
     assert curve_of(out) == curve_of(tmp_path / "whole")
 
 
-SCRIPTS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # three copies of the harness
+SCRIPTS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
 
 
-def harness_state(m, v):
-    """A training state of script m's harness for version v, with every field read_checkpoint
-    checks, and a weight vector of v's."""
+def no_check(folder, meta):
+    """A script's check_run for folders that hold no Hugging Face model (the harness tests')."""
+
+
+def harness_state(method, v):
+    """A training state of method's script for version v, with every field read_checkpoint checks,
+    and a weight vector of v's."""
     return {"model": {"w": torch.full((4000,), float(v))}, "opt": {"state": {}, "param_groups": []},
-            "sched": {}, "method": m.METHOD, "meta": {"method": m.METHOD, "v": v},
-            "args": {"lr": 1.0}, "step": v, "world": 1, "rng": common.rng_states()}
+            "sched": {}, "method": method, "meta": {"method": method, "v": v},
+            "args": {"lr": 1.0}, "step": v, "world": 1,
+            "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
 
 
 def record(state):
@@ -4253,11 +4285,11 @@ def record(state):
 
 
 def save_versions(m, out, pause, done):
-    """In a child process: save versions v+1, v+2, ... of a run folder for ever with script m's
-    save_step (a new best model every other save, the training state alone otherwise); one byte to
-    the pipe `done` after each save."""
+    """In a child process: save versions v+1, v+2, ... of a run folder of method m for ever with
+    harness.save_step (a new best model every other save, the training state alone otherwise); one
+    byte to the pipe `done` after each save."""
     os.environ["SENTEMB_SAVE_PAUSE"] = str(pause)
-    state = m.settle(str(out))  # (the caller has m.check_run pass: no Hugging Face folder here)
+    state = harness.settle(str(out), m, no_check)
     run, v = record(state), state["step"] if state else 0
     while True:
         v += 1
@@ -4266,8 +4298,9 @@ def save_versions(m, out, pause, done):
             torch.save({"w": torch.full((4000,), float(v))}, os.path.join(folder, "model.pt"))
             os.makedirs(os.path.join(folder, "tower"))
             (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
-        run = m.save_step(str(out), run, v, "stsb_dev", float(v) if v % 2 else None,
-                          harness_state(m, v), write, lambda *_: None)
+        run = harness.save_step(str(out), m, no_check, run, v, "stsb_dev",
+                                float(v) if v % 2 else None, harness_state(m, v), write,
+                                lambda *_: None)
         os.write(done, b".")
 
 
@@ -4280,12 +4313,11 @@ def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_p
     the kill: checkpoint.pt, and best/ of the save it names. Each kill is aimed by the child's
     progress, not by time: half when a name of a save under way appears (its writes paused), half
     right after the child reports 1-3 more saves done (at whatever instant the signal finds)."""
-    rng, out, last, inside, m = random.Random(0), tmp_path / "run", 0, 0, SCRIPTS[script]
+    rng, out, last, inside, m, h = random.Random(0), tmp_path / "run", 0, 0, script, harness
     out.mkdir()
-    monkeypatch.setattr(m, "check_run", lambda folder, meta: None)
     for i in range(40):
         r, w = os.pipe()
-        aim = rng.choice([m.NEW, m.OLD, m.CKPT + ".tmp"]) if i % 2 else None
+        aim = rng.choice([h.NEW, h.OLD, h.CKPT + ".tmp"]) if i % 2 else None
         pid = os.fork()
         if pid == 0:  # the child never returns into pytest
             try:
@@ -4304,14 +4336,14 @@ def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_p
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
-        inside += any((out / n).exists() for n in (m.NEW, m.OLD, m.CKPT + ".tmp"))
-        state = m.settle(str(out))
-        assert sorted(p.name for p in out.iterdir()) in ([], [m.BEST, m.CKPT, m.CURVE])
+        inside += any((out / n).exists() for n in (h.NEW, h.OLD, h.CKPT + ".tmp"))
+        state = h.settle(str(out), m, no_check)
+        assert sorted(p.name for p in out.iterdir()) in ([], [h.BEST, h.CKPT, h.CURVE])
         if state:
-            best = json.loads((out / m.BEST / common.META).read_text())  # of one save, whole
+            best = json.loads((out / h.BEST / common.META).read_text())  # of one save, whole
             assert best["save"] == state["save"] and best["v"] == state["best"]
-            assert torch.load(out / m.BEST / "model.pt")["w"].eq(best["v"]).all()
-            assert (out / m.BEST / "tower" / "weights.txt").read_text() == str(best["v"]) * 2000
+            assert torch.load(out / h.BEST / "model.pt")["w"].eq(best["v"]).all()
+            assert (out / h.BEST / "tower" / "weights.txt").read_text() == str(best["v"]) * 2000
             assert state["step"] in (best["v"], best["v"] + 1) and state["model"]["w"].eq(
                 state["step"]).all() and state["step"] >= last
             last = state["step"]
@@ -4331,7 +4363,7 @@ def fork_main(module, args, log, env=None):
             os.dup2(fd, 2)
             sys.stdout = sys.stderr = open(fd, "w", buffering=1)
             os.environ.update(env or {})
-            common.STOP["writes"] = 0  # the instants of saves: counted from here
+            harness.STOP["writes"] = 0  # the instants of saves: counted from here
             sys.argv = [f"{module.__name__}.py", *map(str, args)]
             module.main()
             code = 0
@@ -4399,11 +4431,11 @@ KILL_STATES = {  # what a kill leaves in a run folder (left_by_kill)
 
 def left_by_kill(out):
     """Which of KILL_STATES a run folder is in."""
-    if (out / sscl.NEW).exists():
-        committed = (out / sscl.CKPT).exists() and common.save_id(out / sscl.NEW) == torch.load(
-            out / sscl.CKPT, weights_only=False, mmap=True)["save"]
+    if (out / harness.NEW).exists():
+        committed = (out / harness.CKPT).exists() and harness.save_id(out / harness.NEW) == \
+            torch.load(out / harness.CKPT, weights_only=False, mmap=True)["save"]
         return "committed" if committed else "new"
-    names = {"old": sscl.OLD, "ckpt": sscl.CKPT + ".tmp", "curve": sscl.CURVE + ".tmp"}
+    names = {"old": harness.OLD, "ckpt": harness.CKPT + ".tmp", "curve": harness.CURVE + ".tmp"}
     return next((k for k, n in names.items() if (out / n).exists()), "")
 
 
@@ -4416,7 +4448,7 @@ def kill_eval_at_every_instant(run, data, tmp, capsys, monkeypatch):
     first (the new best model into place), and is SIGKILLed at each instant of that in turn; after
     each kill, eval_sts.py gives the new model's recorded score and best/ is the new one. -> the
     number of kills."""
-    want = json.loads((run / sscl.NEW / common.META).read_text())
+    want = json.loads((run / harness.NEW / common.META).read_text())
     for j in itertools.count(1):
         copy = tmp / f"eval{j}"
         shutil.copytree(run, copy)
@@ -4429,7 +4461,7 @@ def kill_eval_at_every_instant(run, data, tmp, capsys, monkeypatch):
         assert os.WTERMSIG(status) == signal.SIGKILL
         code, score, err = dev_of(copy, data, capsys, monkeypatch)
         assert code == 0 and score == f"{want['stsb_dev']:.2f}", (j, err)
-        assert json.loads((copy / sscl.BEST / common.META).read_text()) == want
+        assert json.loads((copy / harness.BEST / common.META).read_text()) == want
         shutil.rmtree(copy)
 
 
@@ -4455,11 +4487,12 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
     curve, logging its numbers."""
     m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
-    instants, ref = common.STOP["writes"], numbers(whole)
+    instants, ref = harness.STOP["writes"], numbers(whole)
     bests = {(e["step"], f"{e['score']:.2f}") for e in curve_of(tmp_path / "whole")}
     saves = [e for i, e in enumerate(curve_of(tmp_path / "whole"))  # new bests: a save replaces
              if all(e["score"] > f["score"] for f in curve_of(tmp_path / "whole")[:i])]
-    ref_meta = without_save(json.loads((tmp_path / "whole" / sscl.BEST / common.META).read_text()))
+    ref_meta = without_save(json.loads((tmp_path / "whole" / harness.BEST / common.META)
+                                       .read_text()))
     ref_weights = weights(tmp_path / "whole", key)
     states, eval_kills = collections.Counter(), 0
     for k in range(1, instants + 1):
@@ -4470,18 +4503,18 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         if left_by_kill(out) == "committed" and not eval_kills:
             eval_kills = kill_eval_at_every_instant(out, data, tmp_path, capsys, monkeypatch)
         code, score, err = dev_of(out, data, capsys, monkeypatch)
-        if (out / sscl.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
-            meta = json.loads((out / sscl.BEST / common.META).read_text())
+        if (out / harness.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
+            meta = json.loads((out / harness.BEST / common.META).read_text())
             assert code == 0, err
             assert score == f"{meta['stsb_dev']:.2f}" and (meta["step"], score) in bests, k
             assert meta["save"] == weights(out, "save")
         else:  # killed before the first commit
             assert code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, err
-        resume = ["--resume"] if (out / sscl.CKPT).exists() else []
+        resume = ["--resume"] if (out / harness.CKPT).exists() else []
         code, rest, err = main_of(m, capsys, monkeypatch, *args(out), *resume)
         assert code == 0, (k, err)
         assert numbers(rest) == ref[len(ref) - len(numbers(rest)):], (k, rest)
-        assert without_save(json.loads((out / sscl.BEST / common.META).read_text())) == \
+        assert without_save(json.loads((out / harness.BEST / common.META).read_text())) == \
             ref_meta, k
         assert curve_of(out) == curve_of(tmp_path / "whole"), k
         saved = weights(out, key)
@@ -4504,10 +4537,10 @@ def test_harness_a_run_folder_of_the_earlier_layout_is_evaluated_and_not_resumed
     m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
     old = tmp_path / "old"
-    shutil.copytree(tmp_path / "whole" / sscl.BEST, old)
-    state = torch.load(tmp_path / "whole" / sscl.CKPT, weights_only=False)
+    shutil.copytree(tmp_path / "whole" / harness.BEST, old)
+    state = torch.load(tmp_path / "whole" / harness.CKPT, weights_only=False)
     torch.save({k: v for k, v in state.items() if k not in ("save", "curve", "meta")},
-               old / sscl.CKPT)
+               old / harness.CKPT)
     meta = json.loads((old / common.META).read_text())
     code, score, err = dev_of(old, data, capsys, monkeypatch)
     assert code == 0 and score == f"{meta['stsb_dev']:.2f}", err
@@ -4544,12 +4577,11 @@ def test_harness_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch, capsy
 
 
 def save_as(m, out, v, write=None):
-    """What script m's main() saves at an evaluation, into the run folder out: m.save_step with a
-    new best model (write(folder) writes it; dev score v) or the training state alone."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(m, "check_run", lambda folder, meta: None)  # no Hugging Face folder here
-        m.save_step(str(out), record(m.settle(str(out))), v, "stsb_dev",
-                    float(v) if write else None, harness_state(m, v), write, lambda *_: None)
+    """What method m's main() saves at an evaluation, into the run folder out: harness.save_step
+    with a new best model (write(folder) writes it; dev score v) or the training state alone."""
+    harness.save_step(str(out), m, no_check, record(harness.settle(str(out), m, no_check)), v,
+                      "stsb_dev", float(v) if write else None, harness_state(m, v), write,
+                      lambda *_: None)
 
 
 @pytest.mark.slow
@@ -4557,7 +4589,7 @@ def save_as(m, out, v, write=None):
 def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
     """A full disk in a save, at the model's write or at the commit: one line, every file of the
     run folder as the last save left it."""
-    m, out, w = SCRIPTS[script], tmp_path / "run", torch.ones(3)
+    m, out, w = script, tmp_path / "run", torch.ones(3)
     out.mkdir()
     write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
     save_as(m, out, 1, write)
@@ -4578,17 +4610,16 @@ def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, 
     # after the commit, the view's write: the save stands, the next open writes the view
     monkeypatch.undo()
     real = common.write_whole
-    monkeypatch.setattr(common, "write_whole", lambda path, *a: real(path, *a) if not path.endswith(
-        m.CURVE) else (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(harness, "write_whole", lambda path, *a: real(path, *a) if not
+                        path.endswith(harness.CURVE) else (_ for _ in ()).throw(
+                            OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(SystemExit) as e:
         save_as(m, out, 3, write)
     assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
     monkeypatch.undo()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(m, "check_run", lambda folder, meta: None)
-        state = m.settle(str(out))
+    state = harness.settle(str(out), m, no_check)
     assert state["step"] == 3 and curve_of(out) == state["curve"] and len(state["curve"]) == 2
-    assert json.loads((out / m.BEST / common.META).read_text())["save"] == state["save"]
+    assert json.loads((out / harness.BEST / common.META).read_text())["save"] == state["save"]
 
 
 @pytest.mark.slow
@@ -4600,7 +4631,7 @@ def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_comm
     real = torch.save
 
     def disk_full(obj, f, *a, **k):  # the commit's write: checkpoint.pt.tmp
-        if os.path.basename(str(getattr(f, "name", f))) == sscl.CKPT + ".tmp":
+        if os.path.basename(str(getattr(f, "name", f))) == harness.CKPT + ".tmp":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, f, *a, **k)
     (tmp_path / "empty").mkdir()
@@ -4609,7 +4640,7 @@ def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_comm
         monkeypatch.setattr(torch, "save", disk_full)
         code, _, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 2 and err.count("error:") == 1 and "No space left on device" in err, err
-        assert set(os.listdir(out)) <= sscl.OURS and not (out / sscl.CKPT).exists()
+        assert set(os.listdir(out)) <= harness.OURS and not (out / harness.CKPT).exists()
         monkeypatch.setattr(torch, "save", real)
         code, log, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 0 and "step     0  stsb_dev" in log, err
@@ -4627,7 +4658,7 @@ def text(log):
 
 
 def weights(out, key):
-    return torch.load(out / sscl.CKPT, weights_only=False)[key]
+    return torch.load(out / harness.CKPT, weights_only=False)[key]
 
 
 @pytest.mark.slow
@@ -4667,7 +4698,7 @@ def twin_versions(jt_env, root, k):
 def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_path, capsys,
                                                                  monkeypatch):
     """eval_sts.py on a JTCSE twin's run folder while a process saves a new best model again and
-    again (jtcse.py's save_step, holding the folder's lock as training does; the twins cycle
+    again (harness.save_step, holding the folder's lock as training does; the twins cycle
     through 3 versions): every score it prints is the score of one version (both towers of one
     save), never a mix. The reader is slowed after each tower it loads, so that swaps fall inside
     its reads (the swap waits for it: a shared lock on the folder against the swap's exclusive
@@ -4691,16 +4722,16 @@ def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_pat
     if pid == 0:  # the writer, never back into pytest
         try:
             os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
-            lock, run = common.lock_run(str(out)), record(None)
+            lock, run = harness.lock_run(str(out)), record(None)
             for step in itertools.count(1):
                 assert not lock.closed  # held while it saves, as a training run holds it
                 v = versions[step % 3]
-                state = {**harness_state(jtcse, step), "meta": json.loads(
+                state = {**harness_state("jtcse", step), "meta": json.loads(
                     (v / common.META).read_text())}
-                run = jtcse.save_step(str(out), run, step, "stsb_dev", float(step), state,
-                                      lambda folder, v=v: [shutil.copytree(
-                                          v / t, os.path.join(folder, t))
-                                          for t in ("tower_a", "tower_b")], lambda *_: None)
+                run = harness.save_step(str(out), "jtcse", jtcse.check_run, run, step, "stsb_dev",
+                                        float(step), state, lambda folder, v=v: [shutil.copytree(
+                                            v / t, os.path.join(folder, t))
+                                            for t in ("tower_a", "tower_b")], lambda *_: None)
         finally:
             os._exit(0)
     real, read = common.load_pretrained, []
@@ -4710,7 +4741,7 @@ def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_pat
         time.sleep(0.2 if cls is AutoModel else 0)
         return model
     try:
-        while not (out / jtcse.BEST).exists():
+        while not (out / harness.BEST).exists():
             time.sleep(0.01)
         monkeypatch.setattr(common, "load_pretrained", slow)
         for _ in range(8):
@@ -4735,8 +4766,8 @@ def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
     out, env = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}
     # first, a SIGKILL right after best/ is swapped in, before dev.jsonl: both towers of one step
     proc, _ = popen("jtcse.py", *args(out), env={**env, "SENTEMB_SAVE_PAUSE": "0.2"})
-    assert kill_when(proc, out, lambda: (out / sscl.BEST).exists() and not (
-        out / sscl.CURVE).exists())
+    assert kill_when(proc, out, lambda: (out / harness.BEST).exists() and not (
+        out / harness.CURVE).exists())
     code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--tasks", "STS-B",
                             "--split", "dev")
     assert code == 0 and f"{float(ev.split()[2]):.2f}" == f"{weights(out, 'best'):.2f}", err
@@ -4843,7 +4874,7 @@ def test_harness_every_run_folder_as_saved_passes_its_checks(run_templates, tok_
     scores = []
     for base in (None, moved):
         if base:
-            edit_json(run / sscl.BEST / common.META, base_model=str(base))
+            edit_json(run / harness.BEST / common.META, base_model=str(base))
         code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run, "--data-dir",
                                  TPL.bl_sts, "--tasks", "STS-B", "--split", "dev")
         assert code == 0, err
@@ -4874,7 +4905,7 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
     unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
     last save stays."""
     from safetensors import SafetensorError
-    m, out, w, real = SCRIPTS[script], tmp_path / "run", torch.ones(3), torch.save
+    m, out, w, real = script, tmp_path / "run", torch.ones(3), torch.save
     out.mkdir()
     write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
     save_as(m, out, 1, write)
@@ -4899,7 +4930,7 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
 
 # ---- harness: multi-GPU (torchrun, gloo on CPU; ranks as threads) ----
 class ThreadRanks:
-    """`world` ranks as threads of this process, for the quick tier: common.gather returns what
+    """`world` ranks as threads of this process, for the quick tier: harness.gather returns what
     torch.distributed's all_gather gives it (the other ranks' tensors without a graph, the rank's
     own tensor in its slot). DDP's part, averaging the gradients, is done by the caller."""
 
@@ -4952,7 +4983,7 @@ def assert_two_ranks_equal_one(monkeypatch, make, step, rows):
     grads = {n: q.grad for n, q in one[0].named_parameters() if q.grad is not None}
     assert grads and all(g.abs().sum() > 0 for g in grads.values())
     ranks = ThreadRanks(2)
-    monkeypatch.setattr(common, "gather", ranks.gather)
+    monkeypatch.setattr(harness, "gather", ranks.gather)
     copies, half = [make_seeded(), make_seeded()], len(rows) // 2
     losses = ranks.run(lambda r: step(copies[r], rows[r * half:(r + 1) * half], 2))
     for rank_loss in losses:
@@ -4983,7 +5014,7 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
     def step(copy, rows, world):
         return sscl.train_step(common.in_length_groups(copy[0], True, copy[0]), copy[1], rows,
                                layers, torch.device("cpu"), a.temp, a.max_len, world=world,
-                               gather=common.gather)
+                               gather=harness.gather)
 
     rng = random.Random(0)
     assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
@@ -5001,10 +5032,10 @@ for _ in range(300):
     dist.all_reduce(t)
     held["torch's all_reduce"] += t._use_count() > 1
     t = torch.ones(64)
-    common.collective(dist.all_reduce, t)
+    harness.collective(dist.all_reduce, t)
     held["all_reduce"] += t._use_count() > 1
     parts, z = [torch.empty(4, 8) for _ in range(2)], torch.randn(4, 8)
-    common.collective(dist.all_gather, parts, z)
+    harness.collective(dist.all_gather, parts, z)
     held["all_gather"] += max(x._use_count() for x in parts + [z]) > 1
 with open(f"{sys.argv[2]}/held-{dist.get_rank()}.json", "w") as f:  # a file a rank: no interleaving
     json.dump(held, f)
@@ -5014,7 +5045,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_harness_a_collective_returns_once_gloo_has_let_go_of_its_tensors(tmp_path):
-    """torchrun, gloo, 2 ranks: after common.collective (each all_reduce and all_gather the scripts
+    """torchrun, gloo, 2 ranks: after harness.collective (each all_reduce and all_gather the scripts
     run) no gloo worker thread holds the tensors, so none is freed by that thread while the
     interpreter exits: without the wait, a rank aborted so ("terminate called without an active
     exception") in 3 of 60 2-rank BeLLM runs on 2 busy cores. The control: torch's all_reduce
@@ -5106,7 +5137,7 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
         return jtcse.train_step(common.in_length_groups(model, True, copy[0]), copy[1], rows, 1,
                                 torch.device("cpu"), a.temp, a.max_len, a.objective,
                                 teacher=(copy[2:] or [None])[0], world=world,
-                                gather=common.gather)[0]
+                                gather=harness.gather)[0]
 
     assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
                                                          enumerate(jt_WORDS[:8])])
@@ -5157,7 +5188,7 @@ def test_harness_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_
     def step(copy, rows, world):
         return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, copy[0])),
                                 copy[1], rows, kind, a.prompt, cpu, a.temp, a.max_len,
-                                world=world, gather=common.gather)[0]
+                                world=world, gather=harness.gather)[0]
 
     rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
             (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
@@ -5184,7 +5215,7 @@ def test_harness_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(
         for extra in ([], ["--bf16"]):
             out = tmp_path / f"{name}{len(extra)}"
             logged.append([float(x) for x in losses(train(out, *extra))])
-            assert (out / sscl.BEST / "sentemb.json").is_file()
+            assert (out / harness.BEST / "sentemb.json").is_file()
         assert len(logged[1]) == 3 and all(math.isfinite(x) for x in logged[1])
         assert logged[1] == pytest.approx(logged[0], rel=0.05, abs=0.02), name
 
@@ -5520,7 +5551,7 @@ def TSV(c, body):  # noqa: N802 (as SJ)
 CSTS_HEAD = b"sentence1,sentence2,condition,label\n"
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
-    c.held = open(c.run / common.LOCK, "a+")
+    c.held = open(c.run / harness.LOCK, "a+")
     fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -5636,9 +5667,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: [x for x in SSCL(c) if x != "--no-final-eval"], ["STS12", "line 1"],
      malformed_sts12),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["damaged"],
-     lambda c: (c.run / sscl.CKPT).write_bytes((c.run / sscl.CKPT).read_bytes()[:5000])),
+     lambda c: (c.run / harness.CKPT).write_bytes((c.run / harness.CKPT).read_bytes()[:5000])),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"), ["not written by sscl.py"],
-     lambda c: fake_state(c.run / sscl.CKPT, "jtcse")),
+     lambda c: fake_state(c.run / harness.CKPT, "jtcse")),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--layer", "1"),
      ["--layer 2", "--layer 1"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume", "--objective", "authors"),
@@ -5647,15 +5678,15 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["--no-aug", "--objective paper"], None),
     ("sscl", lambda c: SSCL(c, "--objective", "theirs"), ["--objective", "invalid choice"], None),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run), ["already holds a run"],
-     lambda c: (c.run / sscl.BEST / common.META).unlink()),
+     lambda c: (c.run / harness.BEST / common.META).unlink()),
     ("sscl", lambda c: SSCL(c, "--output-dir", c.run, "--resume"),
      ["in use by another training run"], hold_lock),
     ("jtcse", lambda c: JT(c, "--num-cael", "-1"), ["--num-cael", ">= 0"], None),
     ("jtcse", lambda c: JT(c, "--lr", "nan"), ["--lr", "finite"], None),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--num-cael", "4"), ["--num-cael 2", "--num-cael 4"],
-     lambda c: edit_args(c.jrun / sscl.CKPT, num_cael=2)),
+     lambda c: edit_args(c.jrun / harness.CKPT, num_cael=2)),
     ("jtcse", lambda c: JT(c, "--distill", c.run), ["sentemb.json does not name the save"],
-     lambda c: (c.run / sscl.BEST / common.META).write_text("{not json")),
+     lambda c: (c.run / harness.BEST / common.META).write_text("{not json")),
     ("jtcse", lambda c: JT(c, "--output-dir", c.jt / "a"), ["is the input model"], None),
     ("jtcse", lambda c: JT(c, "--distill", c.run, "--objective", "authors"),
      ["--distill", "drop --objective"], None),
@@ -5674,18 +5705,18 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("bellm", lambda c: BL(c, "--train", c.csv(b"sent0,sent1,hard_neg\na,caf\xe9,b\n")),
      ["line 2", "not UTF-8"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["--lora-r 8", "--lora-r 4"],
-     lambda c: edit_args(c.brun / sscl.CKPT, lora_r=8)),
+     lambda c: edit_args(c.brun / harness.CKPT, lora_r=8)),
     ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
                                    "missing, damaged or another save's"],
-     lambda c: (c.run / sscl.BEST / common.META).write_text("{not json")),
+     lambda c: (c.run / harness.BEST / common.META).write_text("{not json")),
     ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
                                    "missing, damaged or another save's"],
-     lambda c: (c.run / sscl.BEST / common.META).write_text("[1, 2]")),
+     lambda c: (c.run / harness.BEST / common.META).write_text("[1, 2]")),
     ("eval_sts", lambda c: EV(c), ["sentemb.json does not name the save",
                                    "missing, damaged or another save's"],
-     lambda c: (c.run / sscl.BEST / common.META).write_text('{"method": "sscl"}')),
+     lambda c: (c.run / harness.BEST / common.META).write_text('{"method": "sscl"}')),
     ("eval_sts", lambda c: EV(c), ["model.safetensors", "is missing"],
-     lambda c: (c.run / sscl.BEST / "model.safetensors").unlink()),
+     lambda c: (c.run / harness.BEST / "model.safetensors").unlink()),
     ("eval_sts", lambda c: EV(c, "--tasks", ""), ["--tasks is empty"], None),
     ("eval_sts", lambda c: EV(c, "--tasks", "STS-B,probing"),
      ["probing/sentence_length.txt", "data/probing of github.com/facebookresearch/SentEval"],
@@ -5728,58 +5759,58 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
      ["reads no condition", "{condition} prompt"], None),
     # ---- every file a script reads. eval_sts.py on an sscl.py run (--proj-dim 8) ----
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "damaged", "cut short"],
-     lambda c: cut(c.srun / sscl.BEST / "model.safetensors")),
+     lambda c: cut(c.srun / harness.BEST / "model.safetensors")),
     ("eval_sts", lambda c: ES(c, c.srun), ["model.safetensors", "lacks 1 of the model's weights"],
-     lambda c: drop_tensor(c.srun / sscl.BEST / "model.safetensors", "encoder.")),
+     lambda c: drop_tensor(c.srun / harness.BEST / "model.safetensors", "encoder.")),
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "damaged", "not JSON"],
-     lambda c: cut(c.srun / sscl.BEST / "config.json")),
+     lambda c: cut(c.srun / harness.BEST / "config.json")),
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json", "no model_type"],
-     lambda c: (c.srun / sscl.BEST / "config.json").write_text("{}")),
+     lambda c: (c.srun / harness.BEST / "config.json").write_text("{}")),
     ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer.json", "damaged"],
-     lambda c: cut(c.srun / sscl.BEST / "tokenizer.json")),
+     lambda c: cut(c.srun / harness.BEST / "tokenizer.json")),
     ("eval_sts", lambda c: ES(c, c.srun), ["tokenizer_config.json", "is missing"],
-     lambda c: (c.srun / sscl.BEST / "tokenizer_config.json").unlink()),
+     lambda c: (c.srun / harness.BEST / "tokenizer_config.json").unlink()),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "damaged"],
-     lambda c: cut(c.srun / sscl.BEST / "proj.pt")),
+     lambda c: cut(c.srun / harness.BEST / "proj.pt")),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj.pt", "another model's"],
-     lambda c: torch.save(torch.nn.Linear(32, 4).state_dict(), c.srun / sscl.BEST / "proj.pt")),
+     lambda c: torch.save(torch.nn.Linear(32, 4).state_dict(), c.srun / harness.BEST / "proj.pt")),
     ("eval_sts", lambda c: ES(c, c.srun), ["not a run description", "method 'simcse'"],
-     lambda c: edit_json(c.srun / sscl.BEST / common.META, method="simcse")),
+     lambda c: edit_json(c.srun / harness.BEST / common.META, method="simcse")),
     ("eval_sts", lambda c: ES(c, c.srun), ["method 'this'"],  # an importable module: never imported
-     lambda c: edit_json(c.srun / sscl.BEST / common.META, method="this")),
+     lambda c: edit_json(c.srun / harness.BEST / common.META, method="this")),
     ("eval_sts", lambda c: ES(c, c.srun), ["proj_dim", "wrong type"],
-     lambda c: edit_json(c.srun / sscl.BEST / common.META, proj_dim="8")),
+     lambda c: edit_json(c.srun / harness.BEST / common.META, proj_dim="8")),
     ("eval_sts", lambda c: ES(c, c.srun), ["max_len 1000", "64 positions"],
-     lambda c: edit_json(c.srun / sscl.BEST / common.META, max_len=1000)),
+     lambda c: edit_json(c.srun / harness.BEST / common.META, max_len=1000)),
     # ---- eval_sts.py on a jtcse.py twin ----
     ("eval_sts", lambda c: EJ(c), ["tower_b/model.safetensors", "damaged"],
-     lambda c: cut(c.jrun / sscl.BEST / "tower_b" / "model.safetensors")),
+     lambda c: cut(c.jrun / harness.BEST / "tower_b" / "model.safetensors")),
     ("eval_sts", lambda c: EJ(c), ["tower_a/config.json", "is missing"],
-     lambda c: (c.jrun / sscl.BEST / "tower_a" / "config.json").unlink()),
+     lambda c: (c.jrun / harness.BEST / "tower_a" / "config.json").unlink()),
     ("eval_sts", lambda c: EJ(c), ["towers", "wrong type"],
-     lambda c: edit_json(c.jrun / sscl.BEST / common.META, towers=["..", "tower_b"])),
+     lambda c: edit_json(c.jrun / harness.BEST / common.META, towers=["..", "tower_b"])),
     # ---- eval_sts.py on a bellm.py run: a broken adapter is never run as the base model ----
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "is missing"],
-     lambda c: (c.brun / sscl.BEST / "adapter_config.json").unlink()),
+     lambda c: (c.brun / harness.BEST / "adapter_config.json").unlink()),
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "damaged"],
-     lambda c: cut(c.brun / sscl.BEST / "adapter_model.safetensors")),
+     lambda c: cut(c.brun / harness.BEST / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["adapter_config.json", "damaged"],
-     lambda c: cut(c.brun / sscl.BEST / "adapter_config.json")),
+     lambda c: cut(c.brun / harness.BEST / "adapter_config.json")),
     ("eval_sts", lambda c: EB(c), ["another base model"], lambda c: (  # with sentemb.json's lora_r
-        edit_json(c.brun / sscl.BEST / "adapter_config.json", r=8),
-        edit_json(c.brun / sscl.BEST / common.META, lora_r=8),
-        (c.brun / sscl.CKPT).unlink())),  # (its checkpoint.pt would say r 4 first)
+        edit_json(c.brun / harness.BEST / "adapter_config.json", r=8),
+        edit_json(c.brun / harness.BEST / common.META, lora_r=8),
+        (c.brun / harness.CKPT).unlink())),  # (its checkpoint.pt would say r 4 first)
     ("eval_sts", lambda c: EB(c), ["adapter_model.safetensors", "lacks 1 adapter weights"],
-     lambda c: drop_tensor(c.brun / sscl.BEST / "adapter_model.safetensors")),
+     lambda c: drop_tensor(c.brun / harness.BEST / "adapter_model.safetensors")),
     ("eval_sts", lambda c: EB(c), ["dtype", "wrong type"],
-     lambda c: edit_json(c.brun / sscl.BEST / common.META, dtype="int8")),
+     lambda c: edit_json(c.brun / harness.BEST / common.META, dtype="int8")),
     ("eval_sts", lambda c: EB(c), ["cannot load", "no-such-model"],
-     lambda c: edit_json(c.brun / sscl.BEST / common.META,
+     lambda c: edit_json(c.brun / harness.BEST / common.META,
                          base_model=str(c.tmp / "no-such-model"))),
     ("eval_sts", lambda c: EB(c), ["llama-4", "model.safetensors", "damaged"], lambda c: (
         shutil.copytree(c.llama, c.tmp / "b" / "llama-4"),
         cut(c.tmp / "b" / "llama-4" / "model.safetensors"),
-        edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "b" / "llama-4")))),
+        edit_json(c.brun / harness.BEST / common.META, base_model=str(c.tmp / "b" / "llama-4")))),
     # ---- eval_sts.py on a plain Hugging Face folder ----
     ("eval_sts", lambda c: ES(c, c.plain), ["config.json", "is missing"],
      lambda c: (c.plain / "config.json").unlink()),
@@ -5804,16 +5835,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL(c, "--model", c.plain), ["tokenizer.json", "damaged"],
      lambda c: cut(c.plain / "tokenizer.json")),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "model"],
-     lambda c: fake_state(c.srun / sscl.CKPT, "sscl")),  # a valid torch file of another structure
+     lambda c: fake_state(c.srun / harness.CKPT, "sscl")),  # a torch file of another structure
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
-     lambda c: torch.save({**torch.load(c.srun / sscl.CKPT, weights_only=False), "step": "2"},
-                          c.srun / sscl.CKPT)),
+     lambda c: torch.save({**torch.load(c.srun / harness.CKPT, weights_only=False), "step": "2"},
+                          c.srun / harness.CKPT)),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json does not name the save"],
-     lambda c: (c.srun / sscl.BEST / common.META).unlink()),
+     lambda c: (c.srun / harness.BEST / common.META).unlink()),
     # (--resume reads checkpoint.pt alone: the earlier layout's rows of a damaged model file on
     # --resume are eval_sts.py's rows now, and a damaged dev.jsonl is rewritten: it is a view)
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), [".lock", "delete it"],
-     lambda c: ((c.srun / common.LOCK).unlink(), (c.srun / common.LOCK).mkdir())),
+     lambda c: ((c.srun / harness.LOCK).unlink(), (c.srun / harness.LOCK).mkdir())),
     # ---- sscl.py: Table 1 (--num-layers), Table 3 (--select-on), Fig. 6 (dev.jsonl) ----
     ("sscl", lambda c: SSCL(c, "--num-layers", "0"), ["--num-layers", ">= 1"], None),
     ("sscl", lambda c: SSCL(c, "--num-layers", "5"), ["--num-layers 5", "has 4 layers",
@@ -5844,9 +5875,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
         shutil.rmtree(c.plain), shutil.copytree(c.jt / "b", c.plain),
         cut(c.plain / "tokenizer.json"))),
     ("jtcse", lambda c: JT(c, "--distill", c.jrun), ["tower_b/model.safetensors", "is missing"],
-     lambda c: (c.jrun / sscl.BEST / "tower_b" / "model.safetensors").unlink()),
+     lambda c: (c.jrun / harness.BEST / "tower_b" / "model.safetensors").unlink()),
     ("jtcse", lambda c: JT_RUN(c, "--resume"), ["checkpoint.pt", "damaged", "model"],
-     lambda c: fake_state(c.jrun / sscl.CKPT, "jtcse")),
+     lambda c: fake_state(c.jrun / harness.CKPT, "jtcse")),
     # ---- jtcse_analysis.py: the analyses of several models (--compare, --cost, --attention) ----
     (JA, lambda c: ["--compare", c.jt / "a", "--attention", ""], ["--attention is empty"],
      None),
@@ -5855,7 +5886,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     (JA, lambda c: ["--compare", c.jt / "a", c.tmp / "nowhere"], ["cannot load", "nowhere"],
      None),
     (JA, lambda c: ["--compare", c.jrun, "--cost"], ["tower_a/model.safetensors", "missing"],
-     lambda c: (c.jrun / sscl.BEST / "tower_a" / "model.safetensors").unlink()),
+     lambda c: (c.jrun / harness.BEST / "tower_a" / "model.safetensors").unlink()),
     (JA, lambda c: ["--compare", c.jt / "a", c.brun], ["bellm.py run", "--compare"], None),
     (JA, lambda c: ["--compare", c.jt / "a", c.jt / "llama"], ["llama", "BERT"], None),
     (JA, lambda c: ["--compare", c.jt / "a", "--plot", c.tmp / "no" / "f.png"],
@@ -5885,7 +5916,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
                            "--prompt", "In {condition}, {sentence} means:"),
      ["line 2", "not a number"], None),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["checkpoint.pt", "damaged", "model"],
-     lambda c: fake_state(c.brun / sscl.CKPT, "bellm")),
+     lambda c: fake_state(c.brun / harness.CKPT, "bellm")),
     ("bellm_analysis", lambda c: ["--representative-words", "--model", c.llama, "--data-dir",
                                   c.bl_sts,
                          "--plot", c.tmp / "f.png"], ["no figure", "drop --plot"], None),
@@ -5897,9 +5928,9 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # ---- files that disagree: never evaluated or resumed as another model ----
     ("eval_sts", lambda c: ES(c, c.srun), ["config.json does not describe", "layers 2..3",
                                            "2 layers", "different models"],
-     lambda c: edit_json(c.srun / sscl.BEST / "config.json", num_hidden_layers=2)),
+     lambda c: edit_json(c.srun / harness.BEST / "config.json", num_hidden_layers=2)),
     ("eval_sts", lambda c: EJ(c), ["tower_b", "of shape [", "config.json implies ["],
-     lambda c: edit_json(c.jrun / sscl.BEST / "tower_b" / "config.json", hidden_size=64,
+     lambda c: edit_json(c.jrun / harness.BEST / "tower_b" / "config.json", hidden_size=64,
                          intermediate_size=128)),
     ("eval_sts", lambda c: ES(c, c.plain), ["config.json does not describe"],
      lambda c: edit_json(c.plain / "config.json", num_hidden_layers=3)),
@@ -5924,23 +5955,23 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # ---- every field a resume reads, checked: one line naming it ----
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["trained by 2 process",
                                                           "--nproc_per_node 2", "runs 1"],
-     lambda c: edit_state(c.srun / sscl.CKPT, world=2)),
+     lambda c: edit_state(c.srun / harness.CKPT, world=2)),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"),
      ["damaged", "rng missing or of the wrong type"],
-     lambda c: edit_state(c.brun / sscl.CKPT, rng=None)),
+     lambda c: edit_state(c.brun / harness.CKPT, rng=None)),
     ("bellm", lambda c: BL_RUN(c, c.brun, "--resume"), ["damaged", "bi_layers of the wrong type"],
-     lambda c: edit_args(c.brun / sscl.CKPT, bi_layers="1")),
+     lambda c: edit_args(c.brun / harness.CKPT, bi_layers="1")),
     ("jtcse", lambda c: JT_RUN(c, "--resume", "--max-steps", "3"), ["damaged", "r_gen missing"],
-     lambda c: edit_state(c.jrun / sscl.CKPT, r_gen=None)),
+     lambda c: edit_state(c.jrun / harness.CKPT, r_gen=None)),
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on", "checksum"],
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.norm.weight", 2.0),
-         edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "base2")))),
+         edit_json(c.brun / harness.BEST / common.META, base_model=str(c.tmp / "base2")))),
     ("eval_sts", lambda c: EB(c), ["not the base model the adapter was trained on",  # a layer
                                    "base_fingerprint"],  # (not the embeddings or the final norm)
      lambda c: (shutil.copytree(c.llama, c.tmp / "base2"), scale_tensor(
          c.tmp / "base2" / "model.safetensors", "model.layers.1.mlp.up_proj.weight", 1.01),
-         edit_json(c.brun / sscl.BEST / common.META, base_model=str(c.tmp / "base2")))),
+         edit_json(c.brun / harness.BEST / common.META, base_model=str(c.tmp / "base2")))),
     # ---- a flag that would do nothing under another is refused, never ignored ----
     *[("jtcse", lambda c, x=x: JT(c, "--distill", c.jrun, *x), ["--distill", x[0], "twin"], None)
       for x in (["--model-b", str(Path("other"))], ["--num-cael", "2"], ["--temp", "0.1"],
@@ -5962,7 +5993,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # gone with it: checkpoint.pt alone describes the run, and best/'s save id says which save
     # wrote it; the rows below replace them) ----
     *[(s, f, ["sentemb.json does not name the save", "checkpoint.pt names", "copy the whole run"],
-       lambda c, d=d: edit_json(d(c) / sscl.BEST / common.META, save="2-00000000"))
+       lambda c, d=d: edit_json(d(c) / harness.BEST / common.META, save="2-00000000"))
       for s, f, d in (("eval_sts", RUN_EVAL["sscl"], RUN_DIR["sscl"]),
                       ("jtcse", RUN_RESUME["jtcse"], RUN_DIR["jtcse"]),
                       ("bellm", RUN_RESUME["bellm"], RUN_DIR["bellm"]))],
@@ -5974,16 +6005,16 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
       for name, kind in ((".best.new", "folder"), (".best.old", "folder"),
                          ("checkpoint.pt.tmp", "file"))],
     ("eval_sts", RUN_EVAL["sscl"], ["model.safetensors", "damaged"],  # committed, checked first
-     lambda c: (shutil.copytree(c.srun / sscl.BEST, c.srun / sscl.NEW),
-                edit_json(c.srun / sscl.NEW / common.META, save="9-00000000"),
-                edit_state(c.srun / sscl.CKPT, save="9-00000000"),
-                cut(c.srun / sscl.NEW / "model.safetensors"))),
+     lambda c: (shutil.copytree(c.srun / harness.BEST, c.srun / harness.NEW),
+                edit_json(c.srun / harness.NEW / common.META, save="9-00000000"),
+                edit_state(c.srun / harness.CKPT, save="9-00000000"),
+                cut(c.srun / harness.NEW / "model.safetensors"))),
     ("sscl", RUN_RESUME["sscl"], ["predates best/", "the sscl.py that wrote it"],
-     lambda c: edit_state(c.srun / sscl.CKPT, save=DROP)),
+     lambda c: edit_state(c.srun / harness.CKPT, save=DROP)),
     ("eval_sts", RUN_EVAL["sscl"], ["was not written by sscl.py"],
-     lambda c: edit_state(c.srun / sscl.CKPT, method="jtcse")),
+     lambda c: edit_state(c.srun / harness.CKPT, method="jtcse")),
     ("eval_sts", RUN_EVAL["jtcse"], ["best", "sentemb.json does not name the save"],
-     lambda c: (c.jrun / sscl.BEST / common.META).unlink()),
+     lambda c: (c.jrun / harness.BEST / common.META).unlink()),
     *[(m, lambda c, m=m: {"sscl": SSCL, "jtcse": JT, "bellm": BL}[m](c, "--output-dir", c.mine),
        ["README.md", f"which {m}.py did not write", "new or empty --output-dir"],
        lambda c: setattr(c, "mine", foreign(c))) for m in ("sscl", "jtcse", "bellm")],
@@ -6004,7 +6035,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     # ---- every value of every JSON file of a run folder, edited: eval_sts.py and --resume ----
     # (--resume reads checkpoint.pt alone: its rows of these edits are gone with the layout)
     *[("eval_sts", RUN_EVAL[method], words, lambda c, m=method, n=name, k=key, v=value:
-       edit_json(RUN_DIR[m](c) / sscl.BEST / n, **{k: v}))
+       edit_json(RUN_DIR[m](c) / harness.BEST / n, **{k: v}))
       for method, name, key, value, words in JSON_VALUES],
     # ---- seeds.py: eval_sts.py --json files ----
     ("seeds", lambda c: SJ(c, '{"results": {"STS-B": "80.1"}}'), ["results.STS-B", "not a number"],
@@ -6015,7 +6046,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("seeds", lambda c: SJ(c, '{"results": [80]}'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: SJ(c, '[1, 2]'), ["not an eval_sts.py --json result"], None),
     ("seeds", lambda c: [c.tmp], ["is a folder"], None),
-    ("seeds", lambda c: [c.srun / sscl.BEST / common.META, c.srun / sscl.BEST / common.META],
+    ("seeds", lambda c: [c.srun / harness.BEST / common.META, c.srun / harness.BEST / common.META],
      ["sentemb.json' is not an eval_sts.py --json result", "holds no results"], None),
     # ---- evaluation data that cannot give a correlation: one line naming the file ----
     *[(script, lambda c, m=m: m(c, "--data-dir", c.tmp / "flat"),
@@ -6058,7 +6089,7 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
                *run_templates.values())
     mine = sorted(os.listdir(c.tmp / "mine")) if (c.tmp / "mine").is_dir() else None
     snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
-                        if p.is_file() and p.name != common.LOCK}
+                        if p.is_file() and p.name != harness.LOCK}
     before = snapshot()
     if script in ("jtcse", "jtcse_analysis"):
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
@@ -6095,7 +6126,7 @@ def test_bad_input_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(
     for rel in RUN_FILES[method]:
         out = tmp_path / rel.replace("/", "_")
         shutil.copytree(tpl, out)
-        (out / sscl.BEST / rel).unlink()
+        (out / harness.BEST / rel).unlink()
         before = files_of(out)
         code, stdout, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
                                     data, "--tasks", "STS-B")

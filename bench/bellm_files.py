@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import bellm  # noqa: E402
 import common  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -68,7 +69,7 @@ elif args.what == "stsb-groups":  # union-find over STS-B test sentences linked 
         for s in sents:
             print(f"{g}\t{s}")
 elif args.what == "csts-synthetic":  # premise/entailment high, premise/contradiction low
-    kind, rows = common.read_csv(args.csv)
+    kind, rows = bellm.read_csv(args.csv)
     if kind != "nli" or args.last > len(rows):  # else fewer rows than asked for, silently
         common.die(f"'{args.csv}' holds {len(rows)} {kind} rows: LAST must be at most "
                    f"{len(rows) if kind == 'nli' else 0} (a csv of NLI triplets, SimCSE's format)")

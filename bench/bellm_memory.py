@@ -1,4 +1,4 @@
-"""bellm.py's start-up memory estimate (common.memory_estimate) for any decoder config, without
+"""bellm.py's start-up memory estimate (bellm.memory_estimate) for any decoder config, without
 loading weights (the model is built on the meta device): weights, LoRA + AdamW states, activations
 with and without gradient checkpointing, for a step of --batch-size triplets padded to --max-len +
 the prompt. Needs only the model's config.json.
@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import bellm  # noqa: E402
 import common  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,7 +44,7 @@ print(f"{a.model}: {len(dec.layers)} layers, {a.dtype} weights, LoRA r {a.lora_r
       f"({n_lora / 1e6:.1f} M parameters), {a.batch_size} triplets x {longest} tokens = "
       f"{tokens:,} token slots (an upper bound: padded)")
 for ckpt in (False, True):
-    w, o, act = common.memory_estimate(dec, n_lora, s, tokens, longest, a.lora_r, ckpt)
+    w, o, act = bellm.memory_estimate(dec, n_lora, s, tokens, longest, a.lora_r, ckpt)
     print(f"{'with' if ckpt else 'without'} gradient checkpointing: weights {w:.1f} GiB + LoRA and "
           f"AdamW {o:.2f} GiB + activations {act:.1f} GiB "
           f"({act * 2**20 / tokens:,.0f} KiB a token) = {w + o + act:.1f} GiB")

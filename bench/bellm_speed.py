@@ -28,15 +28,16 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py -
 common.show_ranges(p)
 bf16 = p.parse_args().bf16
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
+rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
 tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev)
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                        target_modules="all-linear")).train()
 # the step's cost, ~no change
 opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-9)
-b = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
-                                         [s for r in rows for s in r]), dev)
+texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
+                          [s for r in rows for s in r])
+b = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt").to(dev)
 ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}
 for rep in range(6):
     for K in (0, 1):

@@ -33,7 +33,7 @@ a = p.parse_args()
 ckpt, bf16 = a.grad_ckpt, a.bf16
 dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
+rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
 tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev, dtype)
 if ckpt:
@@ -42,7 +42,8 @@ model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                        target_modules="all-linear")).train()
 net = bellm.BeLLM(dec, 1, "parallel", "convert")
 texts = [s for r in rows for s in r]
-b = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts), dev)
+texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts)
+b = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt").to(dev)
 params = [q for q in model.parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-9)
 with open("/proc/self/status") as f:
@@ -53,7 +54,7 @@ bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
 opt.step()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 s = 2 if dtype == torch.bfloat16 or bf16 else 4
-w, o, act = common.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
+w, o, act = bellm.memory_estimate(dec, sum(q.numel() for q in params), s, b["input_ids"].numel(),
                                   b["input_ids"].shape[1], 32, ckpt)
 print(f"{' '.join(sys.argv[1:]) or 'fp32'}: {tuple(b['input_ids'].shape)} tokens; "
       f"after loading {base:.2f} GiB, step peak {peak:.2f} GiB: +{peak - base:.2f} GiB; "

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, Llam
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import bellm  # noqa: E402
 import common  # noqa: E402
 
 SCRIPTS = ("sscl", "jtcse", "bellm")
@@ -50,7 +51,7 @@ SMOLLM = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
 if {"sscl", "jtcse"} & {*a.scripts}:  # a step's rows, at least (the scripts run the epochs)
     common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
 if "bellm" in a.scripts:
-    common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
+    common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
 WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()

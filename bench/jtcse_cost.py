@@ -30,7 +30,7 @@ mode = a.mode
 A = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
 B = a.tower_b
 sents = common.env_rows("WIKI", "wiki1m_head.txt", 5 * 64, common.read_sentences)  # README's
-common.seed_everything(42)
+torch.manual_seed(42)
 tok = common.load_pretrained(AutoTokenizer, A, label="MINILM")
 if mode == "simcse":
     model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, A, label="MINILM"), "cls")
@@ -48,7 +48,8 @@ model.train()
 base = rss_mb()
 times = []
 for i in range(5):
-    batch = common.tokenize(tok, sents[i * 64:(i + 1) * 64], 32, "cpu")
+    batch = tok(sents[i * 64:(i + 1) * 64], padding=True, truncation=True, max_length=32,
+                return_tensors="pt").to("cpu")
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (2B, L)
     t0 = time.perf_counter()
     loss = step_loss(batch, 64)

@@ -68,11 +68,11 @@ p.add_argument("--lookups", type=one_of("once", "group"), default="once",
                     "one vocabulary-sized gradient a step) or in each group; comma-separated")
 common.show_ranges(p)
 a = p.parse_args()
-common.seed_everything(42)
+torch.manual_seed(42)
 dev = torch.device("cpu")
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
-    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: common.read_csv(f)[1])
+    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
     tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                                   1, "convert", dev)
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
@@ -86,8 +86,8 @@ if a.method == "bellm":
         forwards[f] = (lambda net: lambda b: net(b["input_ids"], b["attention_mask"]))(
             bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
     texts = [s for r in rows[:16] for s in r]  # 16 triplets: 48 texts
-    batch = common.tokenize(tok, *bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
-                                                 texts), dev)
+    texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts)
+    batch = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt").to(dev)
 
     def loss_of(h):  # eq. 6 over (anchor, entailment, contradiction) rows
         h = h.float()
@@ -97,7 +97,8 @@ else:
     minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     sents = common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
     tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
-    batch = common.tokenize(tok, sents, 32, dev)
+    batch = tok(sents, padding=True, truncation=True, max_length=32,
+                return_tensors="pt").to(dev)
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (128, L)
     if a.method == "sscl":
         model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, minilm, label="MINILM"),

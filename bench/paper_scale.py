@@ -27,7 +27,7 @@ is downloaded. What each column is:
   gradients and AdamW moments (12 bytes a trained parameter) and the tensors autograd keeps for the
   backward, counted under bf16 autocast on the fake step (CPU autocast: CUDA's keeps a few more ops
   in fp32); the CUDA context and the backward's short-lived tensors are left out. BeLLM:
-  bellm.py's start-up estimate (common.memory_estimate, docs/operations.md).
+  bellm.py's start-up estimate (bellm.memory_estimate, docs/operations.md).
 - measured here: 1 + --steps training steps (train_step and the scripts' AdamW) on this machine's
   device, in the scripts' configuration for it (a CPU: fp32, BeLLM without checkpointing), each
   run in a fresh process; the median of the last --steps, and the peak memory above
@@ -73,6 +73,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
+import harness  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
@@ -87,7 +88,7 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
                  initializer_range=0.02, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False)
-PEAK = {g: common.GPU_PEAKS[g] for g in ("A100", "H100")}  # dense BF16 (H100: SXM), datasheets
+PEAK = {g: harness.GPU_PEAKS[g] for g in ("A100", "H100")}  # dense BF16 (H100: SXM), datasheets
 # the runs: training rows, rows a step and GPU, GPUs (the docstring's sources)
 RUNS = {"SSCL": dict(rows=1_000_000, batch=64, gpus=1),
         "JTCSE twin": dict(rows=1_000_000 + 4_802, batch=64, gpus=1),
@@ -217,7 +218,7 @@ def count(module, step, n):
 
 def estimate(name, n, gpu, layers=None):
     """The count of one step of n rows, and its memory in GiB: (weights, gradients + AdamW, kept
-    activations); BeLLM: bellm.py's start-up estimate (common.memory_estimate)."""
+    activations); BeLLM: bellm.py's start-up estimate (bellm.memory_estimate)."""
     module, step = build(name, "meta", gpu, layers=layers)
     flops, kept = count(fake(module), step, n)
     trained = sum(q.numel() for q in module.parameters() if q.requires_grad)
@@ -225,7 +226,7 @@ def estimate(name, n, gpu, layers=None):
         dec = module.base_model.model
         longest = bellm.p.get_default("max_len") + len(
             tokenizer(True)(bellm.fill(PROMPT, "", ""))["input_ids"])
-        mem = common.memory_estimate(dec, trained, 2 if gpu else 4, 3 * n * longest, longest,
+        mem = bellm.memory_estimate(dec, trained, 2 if gpu else 4, 3 * n * longest, longest,
                                      bellm.p.get_default("lora_r"), gpu)
     else:
         weights = sum(q.numel() * q.element_size() for q in module.parameters())

@@ -1,4 +1,4 @@
-"""What a save of sscl.py costs: the harness's save_step with a new best model (written whole into
+"""What a save of sscl.py costs: harness.Run.save with a new best model (written whole into
 .best.new, every file synced, checkpoint.pt replaced whole, the renames of the swap, dev.jsonl),
 against the same files written in place without a sync (save_pretrained, the sentence-transformers
 files, torch.save of the training state). all-MiniLM-L6-v2 in SSCL's SentenceEncoder after one AdamW
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common  # noqa: E402
+import harness  # noqa: E402
 import sscl  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -40,28 +41,30 @@ def main():
         .backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    args = argparse.Namespace(**{x.dest: x.default for x in sscl.p._actions if x.dest != "help"})
-    meta = dict(method="sscl", pooler="cls", proj_dim=0, max_len=512)
-    write = functools.partial(sscl.save_model, enc, tok, 512)
     root = Path(a.dir or tempfile.mkdtemp())
     root.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(**{x.dest: x.default for x in sscl.p._actions if x.dest != "help"},
+                              output_dir=str(root / "run"))
+    meta = dict(method="sscl", pooler="cls", proj_dim=0, max_len=512)
+    write = functools.partial(sscl.save_model, enc, tok, 512)
     times = {"harness save (synced, committed, swapped)": [], "in place, no sync": []}
-    run = {"best": -1e9, "save": None, "curve": []}
+    run = harness.Run(args, "sscl", sscl.RESUMABLE, sscl.check_run, [], torch.device("cpu"))
+    run.resume(enc, opt, sched, 1e-5, meta)
     for r in range(a.reps + 1):  # round 0: a warm-up
-        state = sscl.training_state(enc, opt, sched, args, 1e-5, r + 1, meta)
         t0 = time.perf_counter()
-        run = sscl.save_step(str(root / "run"), run, r + 1, "stsb_dev", float(r), state, write,
-                             lambda *_: None)
+        run.save(r + 1, "stsb_dev", float(r), write)
         t1 = time.perf_counter()
+        state = torch.load(root / "run" / harness.CKPT, weights_only=False)  # what it saved
         plain = root / f"plain{r}"
+        t2 = time.perf_counter()
         plain.mkdir()
         write(str(plain))
         torch.save(state, plain / "checkpoint.pt")
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         shutil.rmtree(plain)
         if r:
             times["harness save (synced, committed, swapped)"].append(t1 - t0)
-            times["in place, no sync"].append(t2 - t1)
+            times["in place, no sync"].append(t3 - t2)
     size = sum(f.stat().st_size for f in (root / "run").rglob("*") if f.is_file())
     print(f"run folder {size / 2**20:.0f} MiB ({root}, {os.uname().machine})")
     for k, v in times.items():

@@ -1,6 +1,6 @@
 """The three scripts' training steps on this machine, at the quick-run settings of their docs pages,
 against its matrix-multiply roof: each step's seconds, sentences (rows) a second and FLOP/s (the
-matrix products, counted by common.FlopCount: forward, loss and backward), fp32 or --bf16, eager or
+matrix products, counted by harness.FlopCount: forward, loss and backward), fp32 or --bf16, eager or
 --compile; --profile prints torch.profiler's top rows (self CPU time) of one step.
 
   SSCL:   MiniLM, --layer 5, batch 64, --max-len 32 (README's quick run)
@@ -21,6 +21,7 @@ fused AdamW alone, the scripts' update before they ran the authors'.
   all-MiniLM-L6-v2, SmolLM2-135M-Instruct, wiki1m_head.txt, snli_devtest.csv)
 """
 import argparse
+import math
 import functools
 import statistics
 import sys
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
+import harness  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
@@ -82,7 +84,7 @@ def build(name, bf16, dev, steps, earlier=False):
         rows = 64
     else:
         rows_ = common.env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
-                                lambda f: common.read_csv(f)[1])
+                                lambda f: bellm.read_csv(f)[1])
         smollm = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
@@ -106,7 +108,7 @@ def build(name, bf16, dev, steps, earlier=False):
         opt.zero_grad(set_to_none=True)
         run(i, net)
         if clip is not None:
-            common.clip_gradients(params, clip)
+            torch.nn.utils.clip_grad_norm_(params, clip or math.inf)  # 0: the norm only
         opt.step()
     return model, step, run, rows
 
@@ -149,7 +151,7 @@ def main():
         model, step, run, rows = build(name, bf16, dev, a.steps, a.earlier_update)
         flops = []
         for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
-            with common.FlopCount() as counted:
+            with harness.FlopCount() as counted:
                 run(i, model)
             flops.append(counted.flops)
         net = common.compiled_layers(model, a.compile) if name == "bellm" else \

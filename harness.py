@@ -1,0 +1,550 @@
+"""The run folder and the training process, written once for sscl.py, jtcse.py and bellm.py. A
+reader of a paper may skip this file: main() calls it at a few places (start, Run, resume,
+stop_requested, save, finish; a Meter for the step lines), and its training step is plain torch.
+
+What it guarantees, by construction:
+- One commit point: checkpoint.pt holds all a run knows (flags, the model's description, trained
+  weights, optimiser, schedule, RNG states, step, dev curve, best score, the id of the save in
+  best/), replaced whole. A new best model is written whole into .best.new/ and synced before the
+  checkpoint names it. A SIGKILL at any instant leaves the last committed save or the new one.
+- settle(), run first by every command that opens a run folder no run holds, decides by the save
+  ids what a kill left: a committed .best.new takes best/'s place, anything else of a save under
+  way goes, dev.jsonl (the curve) is rewritten. Readers load best/ under a shared lock of the
+  folder, which a swap takes exclusively: never two saves mixed.
+- One run a folder (.lock), never an input model; --resume goes on as the uninterrupted run would.
+- SIGINT or SIGTERM stops training at the next step, saved, on every rank; a second exits at once.
+  A full disk or an unwritable folder is one line; what was saved before is kept.
+"""
+import atexit
+import contextlib
+import functools
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+import common
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None
+
+# a run folder's names; OURS: those of a save under way too
+CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", ".best.old", \
+    "dev.jsonl", ".lock"
+OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}
+RECOPY = "copy the whole run folder again, or train again"
+STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+
+
+# ---------------------------------------------------------------- the process ---------------------
+def start():
+    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
+    log (print, flushed, on rank 0 only)"""
+    STOP.update(signum=0, now=False, writes=0)
+    rank, world, device = 0, 1, common.pick_device()
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(torch.distributed.destroy_process_group)  # before the interpreter goes
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
+    return rank, world, device, log
+
+
+def collective(call, /, *tensors, **options):
+    """call(*tensors), a torch.distributed collective, returned once gloo's worker thread has let
+    go of the tensors: one freed there while the interpreter exits aborts the process (DDP keeps
+    gloo's threads to the end). NCCL's work is held by its watchdog, stopped at exit."""
+    call(*tensors, **options)
+    held = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
+    if held and held[0].device.type == "cpu":
+        while any(t._use_count() > 1 for t in held):  # 1: its Python object's reference alone
+            time.sleep(1e-4)
+
+
+def gather(z):
+    """(B, D) on each rank -> (world·B, D), ranks in order; this rank's rows are z (its graph)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return z
+    parts = [torch.empty_like(z) for _ in range(dist.get_world_size())]
+    collective(dist.all_gather, parts, z.detach().contiguous())
+    parts[dist.get_rank()] = z
+    return torch.cat(parts)
+
+
+def on_signal(signum, frame):
+    """SIGINT, SIGTERM: stop at the next step, saved; a second one, or one after training: now."""
+    name = signal.Signals(signum).name
+    if STOP["signum"] or STOP["now"]:
+        os.write(2, f"\n{name}: stopped\n".encode())
+        os._exit(128 + signum)
+    STOP["signum"] = signum
+    os.write(2, f"\n{name}: stopping after this step (again: at once)\n".encode())
+
+
+# ---------------------------------------------------------------- the run folder ------------------
+class Run:
+    """OUTPUT_DIR opened for training by method's script (check_run(folder, meta) checks a model it
+    saved); .state: with --resume, the checkpoint it goes on from (None: a new run)."""
+
+    def __init__(self, a, method, resumable, check_run, inputs, device):
+        dist = torch.distributed
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) \
+            if dist.is_available() and dist.is_initialized() else (0, 1)
+        self.dir, self.method, self.check_run, self.device = a.output_dir, method, check_run, device
+        self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+                      for k, v in vars(a).items()}  # the command's flags, its paths absolute
+        self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        self.lock = self.open(a.resume, inputs) if self.rank == 0 else None  # held till exit
+        if self.world > 1:
+            dist.barrier()
+        self.state = self.read_resume(resumable) if a.resume else None
+        self.record = {k: self.state[k] for k in ("best", "save", "curve")} if self.state else \
+            {"best": -math.inf, "save": None, "curve": []}  # best score, its save's id, dev curve
+
+    def open(self, resume, inputs):
+        """Rank 0: never an input model; with --resume a run folder, else new, empty or holding a
+        save under way; locked (.lock holds the pid) and settled. -> the lock"""
+        out, path = self.dir, os.path.join(self.dir, LOCK)
+        for name in inputs:
+            if os.path.isdir(name) and os.path.isdir(out) and os.path.samefile(name, out):
+                common.die(f"--output-dir '{out}' is the input model '{name}': training would "
+                           "overwrite its weights; pass another --output-dir")
+        found = sorted(set(os.listdir(out)) - OURS) if os.path.isdir(out) else []
+        if not resume and found:  # before .lock is made: a folder of the user's stays as it is
+            method = (run_of(out) or [None])[0]
+            common.die(f"'{out}' holds {', '.join(found[:3])}, which {self.method}.py did not "
+                       "write: pass a new or empty --output-dir" if not method else
+                       f"'{out}' already holds a run of {method}.py: pass "
+                       f"{'--resume to continue it, or ' * (method == self.method)}another "
+                       "--output-dir")
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = open(path, "a+")
+        except OSError as e:
+            common.die(f"cannot write '{path}' ({e.strerror}): pass a writable --output-dir (a "
+                       f"folder named {LOCK} in it: delete it)")
+        if not flock(lock, "EX", "NB"):
+            common.die(f"'{out}' is in use by another training run (pid "
+                       f"{open(path).read().strip() or '?'}): wait for it to end, or pass another "
+                       "--output-dir")
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        if settle(out, self.method, self.check_run) is None and resume:
+            common.die(f"--resume: no {os.path.join(out, CKPT)}; drop --resume to start a new run")
+        return lock
+
+    def read_resume(self, resumable):
+        """checkpoint.pt, trained with this command's flags but the resumable ones (each of its
+        type) by as many processes (the global batch), or one line naming what differs."""
+        state, now = read_checkpoint(self.dir, self.method, self.device), self.flags
+        old, path = state["args"], os.path.join(self.dir, CKPT)
+        kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
+        if bad := [k for k in old if k in now and None not in (old[k], now[k])
+                   and kind(old[k]) != kind(now[k])]:
+            common.die(f"--resume: {path} is damaged ({bad[0]} of the wrong type): {RECOPY}")
+        if state["world"] != self.world:
+            common.die(f"--resume: the run was trained by {state['world']} process(es), this "
+                       f"command runs {self.world}: resume it with torchrun --nproc_per_node "
+                       f"{state['world']} (1: without torchrun), so that its steps keep their "
+                       "global batch")
+        if changed := [k for k in old if k not in resumable and old[k] != now.get(k)
+                       and (k in now or old[k])]:  # a flag now gone: ignored where it was off
+            said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
+            common.die(f"--resume: the run was started with {said(old.get)}, this command says "
+                       f"{said(now.get)}: resume with the run's own settings")
+        return state
+
+    def complete(self, steps):
+        """Whether a resumed run has no step left to train (then it says what to do)."""
+        if done := self.state is not None and self.state["step"] >= steps:
+            self.log(f"the run is complete (step {self.state['step']} of {steps}): nothing to "
+                     f"train in '{self.dir}'; evaluate it with eval_sts.py --model {self.dir}, or "
+                     "pass a larger --max-steps or --epochs with --resume to train on")
+        return done
+
+    def resume(self, model, optimizer, scheduler, lr, meta, **generators):
+        """What every save holds: the model's trained weights, optimiser, schedule, rate lr, meta
+        (best/sentemb.json), generators (JTCSE's R). --resume: each as saved, RNG states too; the
+        rate over this command's schedule (as HF Trainer: a larger --max-steps stretches it), a new
+        --lr from that step on. Signals stop training from here. -> the first step (0: as loaded)"""
+        self.parts = model, optimizer, scheduler, lr, meta, generators
+        self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if (state := self.state) is None:
+            return 0
+        if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
+            common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): "
+                       f"{RECOPY}")
+        trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
+        try:  # the saved step's weights, optimiser, schedule and generators
+            if set(state["model"]) != trained:  # the trained weights, no more, no fewer
+                raise KeyError(sorted(set(state["model"]) ^ trained)[0])
+            model.load_state_dict(state["model"], strict=False)
+            optimizer.load_state_dict(state["opt"])
+            scheduler.load_state_dict(state["sched"])
+            for k, g in generators.items():
+                g.set_state(state[k].cpu())
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+            common.die(f"--resume: the checkpoint does not fit the model and settings of this "
+                       f"command ({type(e).__name__}: {common.first_line(e)}): pass the "
+                       "--output-dir of a run of this model and settings")
+        torch.set_rng_state(state["rng"][0].cpu())  # map_location may have put it on the device
+        random.setstate(state["rng"][1])
+        np.random.set_state(state["rng"][2])
+        for g in optimizer.param_groups:  # the rate over this command's schedule
+            g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
+            self.log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
+                     f"{state['step']} on")
+        self.state = {k: v for k, v in state.items() if k not in ("model", "opt")}  # (in use)
+        return state["step"] + 1
+
+    def diverged(self, step, loss):
+        """The loss is not finite (before the update: the last save is good): one line."""
+        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
+                   f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
+                   f"{self.dir} is kept")
+
+    def stop_requested(self):
+        """Whether a signal asked training to stop (on any rank: all of them stop)."""
+        if self.world > 1:
+            t = torch.tensor(STOP["signum"], device=self.device)
+            collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
+            STOP["signum"] = int(t)
+        return bool(STOP["signum"])
+
+    def save(self, step, metric, dev, write):
+        """Rank 0, at a dev evaluation (dev: its score) or a stop (dev None): the training state;
+        with a new best score the model first, written by write(folder). All ranks wait."""
+        if self.rank == 0:
+            model, optimizer, scheduler, lr, meta, generators = self.parts
+            state = {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+                               if v.requires_grad},
+                     "opt": optimizer.state_dict(), "sched": scheduler.state_dict(),
+                     "method": self.method, "meta": meta, "args": {**self.flags, "lr": lr},
+                     "step": step, "world": self.world,
+                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+                     **{k: g.get_state() for k, g in generators.items()}}
+            self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
+                                    metric, dev, state, write, self.log)
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    @contextlib.contextmanager
+    def finish(self, step):
+        """Training has ended at step: the peak memory; stopped by a signal (saved at this step),
+        what to do, exit 128 + its number. Inside, a signal exits at once."""
+        if self.device.type == "cuda":
+            gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
+        else:
+            gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"
+        self.log(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
+        try:
+            if signum := STOP["signum"]:
+                self.log(f"stopped at step {step} ({signal.Signals(signum).name}): the training "
+                         f"state is in {os.path.join(self.dir, CKPT)}; run the same command with "
+                         "--resume to continue")
+                sys.exit(128 + signum)
+            STOP["now"] = True
+            yield
+        finally:
+            for s, h in self.handlers.items():
+                signal.signal(s, h)
+
+    def final_table(self, load_encoder, data, tasks, bf16):
+        """The best model on the test sets, loaded as eval_sts.py loads it."""
+        folder = os.path.join(self.dir, BEST)
+        meta = read_meta(folder, self.method)
+        self.check_run(folder, meta)
+        encode = load_encoder(folder, meta, self.device)
+        print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
+        with common.autocast(self.device, bf16):
+            print(common.format_table(common.evaluate(encode, data, tasks)))
+
+
+def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log):
+    """The training state and the run's record (run: best score, its save's id, dev curve; dev:
+    None at a stop) replace checkpoint.pt, the commit; a new best is first written whole into
+    .best.new (write(folder), sentemb.json), renamed after (settle). -> the run's record"""
+    if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
+        save_step(out_dir, method, check_run, run, step, metric, None, state, write, log)
+        common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
+                   f"(all alike?); the training state is saved in {out_dir}")
+    if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
+        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+                   "step: resume from it with a lower --lr (--resume --lr ...)")
+    new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
+    if dev is not None:
+        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
+    if new_best:
+        run = {**run, "best": dev, "save": f"{step}-{os.urandom(4).hex()}"}
+    state = {**state, **run}
+    try:
+        if new_best:
+            os.makedirs(new)
+            write(new)
+            with open(os.path.join(new, common.META), "w") as f:
+                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev}, f,
+                          indent=2)
+            sync_tree(new)  # on disk before the commit names it
+        common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
+                           pause)  # the commit
+    except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
+        shutil.rmtree(new, ignore_errors=True)
+        full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
+            "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch, Rust
+        reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+        common.die(f"cannot save in {out_dir} ({reason}): free disk space or pass another "
+                   "--output-dir; what was saved before is kept, and --resume continues from it")
+    settle(out_dir, method, check_run, state)
+    if dev is not None:
+        log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
+    return run
+
+
+def settle(run_dir, method, check_run, state=None):
+    """What a kill left, decided by the save ids (the lock held): a .best.new that checkpoint.pt
+    names, checked, takes best/'s place; any other goes, as do .best.old and .tmp files; dev.jsonl
+    is rewritten; a best/ not the save it names is one line. -> the state (None: no checkpoint)"""
+    at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
+    for name in OURS - {LOCK}:  # our names, of the kind we write
+        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
+            common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
+                       f"{method}.py writes there: delete it, then run again")
+    if state is None and os.path.lexists(at(CKPT)):
+        state = read_checkpoint(run_dir, method)
+    save = state and state["save"]
+    try:
+        if save and save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
+            if not ours:  # a leftover: checked before it is used
+                check_run(at(NEW), read_meta(at(NEW), method))
+            with folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
+                pause()
+                if os.path.isdir(at(BEST)):
+                    os.replace(at(BEST), at(OLD))
+                    pause()
+                os.replace(at(NEW), at(BEST))
+                common.fsync(run_dir)
+                pause()
+        for name in (NEW, OLD):  # a save never committed; the best model replaced
+            if os.path.isdir(at(name)):
+                shutil.rmtree(at(name))
+        for name in (CKPT + ".tmp", CURVE + ".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(at(name))
+        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
+        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
+            common.write_whole(at(CURVE), lambda f: f.write(view), pause)
+    except OSError as e:
+        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
+                   "disk space or make it writable, then run again")
+    if save and save_id(at(BEST)) != save:
+        common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
+                   f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")
+    return state
+
+
+@contextlib.contextmanager
+def reading(run_dir, method, check_run):
+    """A reader of a run folder: settled if no run holds it; best/ not swapped while inside."""
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, LOCK), "a+") as lock:
+        if flock(lock, "EX", "NB"):
+            settle(run_dir, method, check_run)
+    with folder_lock(run_dir, "SH"):
+        yield os.path.join(run_dir, BEST)
+
+
+def read_checkpoint(run_dir, method, device="cpu"):
+    """checkpoint.pt of a run of method's script, every field of its type, or one line."""
+    path = os.path.join(run_dir, CKPT)
+    try:
+        state = torch.load(path, map_location=device, weights_only=False, mmap=True)
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
+    if not isinstance(state, dict) or state.get("method") != method:
+        common.die(f"{path} was not written by {method}.py: pass a run folder of {method}.py")
+    if "save" not in state and "step" in state:
+        common.die(f"{path} predates best/ (an earlier {method}.py's run): eval_sts.py reads it, "
+                   f"the {method}.py that wrote it resumes it")
+    number = lambda v: isinstance(v, (int, float))  # noqa: E731
+    ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
+          "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
+          "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
+          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
+          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
+          "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
+          "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
+          "best": number, "save": lambda v: v is None or isinstance(v, str),
+          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
+              e.get("score")) and type(e.get("step")) is int for e in v)}
+    if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
+        common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
+    return state
+
+
+def read_meta(folder, method):
+    """A model folder's sentemb.json, a run description of method's script, or one line."""
+    path = os.path.join(folder, common.META)
+    meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
+    if meta.get("method") != method:
+        common.die(f"{path} is not a run description of {method}.py (method "
+                   f"{meta.get('method')!r}): {RECOPY}")
+    return meta
+
+
+def run_of(name):
+    """NAME to a reader: (method, run folder, model folder) for a run folder of ours or its best/;
+    (method, None, NAME) for a copy of best/ (or a run of the layout before it); None: a model."""
+    up = os.path.dirname(os.path.abspath(name))
+    run = up if os.path.basename(os.path.abspath(name)) == BEST and \
+        os.path.isfile(os.path.join(up, CKPT)) else name
+    if os.path.isdir(os.path.join(run, BEST)) or os.path.isfile(os.path.join(run, CKPT)) \
+            and not os.path.isfile(os.path.join(run, common.META)):
+        try:
+            with open(os.path.join(run, BEST, common.META)) as f:
+                method = json.load(f)["method"]
+        except Exception:  # no best model yet (or a damaged one): the checkpoint names it
+            try:
+                method = torch.load(os.path.join(run, CKPT), map_location="cpu", mmap=True,
+                                    weights_only=False)["method"]
+            except Exception as e:
+                common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
+                           f"{CKPT} ({type(e).__name__}): {RECOPY}")
+        return method, run, os.path.join(run, BEST)
+    if os.path.isfile(os.path.join(name, common.META)):
+        with contextlib.suppress(Exception):
+            return json.loads(common.read_text(os.path.join(name, common.META)))["method"], \
+                None, name
+        return "?", None, name  # the reader names the damaged file
+    return None
+
+
+def save_id(folder):
+    """The save that a model folder of ours holds (its sentemb.json's "save"; None: unreadable)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        with open(os.path.join(folder, common.META)) as f:
+            return json.load(f).get("save")
+
+
+# ---------------------------------------------------------------- the file system -----------------
+def pause():
+    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    STOP["writes"] += 1
+    if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
+
+
+def sync_tree(folder):
+    """Every file of a folder written, then the folders' entries, on the disk (pause() between)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            common.fsync(os.path.join(root, name))
+            pause()
+        common.fsync(root)
+
+
+def flock(f, *how):
+    """An advisory lock on an open file or folder, dropped when it is closed or the process ends;
+    how: "EX" or "SH", and "NB" not to wait. -> False when NB and another process holds it."""
+    try:
+        if fcntl:
+            fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def folder_lock(folder, how):
+    """The folder locked while inside: "EX" while a save swaps best/, "SH" while a reader loads."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        yield flock(fd, how)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the step lines' meter -----------
+class FlopCount(TorchDispatchMode):
+    """`with FlopCount() as c:` c.flops counts the FLOPs of the matrix products run inside (forward
+    and backward) by torch's FlopCounterMode's formulas, without its per-module bookkeeping."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these):
+# the MFU of a step line (bf16 autocast is on with CUDA); the first name in the device's applies
+GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
+             "H200": 989e12, "A100": 312e12}
+
+
+class Meter:
+    """The step lines' speed: `with meter.step(forward):` around each step; line(): rows (unit) and
+    real tokens (.tokens) a second, FLOP/s and on a GPU of known peak MFU, over the steps since the
+    last line, all ranks. The first step is counted (FlopCount): its FLOPs a padded token slot
+    (forward.slots) times another's slots is that step's, within 0.2% of a count."""
+
+    def __init__(self, device, per_step, unit):
+        self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
+        self.time = self.steps = self.flops = self.tokens = 0
+
+    @contextlib.contextmanager
+    def step(self, forward):
+        t0, slots = time.perf_counter(), forward.slots
+        with FlopCount() if self.per_slot is None else contextlib.nullcontext() as counted:
+            yield
+        if counted is not None:
+            self.per_slot = counted.flops / max(forward.slots - slots, 1)
+        if self.device.type == "cuda":  # the step's kernels done
+            torch.cuda.synchronize(self.device)
+        self.flops += self.per_slot * (forward.slots - slots)
+        self.time, self.steps = self.time + time.perf_counter() - t0, self.steps + 1
+
+    def line(self):
+        dt, cuda = self.time, self.device.type == "cuda"
+        text = f"{self.unit}/s {self.per_step * self.steps / dt:.2f}"
+        if self.tokens:
+            text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
+        flops = summed(self.flops, self.device) / dt
+        text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
+        name = torch.cuda.get_device_name(self.device) if cuda else ""
+        if peak := next(((k, v) for k, v in GPU_PEAKS.items() if k in name), None):
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
+        self.time = self.steps = self.flops = self.tokens = 0
+        return text
+
+
+def summed(x, device):
+    """A number summed over the ranks (torchrun), as a float."""
+    t = torch.tensor(float(x), device=device)
+    if torch.distributed.is_initialized():
+        collective(torch.distributed.all_reduce, t)
+    return t.item()
