@@ -21,7 +21,6 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
       --no-final-eval --output-dir runs/bellm                      # CPU (docs/bellm.md)
 """
 import argparse
-import contextlib
 import copy
 import csv
 import functools
@@ -30,6 +29,7 @@ import json
 import math
 import os
 import warnings
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -639,11 +639,9 @@ def main():
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
             with meter.step(forward):
-                optimizer.zero_grad(set_to_none=True)
-                for k in range(a.grad_accum):  # micro-batch k: this rank's rows of it
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    sync = world == 1 or k == a.grad_accum - 1  # DDP all-reduces after the last
-                    with contextlib.nullcontext() if sync else model.no_sync():
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, n = train_step(forward, tokenizer, [rows[i] for i in ids], kind,
                                              a.prompt, device, a.temp, a.max_len, bf16, world,
                                              a.grad_accum, harness.gather)
@@ -654,6 +652,7 @@ def main():
                     params, a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
                     f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")

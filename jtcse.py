@@ -22,12 +22,12 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
   python jtcse.py --distill runs/jtcse_minilm --model-a runs/simcse_1 --output-dir runs/jtcse_d
 """
 import argparse
-import contextlib
 import functools
 import json
 import math
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -410,7 +410,7 @@ def teacher_run(name, load):
         except ImportError:
             common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
     with harness.reading(run_dir, method, script.check_run) if run_dir else \
-            contextlib.nullcontext(folder) as folder:
+            nullcontext(folder) as folder:
         meta = harness.read_meta(folder, method)
         script.check_run(folder, meta)
         return load(script, folder, meta)
@@ -545,11 +545,9 @@ def main():
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
             with meter.step(forward):
-                optimizer.zero_grad(set_to_none=True)
-                for k in range(a.grad_accum):  # micro-batch k: this rank's rows of it
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    sync = world == 1 or k == a.grad_accum - 1  # DDP all-reduces after the last
-                    with contextlib.nullcontext() if sync else model.no_sync():
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, terms = train_step(
                             forward, tokenizer, [sentences[i] for i in rows], R, device, a.temp,
                             a.max_len, a.objective, skip, a.drop_layernorm > 0,
@@ -561,6 +559,7 @@ def main():
                     params, a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             if step % a.log_steps == 0 or step == len(steps):
                 parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
                 log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else

@@ -19,11 +19,11 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm   # CPU: minutes
 """
 import argparse
-import contextlib
 import functools
 import json
 import math
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -389,11 +389,9 @@ def main():
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             with meter.step(forward):
-                optimizer.zero_grad(set_to_none=True)
-                for k in range(a.grad_accum):  # micro-batch k: this rank's rows of it
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    sync = world == 1 or k == a.grad_accum - 1  # DDP all-reduces after the last
-                    with contextlib.nullcontext() if sync else model.no_sync():
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss = train_step(forward, tokenizer, [sentences[i] for i in rows],
                                           layers, device, a.temp, a.max_len, a.objective,
                                           a.no_aug, a.bf16 or device.type == "cuda", world,
@@ -404,6 +402,7 @@ def main():
                     raw_model.parameters(), a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
                     f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")

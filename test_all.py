@@ -3546,8 +3546,8 @@ def test_bellm_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
                                            for j in ids]), abs=1e-9)
 
 
-# ---------------------------------------------------------------- the harness of all three
-# scripts ------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- harness.py: the run folder and
+# the training process of all three scripts --------------------------------------------------------
 @pytest.fixture(scope="session")
 def bert_wide_dir(tmp_path_factory, bert_tokenizer_dir):
     """Dropout off; weights drawn wider than BERT's std 0.02, so that sentences' [CLS] vectors and
@@ -3573,7 +3573,7 @@ def kill_when(proc, out, trigger, signum=signal.SIGKILL, timeout=300):
     return False
 
 
-# ---- harness: one text in the three scripts; a method's lines copied alone ----
+# ---- the three layers; a method's lines copied alone ----
 HARNESS = "# " + "-" * 64 + " the harness " + "-" * 21  # the banner, 100 characters
 
 
@@ -3815,15 +3815,13 @@ COPY_FIRST = {"sscl": "the loss", "jtcse": "the model patch: CAEL", "bellm": "th
 
 def copied_section(script):
     """The lines docs/<script>.md says to copy for one training step, checked to be the script's
-    sections from its first (the loss or the model patch) to train_step's end, and its harness
-    range: -> (a module of those lines alone, with the imports the page names)"""
+    sections from its first (the loss or the model patch) to train_step's end (and the authors'
+    update): -> (a module of those lines alone, with the imports the page names)"""
     page = " ".join((ROOT / "docs" / f"{script}.md").read_text().split())  # lines joined
     lines = (ROOT / f"{script}.py").read_text().splitlines()
     first, last = map(int, re.search(rf"lines (\d+)–(\d+) of `{script}\.py`", page).groups())
     b = banners(script)
     assert (first, last + 1) == (b[COPY_FIRST[script]], b["the data loader"]), script
-    said = re.search(r"\*\*the harness, lines (\d+)–(\d+)\*\*", page, re.I)
-    assert said and tuple(map(int, said.groups())) == (b["the harness"], len(lines)), script
     head = "import torch\nimport torch.nn.functional as F\n"
     assert "`import torch` and `import torch.nn.functional as F`" in page, script
     code = head + "\n".join(lines[first - 1:last]) + "\n"
@@ -3875,12 +3873,12 @@ def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_di
 
 
 def copy_run(script, cmd, tmp_path):
-    """script.py and common.py copied into an empty folder: --help; a run of 2 steps (a dev
-    evaluation each), killed inside its second save; --resume finishes and prints the final table,
-    with no other file of the project. -> the resumed run's stdout."""
+    """script.py, common.py and harness.py copied into an empty folder: --help; a run of 2 steps (a
+    dev evaluation each), killed inside its second save; --resume finishes and prints the final
+    table, with no other file of the project. -> the resumed run's stdout."""
     d = tmp_path / "copy"
     d.mkdir()
-    for f in (f"{script}.py", "common.py"):
+    for f in (f"{script}.py", "common.py", "harness.py"):
         shutil.copy(ROOT / f, d)
     env = {**ENV, "PYTHONPATH": ""}
     cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
@@ -3894,21 +3892,21 @@ def copy_run(script, cmd, tmp_path):
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
     assert re.search(r"STS-B .*Avg\.\n( +-?\d+\.\d+){2,8}\n", done.stdout), done.stdout
-    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "run",
+    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "harness.py", "run",
                                                                 f"{script}.py"}
     return done.stdout
 
 
 @pytest.mark.slow
-def test_harness_sscl_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(
+def test_harness_sscl_copied_beside_common_and_harness_trains_is_killed_resumes_and_evaluates(
         bert_dir, train_txt, sts_dir, tmp_path):
     copy_run("sscl", lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, steps=2,
                                            eval_steps=1), tmp_path)
 
 
 @pytest.mark.slow
-def test_harness_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(jt_env,
-                                                                                         tmp_path):
+def test_harness_jtcse_copied_beside_common_and_harness_trains_is_killed_resumes_and_evaluates(
+        jt_env, tmp_path):
     d, _ = jt_env
     copy_run("jtcse", lambda out: [
         "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
@@ -3917,8 +3915,8 @@ def test_harness_jtcse_copied_beside_common_alone_trains_is_killed_resumes_and_e
 
 
 @pytest.mark.slow
-def test_harness_bellm_copied_beside_common_alone_trains_is_killed_resumes_and_evaluates(tok_dir,
-                                                                                         tmp_path):
+def test_harness_bellm_copied_beside_common_and_harness_trains_is_killed_resumes_and_evaluates(
+        tok_dir, tmp_path):
     model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
                           nli_csv(tmp_path, rows=20))
     copy_run("bellm", lambda out: [
