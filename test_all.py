@@ -3495,9 +3495,9 @@ def test_bellm_representative_words_of_a_decoder_and_a_run_folder(tok_dir, tmp_p
 
 
 def test_bellm_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
-    """bellm.dependency_scores against scipy.stats.spearmanr token by token: a decoder at K = 0 (the
-    stock model's last hidden state, pivot = last token) on bare sentences, and a BERT (pivot =
-    CLS); and with the prompt, the tokens scored are exactly the sentence's."""
+    """bellm_analysis.dependency_scores against scipy.stats.spearmanr token by token: a decoder at
+    K = 0 (the stock model's last hidden state, pivot = last token) on bare sentences, and a BERT
+    (pivot = CLS); and with the prompt, the tokens scored are exactly the sentence's."""
     from scipy.stats import spearmanr
     from transformers import AutoModel, AutoTokenizer
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
@@ -4608,7 +4608,7 @@ def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, 
     # after the commit, the view's write: the save stands, the next open writes the view
     monkeypatch.undo()
     real = common.write_whole
-    monkeypatch.setattr(harness, "write_whole", lambda path, *a: real(path, *a) if not
+    monkeypatch.setattr(common, "write_whole", lambda path, *a: real(path, *a) if not
                         path.endswith(harness.CURVE) else (_ for _ in ()).throw(
                             OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(SystemExit) as e:
@@ -4720,7 +4720,8 @@ def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_pat
     if pid == 0:  # the writer, never back into pytest
         try:
             os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
-            lock, run = harness.lock_run(str(out)), record(None)
+            lock, run = open(out / harness.LOCK, "a+"), record(None)
+            assert harness.flock(lock, "EX", "NB")  # as a training run holds it
             for step in itertools.count(1):
                 assert not lock.closed  # held while it saves, as a training run holds it
                 v = versions[step % 3]
