@@ -43,8 +43,8 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     root = Path(a.dir or tempfile.mkdtemp())
     root.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(**{x.dest: x.default for x in sscl.p._actions if x.dest != "help"},
-                              output_dir=str(root / "run"))
+    args = argparse.Namespace(**{**{x.dest: x.default for x in sscl.p._actions
+                                     if x.dest != "help"}, "output_dir": str(root / "run")})
     meta = dict(method="sscl", pooler="cls", proj_dim=0, max_len=512)
     write = functools.partial(sscl.save_model, enc, tok, 512)
     times = {"harness save (synced, committed, swapped)": [], "in place, no sync": []}
