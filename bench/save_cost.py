@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common  # noqa: E402
+from _inputs import env_input  # noqa: E402
 import harness  # noqa: E402
 import sscl  # noqa: E402
 
@@ -33,7 +34,7 @@ p.add_argument("--dir", help="where the run folders go (default: a temporary fol
 def main():
     a = p.parse_args()
     from transformers import AutoModel, AutoTokenizer
-    minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+    minilm = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
     enc = sscl.SentenceEncoder(common.load_pretrained(AutoModel, minilm, label="MINILM"), "cls")
     opt = torch.optim.AdamW(enc.parameters(), lr=1e-5)
@@ -43,8 +44,8 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     root = Path(a.dir or tempfile.mkdtemp())
     root.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(**{x.dest: x.default for x in sscl.p._actions if x.dest != "help"},
-                              output_dir=str(root / "run"))
+    args = argparse.Namespace(**{**{x.dest: x.default for x in sscl.p._actions
+                                     if x.dest != "help"}, "output_dir": str(root / "run")})
     meta = dict(method="sscl", pooler="cls", proj_dim=0, max_len=512)
     write = functools.partial(sscl.save_model, enc, tok, 512)
     times = {"harness save (synced, committed, swapped)": [], "in place, no sync": []}
