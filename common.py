@@ -1,13 +1,10 @@
 """What the scripts (sscl.py, jtcse.py, bellm.py) and the tools (eval_sts.py, the analyses, bench/)
-share, and no equation of a paper: finding the data and reading training text; range-checked
-argument types; loading a model folder strictly (every file checked, one line naming a broken one);
-tokenisation by length groups and batched encoding; the sentence-transformers files of a saved
-model; the STS data and evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test;
-Spearman x 100). It imports no module of the project. The run folder and the training process are
-harness.py's.
-
-The evaluator takes any `encode(list[str]) -> Tensor (N, H)`; each method passes its own, so the
-numbers printed during training and by eval_sts.py come from the same function.
+share, and no equation of a paper: finding the data and reading training text; argument types;
+loading a model folder strictly (every file checked, one line naming a broken one); tokenisation by
+length groups, batched encoding, FLOP counts; the sentence-transformers files of a saved model; the
+STS data and evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x
+100) of any encode(list[str]) -> (N, H): each method passes its own, the one its training used. It
+imports no module of the project; the run folder and the training process are harness.py's.
 """
 import argparse
 import codecs
@@ -18,9 +15,12 @@ import math
 import os
 import re
 import sys
+import zlib
 
 import torch
 from scipy.stats import spearmanr
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R"]
 STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as in SentEval)
@@ -44,10 +44,9 @@ def die(msg):
 
 
 def write_whole(path, write, pause=None):
-    """Replace the file at path whole (eval_sts.py --json, --plot, harness.py's saves): write(f)
-    fills path.tmp (binary), synced and renamed over path, the folder synced. A kill or a full disk
-    at any instant leaves the old file or the new, never a mix; on an error .tmp is removed and the
-    error raised again. pause(): before the sync (tests aim kills there)."""
+    """Replace the file at path whole (--json, --plot, harness.py's saves): write(f) fills path.tmp,
+    synced and renamed over path, the folder synced: a kill or a full disk leaves the old file or
+    the new, never a mix (an error removes .tmp). pause(): before the sync (where tests kill)."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -72,6 +71,22 @@ def fsync(path):
     finally:
         os.close(fd)
 
+
+
+def fingerprint(path):
+    """A file's CRC-32 and size, one pass over its bytes, once a process (None: no such file)."""
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        return _crc(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.cache  # by the file's identity: a file replaced or written again is read again
+def _crc(path, *identity):
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+        return f"{crc:08x}-{f.tell()}"
 
 QUIET = False  # --quiet: no progress bars
 
@@ -160,8 +175,7 @@ def senteval_dir(flag=None):
 
 
 def sts_data(flag=None, tasks=TASKS):
-    """The STS data folder (senteval_dir), STS-B dev and the tasks' test sets read now: a malformed
-    file stops a run before it starts, not at its final table."""
+    """senteval_dir, STS-B dev and the tasks' test sets read now (a bad file stops a run first)."""
     data = senteval_dir(flag)
     load_sts(data, "STS-B", "dev")
     for t in tasks:
@@ -195,27 +209,6 @@ def read_text(path):
         line = raw[:e.start].count(b"\n") + 1
         die(f"'{path}', line {line}: not UTF-8 text; convert the file to UTF-8 "
             "(e.g. iconv -f latin1 -t utf8)")
-
-
-def env_input(var, default, kind="model"):
-    """The input an environment variable names (bench/: MINILM, SMOLLM, WIKI, NLI), checked as a
-    flag's: a file (kind "file"), or a model folder or hub name. -> its value"""
-    value = os.environ.get(var, default)
-    if kind == "file" and not os.path.isfile(value):
-        die(f"{var}='{value}' is not a file: set {var} to the training file")
-    if kind == "model" and not os.path.isdir(value) and (
-            os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") > 1):
-        die(f"{var}='{value}' is not a model folder: set {var} to one, or to a hub name")
-    return value
-
-
-def env_rows(var, default, n, read):
-    """The first n rows of the training file an environment variable names (bench/: WIKI, NLI),
-    read(path) -> its rows; a missing or shorter file is one line naming the variable."""
-    path = env_input(var, default, "file")
-    if len(rows := read(path)) < n:
-        die(f"{var}='{path}' has {len(rows)} rows; {n} are needed here: set {var} to a longer file")
-    return rows[:n]
 
 
 def read_sentences(path):
@@ -412,9 +405,8 @@ def _layer(key):
 
 def check_weights(folder, where, fix=REFETCH):
     """A local model folder's weights are the model its config.json describes (built on the meta
-    device): no tensor of the model's own modules that it lacks (a config cut to fewer layers than
-    the file holds), each in its shape. Heads beside the base model (cls.*, lm_head.*) are never
-    read; weights the file lacks are refused at load (load_pretrained)."""
+    device): no tensor its own modules lack (a config cut to fewer layers), each in its shape; heads
+    beside it (cls.*, lm_head.*) unread; missing weights are refused at load (load_pretrained)."""
     from transformers import AutoConfig, AutoModel
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -513,8 +505,7 @@ def check_num_layers(num_layers, config, name, flag="--num-layers"):
 
 
 def positions(config):
-    """The tokens a model reads at most: max_position_embeddings, less RoBERTa's offset (its
-    position ids start after the padding index: roberta-base's 514 positions hold 512 tokens)."""
+    """The tokens a model reads: max_position_embeddings, less RoBERTa's offset (514 hold 512)."""
     n = getattr(config, "max_position_embeddings", None)
     return n - config.pad_token_id - 1 if n and config.model_type in ROBERTA_LIKE else n
 
@@ -523,8 +514,7 @@ ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")  # RobertaEmbeddings' pos
 
 
 def check_max_len(max_len, config, name, flag="--max-len", extra=0):
-    """A token limit must fit the model's positions (max_position_embeddings, common.positions), or
-    the first longer sentence would crash inside the model. extra: tokens added around it."""
+    """A token limit (plus extra tokens around it) that fits the model's positions, or one line."""
     limit = positions(config)
     if limit and max_len + extra > limit:
         plus = f" plus the prompt's {extra} tokens" if extra else ""
@@ -594,8 +584,7 @@ def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=()):
     batch: dict of (N, L) tensors with an attention_mask, padded on either side; outputs: (N, ...)
     tensors, or nested tuples / lists of them (None kept). slots: a list that receives the padded
     token slots computed. lookups: trained word embeddings that forward applies: each looks the
-    whole batch up once, every group reads its rows (one vocabulary-sized gradient, not one a
-    group)."""
+    whole batch up once, every group reads its rows (one vocabulary-sized gradient a batch)."""
     mask = batch["attention_mask"]  # (N, L)
     lengths = mask.sum(1).tolist()
     groups = length_groups(lengths, cost)
@@ -661,6 +650,27 @@ def word_embeddings(model):
     return found
 
 
+
+class FlopCount(TorchDispatchMode):
+    """`with FlopCount() as c:` c.flops counts the FLOPs of the matrix products run inside (forward
+    and backward) by torch's FlopCounterMode's formulas, without its per-module bookkeeping."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these):
+# the MFU of a step line (bf16 autocast is on with CUDA); the first name in the device's applies
+GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
+             "H200": 989e12, "A100": 312e12}
+
 @torch.no_grad()
 def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=128):
     """(N, H) embeddings in the order given. Every sentence is tokenised once, then batched by token
@@ -688,16 +698,7 @@ def encoder(embed, tokenizer, max_len, device):
     return encode
 
 
-def compiled(fn, on=True, backend="inductor"):
-    """fn under torch.compile when on, dynamic shapes from its first call (batches and length
-    groups of other sizes reuse its code), else fn itself."""
-    if not on:
-        return fn
-    check_compile(backend)
-    return torch.compile(fn, dynamic=True, backend=backend)
-
-
-@functools.cache  # once a process and backend (common.parse, then compiled())
+@functools.cache  # once a process and backend (common.parse, then compiled_*)
 def check_compile(backend="inductor"):
     """--compile where torch.compile cannot run, found before any work (a tiny function compiled
     on the device: inductor on a CPU needs a C++ compiler): one line naming the fix."""
@@ -727,12 +728,14 @@ def compiled_layers(model, on=True, backend="inductor"):
 
 
 def compiled_encode(encode, on=True, backend="inductor"):
-    """An encode function (encoder, bellm.make_encode) that runs compiled when on: its embed whole,
-    or a decoder LLM's layers (its .layers, from bellm.make_encode) one by one (compiled_layers)."""
+    """An encode function (encoder, bellm.make_encode) that runs compiled when on: its embed whole
+    (dynamic shapes: batches of other sizes reuse its code), or a decoder LLM's layers (its .layers,
+    from bellm.make_encode) one by one (compiled_layers)."""
     if on and getattr(encode, "layers", None) is not None:
         compiled_layers(encode.layers, backend=backend)
     elif on:
-        encode.embed = compiled(encode.embed, backend=backend)
+        check_compile(backend)
+        encode.embed = torch.compile(encode.embed, dynamic=True, backend=backend)
     return encode
 
 
@@ -755,8 +758,7 @@ def _lines(path):
 
 
 def _row(path, i, s1, s2, gold):
-    """(sent1, sent2, score) as SentEval reads them: whitespace-split and re-joined with single
-    spaces."""
+    """(sent1, sent2, score) as SentEval reads them: words re-joined with single spaces."""
     try:
         return " ".join(s1.split()), " ".join(s2.split()), float(gold)
     except ValueError:
@@ -765,8 +767,7 @@ def _row(path, i, s1, s2, gold):
 
 
 def load_sts(data, task, split="test"):
-    """{subset: [(sent1, sent2, gold)]}; STS pairs with an empty gold line are dropped (as
-    SentEval)."""
+    """{subset: [(sent1, sent2, gold)]}; pairs with an empty gold line dropped (as SentEval)."""
     if task in STS_SUBSETS:
         subsets = {}
         for name in STS_SUBSETS[task]:
@@ -801,8 +802,7 @@ def load_sts(data, task, split="test"):
 
 
 def check_gold(subsets, where):
-    """A task's pairs whose gold scores can give a Spearman correlation (two values at least; the
-    subsets pooled, SentEval's "all" setting), else one line naming the file or folder."""
+    """A task's pairs (subsets pooled) with two gold values or more, for Spearman; or one line."""
     gold = {r[2] for rows in subsets.values() for r in rows}
     if len(gold) < 2:
         die(f"{where}: {'its gold scores are all ' + str(gold.pop()) if gold else 'no scored pair'}"

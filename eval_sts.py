@@ -80,8 +80,7 @@ def reading(name):
     script, run_dir, folder = found
     with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
             contextlib.nullcontext(folder) as folder:
-        meta = harness.read_meta(folder, script.METHOD)
-        script.check_run(folder, meta)
+        meta = harness.read_meta(folder, script.METHOD, script.check_run)
         yield script, folder, meta
 
 

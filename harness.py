@@ -3,14 +3,14 @@ reader of a paper may skip this file: main() calls it at a few places (start, Ru
 stop_requested, save, finish; a Meter for the step lines), and its training step is plain torch.
 
 What it guarantees, by construction:
-- One commit point: checkpoint.pt holds all a run knows (flags, the model's description, trained
-  weights, optimiser, schedule, RNG states, step, dev curve, best score, the id of the save in
-  best/), replaced whole. A new best model is written whole into .best.new/ and synced before the
-  checkpoint names it. A SIGKILL at any instant leaves the last committed save or the new one.
-- settle(), run first by every command that opens a run folder no run holds, decides by the save
-  ids what a kill left: a committed .best.new takes best/'s place, anything else of a save under
-  way goes, dev.jsonl (the curve) is rewritten. Readers load best/ under a shared lock of the
-  folder, which a swap takes exclusively: never two saves mixed.
+- One commit point: checkpoint.pt holds all a run knows (flags, model description, weights,
+  optimiser, schedule, RNG states, step, dev curve, best score, the id of the save in best/),
+  replaced whole. A new best model is written whole into .best.new/, its weight files
+  fingerprinted, and synced before the checkpoint names it: a SIGKILL at any instant leaves the
+  last committed save or the new one. settle(), run first by every command that opens a run folder
+  no run holds, rolls a committed .best.new into best/ and removes what no commit names; a save a
+  commit names is never removed. Readers get the committed save (best/, or .best.new in a folder
+  they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed.
 - One run a folder (.lock), never an input model; --resume goes on as the uninterrupted run would.
 - SIGINT or SIGTERM stops training at the next step, saved, on every rank; a second exits at once.
   A full disk or an unwritable folder is one line; what was saved before is kept.
@@ -30,8 +30,6 @@ import time
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 import common
 
@@ -40,18 +38,16 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None
 
-# a run folder's names; OURS: those of a save under way too
 CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", ".best.old", \
     "dev.jsonl", ".lock"
-OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}
+OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
 RECOPY = "copy the whole run folder again, or train again"
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
 # ---------------------------------------------------------------- the process ---------------------
 def start():
-    """One process, or one of torchrun's (NCCL on GPUs, gloo on CPUs). -> rank, world size, device,
-    log (print, flushed, on rank 0 only)"""
+    """This process, or one of torchrun's (NCCL on GPUs, gloo on CPUs): rank, world, device, log"""
     STOP.update(signum=0, now=False, writes=0)
     rank, world, device = 0, 1, common.pick_device()
     if "RANK" in os.environ:
@@ -66,9 +62,8 @@ def start():
 
 
 def collective(call, /, *tensors, **options):
-    """call(*tensors), a torch.distributed collective, returned once gloo's worker thread has let
-    go of the tensors: one freed there while the interpreter exits aborts the process (DDP keeps
-    gloo's threads to the end). NCCL's work is held by its watchdog, stopped at exit."""
+    """call(*tensors), a torch.distributed collective, returned once gloo's worker thread has let go
+    of the tensors (one it frees at exit aborts the process); NCCL's watchdog holds its own."""
     call(*tensors, **options)
     held = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
     if held and held[0].device.type == "cpu":
@@ -118,8 +113,8 @@ class Run:
             {"best": -math.inf, "save": None, "curve": []}  # best score, its save's id, dev curve
 
     def open(self, resume, inputs):
-        """Rank 0: never an input model; with --resume a run folder, else new, empty or holding a
-        save under way; locked (.lock holds the pid) and settled. -> the lock"""
+        """Rank 0: not an input model; new, empty or a save under way (--resume: a run folder);
+        locked (.lock holds the pid) and settled. -> the lock"""
         out, path = self.dir, os.path.join(self.dir, LOCK)
         for name in inputs:
             if os.path.isdir(name) and os.path.isdir(out) and os.path.samefile(name, out):
@@ -249,8 +244,8 @@ class Run:
 
     @contextlib.contextmanager
     def finish(self, step):
-        """Training has ended at step: the peak memory; stopped by a signal (saved at this step),
-        what to do, exit 128 + its number. Inside, a signal exits at once."""
+        """Training ended: the peak memory; stopped by a signal, exit 128 + its number (saved at
+        this step). Inside, a signal exits at once."""
         if self.device.type == "cuda":
             gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
         else:
@@ -271,8 +266,7 @@ class Run:
     def final_table(self, load_encoder, data, tasks, bf16):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
         folder = os.path.join(self.dir, BEST)
-        meta = read_meta(folder, self.method)
-        self.check_run(folder, meta)
+        meta = read_meta(folder, self.method, self.check_run)
         encode = load_encoder(folder, meta, self.device)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
         with common.autocast(self.device, bf16):
@@ -280,9 +274,9 @@ class Run:
 
 
 def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log):
-    """The training state and the run's record (run: best score, its save's id, dev curve; dev:
-    None at a stop) replace checkpoint.pt, the commit; a new best is first written whole into
-    .best.new (write(folder), sentemb.json), renamed after (settle). -> the run's record"""
+    """The training state and the run's record (best score, save id, curve; dev None at a stop)
+    replace checkpoint.pt, the commit; a new best is first written whole into .best.new (write(
+    folder), sentemb.json with its weights' fingerprints), renamed after (settle). -> the record"""
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
         save_step(out_dir, method, check_run, run, step, metric, None, state, write, log)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
@@ -300,9 +294,12 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
         if new_best:
             os.makedirs(new)
             write(new)
+            prints = {os.path.relpath(os.path.join(root, f), new): common.fingerprint(
+                os.path.join(root, f)) for root, _, files in os.walk(new) for f in files
+                if f.endswith((".safetensors", ".pt", ".bin"))}  # the weight files
             with open(os.path.join(new, common.META), "w") as f:
-                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev}, f,
-                          indent=2)
+                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev,
+                           "fingerprints": prints}, f, indent=2)
             sync_tree(new)  # on disk before the commit names it
         common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
                            pause)  # the commit
@@ -320,9 +317,8 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
 
 
 def settle(run_dir, method, check_run, state=None):
-    """What a kill left, decided by the save ids (the lock held): a .best.new that checkpoint.pt
-    names, checked, takes best/'s place; any other goes, as do .best.old and .tmp files; dev.jsonl
-    is rewritten; a best/ not the save it names is one line. -> the state (None: no checkpoint)"""
+    """What a kill left, by the save ids (lock held): the save checkpoint.pt names, checked, into
+    best/; another .best.new goes, as do .best.old and .tmp files; dev.jsonl rewritten. -> state"""
     at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
     for name in OURS - {LOCK}:  # our names, of the kind we write
         if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
@@ -331,10 +327,10 @@ def settle(run_dir, method, check_run, state=None):
     if state is None and os.path.lexists(at(CKPT)):
         state = read_checkpoint(run_dir, method)
     save = state and state["save"]
-    try:
-        if save and save_id(at(NEW)) == save:  # committed, not yet in place: roll forward
+    try:  # the committed save never goes: in best/, else in .best.new (rolled forward), else stop
+        if save and committed(run_dir, method, state) == at(NEW):
             if not ours:  # a leftover: checked before it is used
-                check_run(at(NEW), read_meta(at(NEW), method))
+                read_meta(at(NEW), method, check_run)
             with folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
                 pause()
                 if os.path.isdir(at(BEST)):
@@ -355,20 +351,33 @@ def settle(run_dir, method, check_run, state=None):
     except OSError as e:
         common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
                    "disk space or make it writable, then run again")
-    if save and save_id(at(BEST)) != save:
-        common.die(f"{os.path.join(at(BEST), common.META)} does not name the save {save} that "
-                   f"{at(CKPT)} names (missing, damaged or another save's): {RECOPY}")
     return state
+
+
+def committed(run_dir, method, state=None):
+    """The folder of the save checkpoint.pt names (best/ without one): best/, or .best.new when it
+    is committed and not yet in place (whole on disk); else one line, nothing changed."""
+    at = functools.partial(os.path.join, run_dir)
+    if state is None and not os.path.lexists(at(CKPT)):
+        return at(BEST)
+    if (save := (state or read_checkpoint(run_dir, method))["save"]) is None:
+        common.die(f"'{run_dir}' holds no best model yet (no dev evaluation has saved one): train "
+                   "on with the command that made it and --resume")
+    if found := [at(name) for name in (BEST, NEW) if save_id(at(name)) == save]:
+        return found[0]
+    common.die(f"{at(NEW if os.path.isdir(at(NEW)) else BEST, common.META)} does not name the save "
+               f"{save} that {at(CKPT)} names (missing, damaged or another save's); nothing was "
+               f"changed: {RECOPY}")
 
 
 @contextlib.contextmanager
 def reading(run_dir, method, check_run):
-    """A reader of a run folder: settled if no run holds it; best/ not swapped while inside."""
+    """A reader of a run folder, settled if it can be: -> the committed save's folder (no swap)."""
     with contextlib.suppress(OSError), open(os.path.join(run_dir, LOCK), "a+") as lock:
         if flock(lock, "EX", "NB"):
             settle(run_dir, method, check_run)
     with folder_lock(run_dir, "SH"):
-        yield os.path.join(run_dir, BEST)
+        yield committed(run_dir, method)
 
 
 def read_checkpoint(run_dir, method, device="cpu"):
@@ -399,13 +408,21 @@ def read_checkpoint(run_dir, method, device="cpu"):
     return state
 
 
-def read_meta(folder, method):
-    """A model folder's sentemb.json, a run description of method's script, or one line."""
+def read_meta(folder, method, check_run):
+    """A saved model of method's script: its sentemb.json, checked by check_run(folder, meta), and
+    its weight files those of its save (the fingerprints it records, older runs none); or one
+    line. -> sentemb.json"""
     path = os.path.join(folder, common.META)
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
         common.die(f"{path} is not a run description of {method}.py (method "
                    f"{meta.get('method')!r}): {RECOPY}")
+    check_run(folder, meta)
+    if not isinstance(prints := meta.get("fingerprints", {}), dict):
+        common.die(f"{path} is damaged (fingerprints of the wrong type): {RECOPY}")
+    if bad := [f for f, v in prints.items() if common.fingerprint(os.path.join(folder, f)) != v]:
+        common.die(f"{os.path.join(folder, bad[0])} is not the file of the save {meta.get('save')} "
+                   f"that {path} describes (another save's, or damaged): {RECOPY}")
     return meta
 
 
@@ -415,19 +432,22 @@ def run_of(name):
     up = os.path.dirname(os.path.abspath(name))
     run = up if os.path.basename(os.path.abspath(name)) == BEST and \
         os.path.isfile(os.path.join(up, CKPT)) else name
-    if os.path.isdir(os.path.join(run, BEST)) or os.path.isfile(os.path.join(run, CKPT)) \
-            and not os.path.isfile(os.path.join(run, common.META)):
+    at = functools.partial(os.path.join, run)
+    if not os.path.lexists(at(CKPT)) and not os.path.isdir(at(BEST)) and \
+            any(os.path.lexists(at(n)) for n in (NEW, CKPT + ".tmp")):
+        common.die(f"'{run}' is a run folder with no committed save yet (killed in its first save):"
+                   " run the command that made it again, without --resume: it starts over")
+    if os.path.isdir(at(BEST)) or os.path.isfile(at(CKPT)) and not os.path.isfile(at(common.META)):
         try:
-            with open(os.path.join(run, BEST, common.META)) as f:
-                method = json.load(f)["method"]
+            with open(at(BEST, common.META)) as f:
+                return json.load(f)["method"], run, at(BEST)
         except Exception:  # no best model yet (or a damaged one): the checkpoint names it
             try:
-                method = torch.load(os.path.join(run, CKPT), map_location="cpu", mmap=True,
-                                    weights_only=False)["method"]
+                return torch.load(at(CKPT), map_location="cpu", mmap=True,
+                                  weights_only=False)["method"], run, at(BEST)
             except Exception as e:
                 common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
                            f"{CKPT} ({type(e).__name__}): {RECOPY}")
-        return method, run, os.path.join(run, BEST)
     if os.path.isfile(os.path.join(name, common.META)):
         with contextlib.suppress(Exception):
             return json.loads(common.read_text(os.path.join(name, common.META)))["method"], \
@@ -445,7 +465,7 @@ def save_id(folder):
 
 # ---------------------------------------------------------------- the file system -----------------
 def pause():
-    """Each instant between two writes of a save. Tests aim kills here: SENTEMB_SAVE_PAUSE=seconds
+    """Each instant between two writes of a save, where tests aim kills: SENTEMB_SAVE_PAUSE=seconds
     sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
     STOP["writes"] += 1
     if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
@@ -465,9 +485,10 @@ def sync_tree(folder):
 def flock(f, *how):
     """An advisory lock on an open file or folder, dropped when it is closed or the process ends;
     how: "EX" or "SH", and "NB" not to wait. -> False when NB and another process holds it."""
+    if fcntl is None:  # Windows
+        return True
     try:
-        if fcntl:
-            fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
+        fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
     except BlockingIOError:
         return False
     return True
@@ -484,32 +505,11 @@ def folder_lock(folder, how):
 
 
 # ---------------------------------------------------------------- the step lines' meter -----------
-class FlopCount(TorchDispatchMode):
-    """`with FlopCount() as c:` c.flops counts the FLOPs of the matrix products run inside (forward
-    and backward) by torch's FlopCounterMode's formulas, without its per-module bookkeeping."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (formula := flop_registry.get(func._overloadpacket)) is not None:
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
-        return out
-
-
-# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these):
-# the MFU of a step line (bf16 autocast is on with CUDA); the first name in the device's applies
-GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
-             "H200": 989e12, "A100": 312e12}
-
-
 class Meter:
     """The step lines' speed: `with meter.step(forward):` around each step; line(): rows (unit) and
-    real tokens (.tokens) a second, FLOP/s and on a GPU of known peak MFU, over the steps since the
-    last line, all ranks. The first step is counted (FlopCount): its FLOPs a padded token slot
-    (forward.slots) times another's slots is that step's, within 0.2% of a count."""
+    real tokens (.tokens) a second, FLOP/s, and MFU on a GPU of known peak, over the steps since the
+    last line, all ranks. FLOPs: the first step's counted (common.FlopCount) a padded token slot
+    (forward.slots), times another step's slots (within 0.2% of a count)."""
 
     def __init__(self, device, per_step, unit):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
@@ -518,7 +518,7 @@ class Meter:
     @contextlib.contextmanager
     def step(self, forward):
         t0, slots = time.perf_counter(), forward.slots
-        with FlopCount() if self.per_slot is None else contextlib.nullcontext() as counted:
+        with common.FlopCount() if self.per_slot is None else contextlib.nullcontext() as counted:
             yield
         if counted is not None:
             self.per_slot = counted.flops / max(forward.slots - slots, 1)
@@ -535,7 +535,7 @@ class Meter:
         flops = summed(self.flops, self.device) / dt
         text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
         name = torch.cuda.get_device_name(self.device) if cuda else ""
-        if peak := next(((k, v) for k, v in GPU_PEAKS.items() if k in name), None):
+        if peak := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
         self.time = self.steps = self.flops = self.tokens = 0

@@ -411,8 +411,7 @@ def teacher_run(name, load):
             common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
     with harness.reading(run_dir, method, script.check_run) if run_dir else \
             nullcontext(folder) as folder:
-        meta = harness.read_meta(folder, method)
-        script.check_run(folder, meta)
+        meta = harness.read_meta(folder, method, script.check_run)
         return load(script, folder, meta)
 
 

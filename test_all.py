@@ -1939,7 +1939,7 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py")))
 def test_bench_scripts_print_their_help(script):
     """--help of each bench script exits 0 with its usage; paper_scale.py's shows each typed
     flag's range and keeps its child-process flags (--measure, --rows) hidden."""
@@ -3619,7 +3619,7 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
 
 def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(bert_dir, tok_dir,
                                                                               tmp_path):
-    """harness.FlopCount (torch's formulas, without the per-module bookkeeping) counts what
+    """common.FlopCount (torch's formulas, without the per-module bookkeeping) counts what
     torch.utils.flop_counter.FlopCounterMode counts, on a training step of each script (forward,
     loss and backward: SSCL's two views and layer-M negatives, the twin's cross stream, BeLLM with
     LoRA)."""
@@ -3640,7 +3640,7 @@ def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(b
     for step in steps:
         with FlopCounterMode(display=False) as theirs:
             step()
-        with harness.FlopCount() as ours:
+        with common.FlopCount() as ours:
             step()
         assert ours.flops == theirs.get_total_flops() > 0
 
@@ -3657,7 +3657,7 @@ def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of
     for i in range(5):
         sents = uneven(random.Random(i), 8)
         before = meter.flops
-        with meter.step(forward), harness.FlopCount() as exact:
+        with meter.step(forward), common.FlopCount() as exact:
             sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
         assert meter.flops - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
     assert meter.steps == 5 and re.fullmatch(r"sent/s [\d.]+  GFLOP/s [\d.]+", meter.line())
@@ -3666,13 +3666,13 @@ def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of
 
 def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_graphs(
         bert_tokenizer_dir):
-    """common.compiled (here with dynamo's eager backend: --compile's graph capture and guards,
-    which decide its recompiles, running the captured graphs as they are; AOT autograd and
-    inductor's kernels are the slow tier's, through each script's --compile) on SSCL's step,
-    dropout off: the loss and the gradients of the eager step, fp32 and bf16, on steps of other
-    batch sizes and lengths (length groups on); after the first step of each precision those
-    steps compile no new graph (torch._dynamo's count); the compiled encoder gives eval's
-    vectors."""
+    """torch.compile(dynamic=True), as the scripts call it (here with dynamo's eager backend:
+    --compile's graph capture and guards, which decide its recompiles, running the captured graphs
+    as they are; AOT autograd and inductor's kernels are the slow tier's, through each script's
+    --compile) on SSCL's step, dropout off: the loss and the gradients of the eager step, fp32 and
+    bf16, on steps of other batch sizes and lengths (length groups on); after the first step of
+    each precision those steps compile no new graph (torch._dynamo's count); the compiled encoder
+    gives eval's vectors."""
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer, BertConfig
     cpu, tok = torch.device("cpu"), AutoTokenizer.from_pretrained(bert_tokenizer_dir)
@@ -3682,7 +3682,7 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     enc = sscl.SentenceEncoder(bert, "cls", 8).train()
     torch._dynamo.reset()
-    net = common.compiled(enc, backend="eager")
+    net = torch.compile(enc, dynamic=True, backend="eager")
     graphs = []
     for i, (n, bf16) in enumerate([(8, False), (6, False), (12, False), (8, True), (5, True),
                                    (11, True)]):
@@ -4927,6 +4927,183 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
         assert files_of(out) == before
 
 
+# ---- harness: the run folder's last states (a committed save never lost, a stale or mixed best/
+# never scored, a first save cut short named) ----
+RUN_DATA = {"sscl": lambda: TPL.sts, "jtcse": lambda: JT_DATA["sts"], "bellm": lambda: TPL.bl_sts}
+
+
+def tree_of(folder):
+    """Every path under folder and every file's bytes (.lock aside: it holds the last pid)."""
+    return {p: p.read_bytes() if p.is_file() else None for p in Path(folder).rglob("*")
+            if p.name != harness.LOCK}
+
+
+def another_save(folder, rel=None):
+    """folder made another save of its run: the weight file rel (every one if None) rewritten with
+    other values of the same shapes, as a later save writes it, and, when rel is None, its
+    sentemb.json that save's own (a new save id, the new files' fingerprints)."""
+    from safetensors.torch import load_file, save_file
+    meta = json.loads((folder / common.META).read_text())
+    torch.manual_seed(0)
+    for f in [rel] if rel else meta["fingerprints"]:
+        path = folder / f
+        tensors = load_file(path) if f.endswith(".safetensors") else torch.load(path)
+        tensors = {k: v + 0.5 * v.float().std().nan_to_num() * torch.randn_like(v.float())
+                   for k, v in tensors.items()}
+        save_file(tensors, path, {"format": "pt"}) if f.endswith(".safetensors") else \
+            torch.save(tensors, path)
+    if rel is None:
+        prints = {f: common.fingerprint(folder / f) for f in meta["fingerprints"]}
+        edit_json(folder / common.META, save="1-0ther5ave", fingerprints=prints)
+
+
+def committed_not_in_place(run, out, stale):
+    """A copy of run as a kill after its commit leaves it: checkpoint.pt names the save in
+    .best.new/, not yet in place; best/ an older save of the run (stale), or gone (in the swap)."""
+    shutil.copytree(run, out)
+    os.rename(out / harness.BEST, out / harness.NEW)
+    if stale:
+        shutil.copytree(out / harness.NEW, out / harness.BEST)
+        another_save(out / harness.BEST)
+
+
+def dev_score(out, method, capsys, monkeypatch):
+    """eval_sts.py --model out on STS-B dev: (exit code, the score printed, stderr)."""
+    code, ev, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
+                            RUN_DATA[method](), "--tasks", "STS-B", "--split", "dev")
+    return code, ev.split()[2] if code == 0 else None, err
+
+
+def one_line(code, err, *words):
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_a_committed_save_whose_description_is_cut_is_never_deleted(
+        script, run_templates, tmp_path, capsys, monkeypatch):
+    """checkpoint.pt names save S, .best.new/ holds S (committed, not yet in place) but its
+    sentemb.json is cut short (a disk that lost a file's tail); best/ an older save, or gone (killed
+    in the swap). eval_sts.py, and the run's own --resume, each settle first: they stop with one
+    line naming .best.new/sentemb.json, every file and folder of the run as it was (S is kept)."""
+    monkeypatch.setenv("SENTEMB_DATA", str(RUN_DATA[script]()))  # (jtcse.py's --resume reads it)
+    for stale in (True, False):
+        out = tmp_path / f"run_{stale}"
+        committed_not_in_place(run_templates[script], out, stale)
+        cut(out / harness.NEW / common.META)
+        before = tree_of(out)
+        for main, args in ((eval_sts, ["--model", out, "--tasks", "STS-B", "--split", "dev",
+                                       "--data-dir", RUN_DATA[script]()]),
+                           (MAINS[script], resume_args(script, out))):
+            code, _, err = main_of(main, capsys, monkeypatch, *args)
+            one_line(code, err, str(out / harness.NEW / common.META), "does not name the save")
+            assert tree_of(out) == before, (script, stale, main.__name__)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_a_reader_that_cannot_settle_scores_the_committed_save_never_a_stale_one(
+        script, run_templates, tmp_path, capsys, monkeypatch):
+    """The committed save not yet in place (.best.new/ holds S, best/ an older save, whole) in a
+    folder the reader cannot settle: a read-only one (opening .lock fails with EROFS), or one
+    whose lock another process holds. eval_sts.py loads S from .best.new/ (whole on disk) and
+    prints S's score with exit 0, changing nothing; it never loads best/."""
+    import builtins
+    out, loaded = tmp_path / "run", []
+    committed_not_in_place(run_templates[script], out, stale=True)
+    want = json.loads((out / harness.NEW / common.META).read_text())["stsb_dev"]
+    load = SCRIPTS[script].load_encoder
+    monkeypatch.setattr(SCRIPTS[script], "load_encoder", lambda folder, *a: (
+        loaded.append(os.path.basename(folder)), load(folder, *a))[1])
+
+    def read_only(path, mode="r", *a, **k):
+        if any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return builtins.open(path, mode, *a, **k)
+    (out / harness.LOCK).touch()
+    before = tree_of(out)
+    with monkeypatch.context() as mp:
+        mp.setattr(harness, "open", read_only, raising=False)
+        code, score, err = dev_score(out, script, capsys, monkeypatch)
+    assert code == 0 and score == f"{want:.2f}" and loaded == [harness.NEW], (err, loaded)
+    assert tree_of(out) == before
+    with open(out / harness.LOCK, "a+") as lock:  # held as a training run holds it
+        assert harness.flock(lock, "EX", "NB")
+        code, score, err = dev_score(out, script, capsys, monkeypatch)
+    assert code == 0 and score == f"{want:.2f}" and loaded[1:] == [harness.NEW], (err, loaded)
+    assert tree_of(out) == before
+
+
+WEIGHT = {"sscl": "proj.pt", "jtcse": "tower_b/model.safetensors",
+          "bellm": "adapter_model.safetensors"}  # one weight file of run_templates' best/
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_a_best_model_with_a_weight_file_of_another_save_is_refused(
+        script, run_templates, tmp_path, capsys, monkeypatch):
+    """best/ whose weight file (a twin's tower_b, SSCL's proj.pt, BeLLM's adapter) comes from
+    another save of the run (whole, the same shapes, other values): sentemb.json's fingerprints do
+    not match, so eval_sts.py refuses it in one line naming the file, in the run folder and in a
+    copy of best/, as harness.read_meta does for every reader (the run's final table too); nothing
+    is changed. (Before, a twin so mixed scored with exit 0.) Each run's sentemb.json records the
+    fingerprints of its weight files."""
+    run, out = run_templates[script], tmp_path / "run"
+    meta = json.loads((run / harness.BEST / common.META).read_text())
+    assert WEIGHT[script] in meta["fingerprints"] and all(
+        common.fingerprint(run / harness.BEST / f) == v for f, v in meta["fingerprints"].items())
+    shutil.copytree(run, out)
+    another_save(out / harness.BEST, WEIGHT[script])
+    shutil.copytree(out / harness.BEST, tmp_path / "copy")
+    for folder in (out, tmp_path / "copy"):
+        before = tree_of(folder)
+        code, _, err = dev_score(folder, script, capsys, monkeypatch)
+        one_line(code, err, WEIGHT[script], "is not the file of the save", meta["save"])
+        assert tree_of(folder) == before
+    with pytest.raises(SystemExit) as e:  # what every reader calls (the run's final table too)
+        harness.read_meta(str(out / harness.BEST), script, SCRIPTS[script].check_run)
+    one_line(e.value.code, capsys.readouterr().err, WEIGHT[script], "is not the file of the save")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_a_run_folder_with_no_committed_save_is_named_so_by_every_reader(
+        script, run_templates, tmp_path, capsys, monkeypatch):
+    """Killed in its first save before the commit, a run folder holds .best.new/ (and
+    checkpoint.pt.tmp) alone: eval_sts.py, jtcse.py --distill and sscl_analysis.py --convergence
+    each say in one line that it has no committed save and that the command that made it, run
+    again, starts it over (before: "tokenizer.json is missing ... pass a model folder"); a run
+    whose checkpoint.pt holds no best model yet (no dev evaluation saved one) is told to go on
+    with --resume. Nothing is changed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(run_templates[script] / harness.BEST, out / harness.NEW)
+    shutil.copy(run_templates[script] / harness.CKPT, out / (harness.CKPT + ".tmp"))
+    cut(out / (harness.CKPT + ".tmp"))
+    before = tree_of(out)
+    for main, args in ((eval_sts, ["--model", out, "--data-dir", RUN_DATA[script]()]),
+                       (jtcse, ["--distill", out, "--model-a", TPL.jt / "a", "--train",
+                                TPL.jt / "train.txt", "--output-dir", tmp_path / "d",
+                                "--no-add-sick"]),
+                       (sscl_analysis, ["--convergence", "--model", out])):
+        code, _, err = main_of(main, capsys, monkeypatch, *args)
+        one_line(code, err, f"'{out}'", "no committed save", "run the command that made it")
+        assert tree_of(out) == before and not (tmp_path / "d").exists(), main.__name__
+    shutil.rmtree(out)
+    shutil.copytree(run_templates[script], out)  # a checkpoint that names no save yet
+    shutil.rmtree(out / harness.BEST)
+    state = torch.load(out / harness.CKPT, weights_only=False)
+    torch.save({**state, "save": None, "best": -math.inf, "curve": []}, out / harness.CKPT)
+    (out / harness.CURVE).write_text("")
+    before = tree_of(out)
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", out, "--data-dir",
+                           RUN_DATA[script]())
+    one_line(code, err, f"'{out}'", "no best model yet", "--resume")
+    assert tree_of(out) == before
+
+
 # ---- harness: multi-GPU (torchrun, gloo on CPU; ranks as threads) ----
 class ThreadRanks:
     """`world` ranks as threads of this process, for the quick tier: harness.gather returns what
@@ -5337,7 +5514,7 @@ def test_harness_cuda_compiled_train_step_is_the_eager_step(
     torch._dynamo.reset()
     out = []
     net = common.compiled_layers(copy.deepcopy(model)) if method == "bellm" else \
-        common.compiled(model)  # bellm.py's --compile, sscl.py's and jtcse.py's
+        torch.compile(model, dynamic=True)  # bellm.py's --compile, sscl.py's and jtcse.py's
     for m in (net, model):
         m.zero_grad(set_to_none=True)
         loss = step(m, gpu, a).item()

@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
+from _inputs import env_input, env_rows  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,8 +29,8 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py -
 common.show_ranges(p)
 bf16 = p.parse_args().bf16
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
-tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+tok, dec = bellm.load_decoder(env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev)
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                        target_modules="all-linear")).train()

@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
+from _inputs import env_input, env_rows  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,8 +34,8 @@ a = p.parse_args()
 ckpt, bf16 = a.grad_ckpt, a.bf16
 dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
-rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
-tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+tok, dec = bellm.load_decoder(env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev, dtype)
 if ckpt:
     dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

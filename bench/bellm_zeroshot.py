@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import time, torch, common, bellm
+from _inputs import env_input
 
 
 def spec(s):
@@ -31,7 +32,7 @@ common.show_ranges(p)
 a = p.parse_args()
 torch.set_num_threads(2)
 dev = torch.device("cpu")
-M = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")  # or a local folder
+M = env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")  # or a local folder
 data = common.senteval_dir(None)
 for k, mode, prompt in a.specs:
     meta = dict(method="bellm", base_model=M, bi_layers=k, bi_mode=mode, prompt=prompt,

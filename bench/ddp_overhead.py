@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import bellm  # noqa: E402
 import common  # noqa: E402
+from _inputs import env_input, env_rows  # noqa: E402
 
 SCRIPTS = ("sscl", "jtcse", "bellm")
 
@@ -46,12 +47,12 @@ p.add_argument("--scripts", type=scripts, default=",".join(SCRIPTS),
                help="the scripts to run, comma-separated (default: all three)")
 common.show_ranges(p)
 a = p.parse_args()
-MINILM = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # their tokenizers
-SMOLLM = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+MINILM = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # their tokenizers
+SMOLLM = env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
 if {"sscl", "jtcse"} & {*a.scripts}:  # a step's rows, at least (the scripts run the epochs)
-    common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
+    env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
 if "bellm" in a.scripts:
-    common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+    env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
 WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()

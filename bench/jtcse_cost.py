@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common, jtcse, sscl
+from _inputs import env_input, env_rows
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 def rss_mb():
@@ -27,9 +28,9 @@ p.add_argument("tower_b", nargs="?", default="runs/sscl_minilm/best",
 common.show_ranges(p)
 a = p.parse_args()
 mode = a.mode
-A = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
+A = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")  # or a local folder
 B = a.tower_b
-sents = common.env_rows("WIKI", "wiki1m_head.txt", 5 * 64, common.read_sentences)  # README's
+sents = env_rows("WIKI", "wiki1m_head.txt", 5 * 64, common.read_sentences)  # README's
 torch.manual_seed(42)
 tok = common.load_pretrained(AutoTokenizer, A, label="MINILM")
 if mode == "simcse":

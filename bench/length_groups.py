@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
+from _inputs import env_input, env_rows  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
@@ -72,8 +73,8 @@ torch.manual_seed(42)
 dev = torch.device("cpu")
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
-    rows = common.env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
-    tok, dec = bellm.load_decoder(common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
+    tok, dec = bellm.load_decoder(env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                                   1, "convert", dev)
     model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                            target_modules="all-linear"))
@@ -94,8 +95,8 @@ if a.method == "bellm":
         return bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05)
 else:
     from transformers import AutoModel, AutoTokenizer, BertModel
-    minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
-    sents = common.env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
+    minilm = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+    sents = env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
     tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
     batch = tok(sents, padding=True, truncation=True, max_length=32,
                 return_tensors="pt").to(dev)

@@ -73,7 +73,6 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
@@ -88,7 +87,7 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
                  initializer_range=0.02, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False)
-PEAK = {g: harness.GPU_PEAKS[g] for g in ("A100", "H100")}  # dense BF16 (H100: SXM), datasheets
+PEAK = {g: common.GPU_PEAKS[g] for g in ("A100", "H100")}  # dense BF16 (H100: SXM), datasheets
 # the runs: training rows, rows a step and GPU, GPUs (the docstring's sources)
 RUNS = {"SSCL": dict(rows=1_000_000, batch=64, gpus=1),
         "JTCSE twin": dict(rows=1_000_000 + 4_802, batch=64, gpus=1),

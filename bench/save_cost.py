@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import common  # noqa: E402
+from _inputs import env_input  # noqa: E402
 import harness  # noqa: E402
 import sscl  # noqa: E402
 
@@ -33,7 +34,7 @@ p.add_argument("--dir", help="where the run folders go (default: a temporary fol
 def main():
     a = p.parse_args()
     from transformers import AutoModel, AutoTokenizer
-    minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+    minilm = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
     enc = sscl.SentenceEncoder(common.load_pretrained(AutoModel, minilm, label="MINILM"), "cls")
     opt = torch.optim.AdamW(enc.parameters(), lr=1e-5)

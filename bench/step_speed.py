@@ -1,6 +1,6 @@
 """The three scripts' training steps on this machine, at the quick-run settings of their docs pages,
 against its matrix-multiply roof: each step's seconds, sentences (rows) a second and FLOP/s (the
-matrix products, counted by harness.FlopCount: forward, loss and backward), fp32 or --bf16, eager or
+matrix products, counted by common.FlopCount: forward, loss and backward), fp32 or --bf16, eager or
 --compile; --profile prints torch.profiler's top rows (self CPU time) of one step.
 
   SSCL:   MiniLM, --layer 5, batch 64, --max-len 32 (README's quick run)
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import bellm  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
+from _inputs import env_input, env_rows  # noqa: E402
 import jtcse  # noqa: E402
 import sscl  # noqa: E402
 
@@ -63,8 +63,8 @@ def build(name, bf16, dev, steps, earlier=False):
     from transformers import AutoModel, AutoTokenizer
     cpu = dev
     if name in ("sscl", "jtcse"):
-        minilm = common.env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
-        sents = common.env_rows("WIKI", "wiki1m_head.txt", 64 * (steps + 2),
+        minilm = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
+        sents = env_rows("WIKI", "wiki1m_head.txt", 64 * (steps + 2),
                                 common.read_sentences)  # the steps' batches
         tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
         towers = [common.load_pretrained(AutoModel, minilm, label="MINILM")
@@ -83,9 +83,9 @@ def build(name, bf16, dev, steps, earlier=False):
                 cpu, max_len=32, bf16=bf16)
         rows = 64
     else:
-        rows_ = common.env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
+        rows_ = env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
                                 lambda f: bellm.read_csv(f)[1])
-        smollm = common.env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
+        smollm = env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
@@ -151,11 +151,11 @@ def main():
         model, step, run, rows = build(name, bf16, dev, a.steps, a.earlier_update)
         flops = []
         for i in range(2, 2 + a.steps):  # each batch's matrix products, counted on an eager step
-            with harness.FlopCount() as counted:
+            with common.FlopCount() as counted:
                 run(i, model)
             flops.append(counted.flops)
         net = common.compiled_layers(model, a.compile) if name == "bellm" else \
-            common.compiled(model, a.compile)  # as the scripts' --compile (bellm's: in place)
+            torch.compile(model, dynamic=True) if a.compile else model  # as the scripts
         first = timed(lambda: step(0, net), dev)  # warm-up; with --compile, the compilation
         second = timed(lambda: step(1, net), dev)  # (CUDA: the allocator's, cuBLAS's warm-up)
         times = [timed(lambda i=i: step(i, net), dev) for i in range(2, 2 + a.steps)]
