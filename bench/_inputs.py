@@ -22,5 +22,6 @@ def env_rows(var, default, n, read):
     read(path) -> its rows; a missing or shorter file is one line naming the variable."""
     path = env_input(var, default, "file")
     if len(rows := read(path)) < n:
-        common.die(f"{var}='{path}' has {len(rows)} rows; {n} are needed here: set {var} to a longer file")
+        common.die(f"{var}='{path}' has {len(rows)} rows; {n} are needed here: set {var} to a "
+                   "longer file")
     return rows[:n]
