@@ -52,11 +52,12 @@ METHODS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # sentemb.json's metho
 
 
 # ---------------------------------------------------------------- run folders -------------------
-# A run folder is written and resumed by its own script, and read here through that script's
-# harness: reading() settles what a kill left when no training run holds the folder and keeps
-# best/ from being swapped while it loads; check_run checks every file and value of best/ (a
-# broken or edited folder is one line naming the file, never another model); load_encoder builds
-# the encode function its training evaluated with.
+# A run folder is written and resumed by its own script, and read here through harness.py:
+# reading() settles what a kill left when no training run holds the folder, reads the save that
+# checkpoint.pt names and keeps it from being swapped while it loads; the script's check_run checks
+# every file and value of it, check_prints that each weight file is that save's (a broken, edited
+# or mixed folder is one line naming the file, never another model); load_encoder builds the
+# encode function its training evaluated with.
 def run_folder(name):
     """A run of ours that NAME is: (its script, the run folder (None: a model folder with a
     sentemb.json, e.g. a copy of best/), the model folder to read); None: a plain model."""
@@ -72,8 +73,9 @@ def run_folder(name):
 
 @contextlib.contextmanager
 def reading(name):
-    """NAME as it is read: (its script, the model folder, its sentemb.json checked), under the
-    reader's lock of its run folder; (None, NAME, None) for a plain model."""
+    """NAME as it is read: (its script, the folder of its committed save, its sentemb.json
+    checked), under the reader's lock of its run folder, its weight files tied to that save once
+    the caller has loaded them; (None, NAME, None) for a plain model."""
     if not (found := run_folder(name)):
         yield None, name, None
         return
@@ -82,6 +84,7 @@ def reading(name):
             contextlib.nullcontext(folder) as folder:
         meta = harness.read_meta(folder, script.METHOD, script.check_run)
         yield script, folder, meta
+        harness.check_prints(folder, meta)  # once its files have loaded (a damaged one named)
 
 
 def read_meta(name):

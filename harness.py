@@ -2,18 +2,17 @@
 reader of a paper may skip this file: main() calls it at a few places (start, Run, resume,
 stop_requested, save, finish; a Meter for the step lines), and its training step is plain torch.
 
-What it guarantees, by construction:
-- One commit point: checkpoint.pt holds all a run knows (flags, model description, weights,
-  optimiser, schedule, RNG states, step, dev curve, best score, the id of the save in best/),
-  replaced whole. A new best model is written whole into .best.new/, its weight files
-  fingerprinted, and synced before the checkpoint names it: a SIGKILL at any instant leaves the
-  last committed save or the new one. settle(), run first by every command that opens a run folder
-  no run holds, rolls a committed .best.new into best/ and removes what no commit names; a save a
-  commit names is never removed. Readers get the committed save (best/, or .best.new in a folder
-  they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed.
-- One run a folder (.lock), never an input model; --resume goes on as the uninterrupted run would.
-- SIGINT or SIGTERM stops training at the next step, saved, on every rank; a second exits at once.
-  A full disk or an unwritable folder is one line; what was saved before is kept.
+What it guarantees, by construction: one commit point, checkpoint.pt, holds all a run knows
+(flags, model description, weights, optimiser, schedule, RNG states, step, dev curve, best score,
+the id of the save in best/), replaced whole; a new best model is written whole into .best.new/,
+its weight files fingerprinted, and synced before the checkpoint names it, so a SIGKILL at any
+instant leaves the last committed save or the new one. settle(), run first by every command that
+opens a run folder no run holds, rolls a committed .best.new into best/ and removes what no commit
+names, never a save a commit names. Readers get the committed save (best/, or .best.new where
+they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed. One
+run a folder (.lock), never an input model; --resume goes on as the uninterrupted run would; a
+signal stops training at the next step, saved, on every rank (a second: at once); a full disk is
+one line, and what was saved before is kept.
 """
 import atexit
 import contextlib
@@ -113,8 +112,7 @@ class Run:
             {"best": -math.inf, "save": None, "curve": []}  # best score, its save's id, dev curve
 
     def open(self, resume, inputs):
-        """Rank 0: not an input model; new, empty or a save under way (--resume: a run folder);
-        locked (.lock holds the pid) and settled. -> the lock"""
+        """Rank 0: not an input model, new or ours (--resume: a run), locked and settled. -> lock"""
         out, path = self.dir, os.path.join(self.dir, LOCK)
         for name in inputs:
             if os.path.isdir(name) and os.path.isdir(out) and os.path.samefile(name, out):
@@ -176,9 +174,9 @@ class Run:
 
     def resume(self, model, optimizer, scheduler, lr, meta, **generators):
         """What every save holds: the model's trained weights, optimiser, schedule, rate lr, meta
-        (best/sentemb.json), generators (JTCSE's R). --resume: each as saved, RNG states too; the
-        rate over this command's schedule (as HF Trainer: a larger --max-steps stretches it), a new
-        --lr from that step on. Signals stop training from here. -> the first step (0: as loaded)"""
+        (best/sentemb.json), generators (JTCSE's R); --resume: each as saved, RNG states too, the
+        rate over this command's schedule (as HF Trainer), a new --lr from that step on. Signals
+        stop training from here. -> the first step (0: as loaded)"""
         self.parts = model, optimizer, scheduler, lr, meta, generators
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if (state := self.state) is None:
@@ -226,8 +224,7 @@ class Run:
         return bool(STOP["signum"])
 
     def save(self, step, metric, dev, write):
-        """Rank 0, at a dev evaluation (dev: its score) or a stop (dev None): the training state;
-        with a new best score the model first, written by write(folder). All ranks wait."""
+        """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
         if self.rank == 0:
             model, optimizer, scheduler, lr, meta, generators = self.parts
             state = {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
@@ -244,8 +241,7 @@ class Run:
 
     @contextlib.contextmanager
     def finish(self, step):
-        """Training ended: the peak memory; stopped by a signal, exit 128 + its number (saved at
-        this step). Inside, a signal exits at once."""
+        """Training ended: peak memory; stopped by a signal: exit 128 + its number. Inside: now."""
         if self.device.type == "cuda":
             gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
         else:
@@ -268,6 +264,7 @@ class Run:
         folder = os.path.join(self.dir, BEST)
         meta = read_meta(folder, self.method, self.check_run)
         encode = load_encoder(folder, meta, self.device)
+        check_prints(folder, meta)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
         with common.autocast(self.device, bf16):
             print(common.format_table(common.evaluate(encode, data, tasks)))
@@ -330,7 +327,7 @@ def settle(run_dir, method, check_run, state=None):
     try:  # the committed save never goes: in best/, else in .best.new (rolled forward), else stop
         if save and committed(run_dir, method, state) == at(NEW):
             if not ours:  # a leftover: checked before it is used
-                read_meta(at(NEW), method, check_run)
+                check_prints(at(NEW), read_meta(at(NEW), method, check_run))
             with folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
                 pause()
                 if os.path.isdir(at(BEST)):
@@ -409,21 +406,25 @@ def read_checkpoint(run_dir, method, device="cpu"):
 
 
 def read_meta(folder, method, check_run):
-    """A saved model of method's script: its sentemb.json, checked by check_run(folder, meta), and
-    its weight files those of its save (the fingerprints it records, older runs none); or one
-    line. -> sentemb.json"""
+    """The sentemb.json of a model method's script saved, checked by check_run; or one line."""
     path = os.path.join(folder, common.META)
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
         common.die(f"{path} is not a run description of {method}.py (method "
                    f"{meta.get('method')!r}): {RECOPY}")
     check_run(folder, meta)
+    return meta
+
+
+def check_prints(folder, meta):
+    """Each weight file of a saved model is its save's (sentemb.json's fingerprints; older runs
+    have none), or one line: checked after loading, which names a damaged file first."""
+    path = os.path.join(folder, common.META)
     if not isinstance(prints := meta.get("fingerprints", {}), dict):
         common.die(f"{path} is damaged (fingerprints of the wrong type): {RECOPY}")
     if bad := [f for f, v in prints.items() if common.fingerprint(os.path.join(folder, f)) != v]:
         common.die(f"{os.path.join(folder, bad[0])} is not the file of the save {meta.get('save')} "
                    f"that {path} describes (another save's, or damaged): {RECOPY}")
-    return meta
 
 
 def run_of(name):
@@ -507,9 +508,8 @@ def folder_lock(folder, how):
 # ---------------------------------------------------------------- the step lines' meter -----------
 class Meter:
     """The step lines' speed: `with meter.step(forward):` around each step; line(): rows (unit) and
-    real tokens (.tokens) a second, FLOP/s, and MFU on a GPU of known peak, over the steps since the
-    last line, all ranks. FLOPs: the first step's counted (common.FlopCount) a padded token slot
-    (forward.slots), times another step's slots (within 0.2% of a count)."""
+    real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks.
+    FLOPs: the first step's a padded token slot (common.FlopCount) times another step's slots."""
 
     def __init__(self, device, per_step, unit):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None

@@ -412,7 +412,9 @@ def teacher_run(name, load):
     with harness.reading(run_dir, method, script.check_run) if run_dir else \
             nullcontext(folder) as folder:
         meta = harness.read_meta(folder, method, script.check_run)
-        return load(script, folder, meta)
+        loaded = load(script, folder, meta)
+        harness.check_prints(folder, meta)  # once its files have loaded (a damaged one named)
+        return loaded
 
 
 def load_teacher(names, max_len, hidden, device):

@@ -5047,9 +5047,9 @@ def test_harness_a_best_model_with_a_weight_file_of_another_save_is_refused(
     """best/ whose weight file (a twin's tower_b, SSCL's proj.pt, BeLLM's adapter) comes from
     another save of the run (whole, the same shapes, other values): sentemb.json's fingerprints do
     not match, so eval_sts.py refuses it in one line naming the file, in the run folder and in a
-    copy of best/, as harness.read_meta does for every reader (the run's final table too); nothing
-    is changed. (Before, a twin so mixed scored with exit 0.) Each run's sentemb.json records the
-    fingerprints of its weight files."""
+    copy of best/, as harness.check_prints does for every reader (the run's final table too), once
+    the files have loaded; nothing is changed. (Before, a twin so mixed scored with exit 0.) Each
+    run's sentemb.json records the fingerprints of its weight files."""
     run, out = run_templates[script], tmp_path / "run"
     meta = json.loads((run / harness.BEST / common.META).read_text())
     assert WEIGHT[script] in meta["fingerprints"] and all(
@@ -5062,8 +5062,9 @@ def test_harness_a_best_model_with_a_weight_file_of_another_save_is_refused(
         code, _, err = dev_score(folder, script, capsys, monkeypatch)
         one_line(code, err, WEIGHT[script], "is not the file of the save", meta["save"])
         assert tree_of(folder) == before
+    best = str(out / harness.BEST)
     with pytest.raises(SystemExit) as e:  # what every reader calls (the run's final table too)
-        harness.read_meta(str(out / harness.BEST), script, SCRIPTS[script].check_run)
+        harness.check_prints(best, harness.read_meta(best, script, SCRIPTS[script].check_run))
     one_line(e.value.code, capsys.readouterr().err, WEIGHT[script], "is not the file of the save")
 
 
@@ -5199,7 +5200,7 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
 COLLECTIVES = """
 import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import common
+import harness
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 held = {"torch's all_reduce": 0, "all_reduce": 0, "all_gather": 0}
