@@ -280,11 +280,11 @@ def sts_sentences(data, task, split):
 
 
 # ---------------------------------------------------------------- the run folder ------------------
-def make_encode(towers, tokenizer, max_len, device, compile=False):
+def make_encode(towers, tokenizer, max_len, device, compiled=False):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
     return common.compiled_encode(common.encoder(lambda batch: sum(cls(t, batch) for t in towers),
-                                                 tokenizer, max_len, device), compile)
+                                                 tokenizer, max_len, device), compiled)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):

@@ -207,10 +207,10 @@ def step_rows(n, per_step, epochs, max_steps, seed):
 
 
 # ---------------------------------------------------------------- the run folder ------------------
-def make_encode(encoder, tokenizer, max_len, device, compile=False):
+def make_encode(encoder, tokenizer, max_len, device, compiled=False):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
     return common.compiled_encode(common.encoder(lambda batch: encoder(batch)[0], tokenizer,
-                                                 max_len, device), compile)
+                                                 max_len, device), compiled)
 
 
 def save_model(encoder, tokenizer, max_len, folder):
