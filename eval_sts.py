@@ -108,10 +108,23 @@ def read_curve(name):
             contextlib.nullcontext():
         path = os.path.join(run_dir or name, harness.CURVE)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
-    try:
-        return [json.loads(line) for line in lines]
-    except ValueError as e:
-        common.die(f"{path} is damaged ({common.first_line(e)}): delete it, or copy the run again")
+    curve, good = [], {  # an entry as harness.py writes it: each key, what it holds
+        "step": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
+        "metric": ("a name", lambda v: isinstance(v, str)),
+        "score": ("a number", lambda v: type(v) in (int, float))}
+    for i, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+        except ValueError as e:
+            common.die(f"{path}, line {i}, is damaged ({common.first_line(e)}): delete the file, "
+                       "or copy the run again")
+        entry = entry if isinstance(entry, dict) else {}  # a line of another shape: keys missing
+        if bad := next((k for k, (_, ok) in good.items() if not ok(entry.get(k))), None):
+            said = json.dumps(entry[bad]) if bad in entry else "missing"
+            common.die(f"{path}, line {i}: {bad} is {said}, not {good[bad][0]} as a run writes it: "
+                       "delete the file, or copy the run again")
+        curve.append(entry)
+    return curve
 
 
 def csts_prompt(name, pooler, prompt):

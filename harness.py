@@ -16,6 +16,7 @@ one line, and what was saved before is kept.
 """
 import atexit
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -41,6 +42,8 @@ CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", "
     "dev.jsonl", ".lock"
 OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
 RECOPY = "copy the whole run folder again, or train again"
+RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None}  # a new run's record:
+# the best dev score, its save's id and sentemb.json, the dev curve (save_step carries it on)
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -104,12 +107,12 @@ class Run:
         self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for k, v in vars(a).items()}  # the command's flags, its paths absolute
         self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        self.made = []  # what open() makes, which a failed first save removes (undo)
         self.lock = self.open(a.resume, inputs) if self.rank == 0 else None  # held till exit
         if self.world > 1:
             dist.barrier()
         self.state = self.read_resume(resumable) if a.resume else None
-        self.record = {k: self.state[k] for k in ("best", "save", "curve")} if self.state else \
-            {"best": -math.inf, "save": None, "curve": []}  # best score, its save's id, dev curve
+        self.record = {k: self.state[k] for k in RECORD} if self.state else RECORD
 
     def open(self, resume, inputs):
         """Rank 0: not an input model, new or ours (--resume: a run), locked and settled. -> lock"""
@@ -126,6 +129,10 @@ class Run:
                        f"'{out}' already holds a run of {method}.py: pass "
                        f"{'--resume to continue it, or ' * (method == self.method)}another "
                        "--output-dir")
+        made, up = [], os.path.abspath(out)  # the folders this run makes, .lock: undo()
+        while not os.path.lexists(up):
+            made, up = made + [up], os.path.dirname(up)
+        self.made = made + [path] * (not os.path.lexists(path))
         try:
             os.makedirs(out, exist_ok=True)
             lock = open(path, "a+")
@@ -143,6 +150,12 @@ class Run:
             common.die(f"--resume: no {os.path.join(out, CKPT)}; drop --resume to start a new run")
         return lock
 
+    def undo(self):
+        """A first save failed: what the run made goes (.lock, the folders), as it began."""
+        for path in reversed(self.made):
+            with contextlib.suppress(OSError):
+                (os.rmdir if os.path.isdir(path) else os.remove)(path)
+
     def read_resume(self, resumable):
         """checkpoint.pt, trained with this command's flags but the resumable ones (each of its
         type) by as many processes (the global batch), or one line naming what differs."""
@@ -152,6 +165,10 @@ class Run:
         if bad := [k for k in old if k in now and None not in (old[k], now[k])
                    and kind(old[k]) != kind(now[k])]:
             common.die(f"--resume: {path} is damaged ({bad[0]} of the wrong type): {RECOPY}")
+        if lost := [k for k in now if k not in old and k not in resumable]:
+            common.die(f"--resume: {path} holds no --{lost[0].replace('_', '-')} among the run's "
+                       f"flags (damaged, or written by another version of {self.method}.py): "
+                       f"{RECOPY}")
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
@@ -184,6 +201,10 @@ class Run:
         if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
             common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): "
                        f"{RECOPY}")
+        if bad := differs(meta, state["meta"]):  # the model this command builds: the run's
+            common.die(f"--resume: this command's model has {bad[0]} {bad[1]}, the model "
+                       f"{os.path.join(self.dir, CKPT)} records has {bad[0]} {bad[2]}: resume "
+                       "with the run's own settings (its record damaged: train again)")
         trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
         try:  # the saved step's weights, optimiser, schedule and generators
             if set(state["model"]) != trained:  # the trained weights, no more, no fewer
@@ -235,7 +256,7 @@ class Run:
                      "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
                      **{k: g.get_state() for k, g in generators.items()}}
             self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
-                                    metric, dev, state, write, self.log)
+                                    metric, dev, state, write, self.log, self.undo)
         if self.world > 1:
             torch.distributed.barrier()
 
@@ -261,7 +282,7 @@ class Run:
 
     def final_table(self, load_encoder, data, tasks, bf16):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
-        folder = os.path.join(self.dir, BEST)
+        folder = committed(self.dir, self.method, {**self.record, "meta": self.parts[4]})
         meta = read_meta(folder, self.method, self.check_run)
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
@@ -270,12 +291,14 @@ class Run:
             print(common.format_table(common.evaluate(encode, data, tasks)))
 
 
-def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log):
-    """The training state and the run's record (best score, save id, curve; dev None at a stop)
-    replace checkpoint.pt, the commit; a new best is first written whole into .best.new (write(
-    folder), sentemb.json with its weights' fingerprints), renamed after (settle). -> the record"""
+def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log,
+              undo=lambda: None):
+    """The training state and the run's record (RECORD; dev None at a stop) replace checkpoint.pt,
+    the commit; a new best is first written whole into .best.new (write(folder), sentemb.json with
+    its weights' fingerprints), renamed after (settle). A first save that fails: undo(). -> the
+    record"""
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
-        save_step(out_dir, method, check_run, run, step, metric, None, state, write, log)
+        save_step(out_dir, method, check_run, run, step, metric, None, state, write, log, undo)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
                    f"(all alike?); the training state is saved in {out_dir}")
     if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
@@ -284,20 +307,21 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
     new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
     if dev is not None:
         run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
-    if new_best:
-        run = {**run, "best": dev, "save": f"{step}-{os.urandom(4).hex()}"}
-    state = {**state, **run}
     try:
         if new_best:
+            save = f"{step}-{os.urandom(4).hex()}"
             os.makedirs(new)
             write(new)
             prints = {os.path.relpath(os.path.join(root, f), new): common.fingerprint(
                 os.path.join(root, f)) for root, _, files in os.walk(new) for f in files
                 if f.endswith((".safetensors", ".pt", ".bin"))}  # the weight files
+            described = json.loads(json.dumps({**state["meta"], "save": save, "step": step,
+                                               metric: dev, "fingerprints": prints}))
             with open(os.path.join(new, common.META), "w") as f:
-                json.dump({**state["meta"], "save": run["save"], "step": step, metric: dev,
-                           "fingerprints": prints}, f, indent=2)
+                json.dump(described, f, indent=2)
             sync_tree(new)  # on disk before the commit names it
+            run = {**run, "best": dev, "save": save, "described": described}
+        state = {**state, **run}
         common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
                            pause)  # the commit
     except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
@@ -305,8 +329,12 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
         full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
             "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch, Rust
         reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
+        if first := not os.path.lexists(os.path.join(out_dir, CKPT)):
+            undo()  # the folder as it was before the run began
+        fix = "nothing of this run was saved: run the same command again, without --resume" \
+            if first else "what was saved before is kept, and --resume continues from it"
         common.die(f"cannot save in {out_dir} ({reason}): free disk space or pass another "
-                   "--output-dir; what was saved before is kept, and --resume continues from it")
+                   f"--output-dir; {fix}")
     settle(out_dir, method, check_run, state)
     if dev is not None:
         log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
@@ -317,9 +345,10 @@ def settle(run_dir, method, check_run, state=None):
     """What a kill left, by the save ids (lock held): the save checkpoint.pt names, checked, into
     best/; another .best.new goes, as do .best.old and .tmp files; dev.jsonl rewritten. -> state"""
     at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
-    for name in OURS - {LOCK}:  # our names, of the kind we write
-        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (name in (NEW, OLD)):
-            common.die(f"'{at(name)}' is not the {'folder' if name in (NEW, OLD) else 'file'} "
+    for name in OURS - {LOCK} | {CKPT, CURVE, BEST}:  # our names, of the kind we write
+        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (folder := name in (
+                NEW, OLD, BEST)):
+            common.die(f"'{at(name)}' is not the {'folder' if folder else 'file'} "
                        f"{method}.py writes there: delete it, then run again")
     if state is None and os.path.lexists(at(CKPT)):
         state = read_checkpoint(run_dir, method)
@@ -346,8 +375,9 @@ def settle(run_dir, method, check_run, state=None):
         if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
             common.write_whole(at(CURVE), lambda f: f.write(view), pause)
     except OSError as e:
-        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): free "
-                   "disk space or make it writable, then run again")
+        fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+        common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): "
+                   f"{fix}, then run again")
     return state
 
 
@@ -357,14 +387,39 @@ def committed(run_dir, method, state=None):
     at = functools.partial(os.path.join, run_dir)
     if state is None and not os.path.lexists(at(CKPT)):
         return at(BEST)
-    if (save := (state or read_checkpoint(run_dir, method))["save"]) is None:
+    if (save := (state := state or read_checkpoint(run_dir, method))["save"]) is None:
         common.die(f"'{run_dir}' holds no best model yet (no dev evaluation has saved one): train "
                    "on with the command that made it and --resume")
     if found := [at(name) for name in (BEST, NEW) if save_id(at(name)) == save]:
+        check_description(found[0], state)
         return found[0]
     common.die(f"{at(NEW if os.path.isdir(at(NEW)) else BEST, common.META)} does not name the save "
                f"{save} that {at(CKPT)} names (missing, damaged or another save's); nothing was "
                f"changed: {RECOPY}")
+
+
+def check_description(folder, state):
+    """The sentemb.json of the save checkpoint.pt names is the one it records for that save (one
+    of an earlier version, which records none: the model's description), or one line."""
+    path, ckpt = os.path.join(folder, common.META), os.path.join(os.path.dirname(folder), CKPT)
+    with open(path) as f:  # readable: its save id was read from it
+        said = json.load(f)
+    if bad := differs(said, state.get("described") or state["meta"], bool(state.get("described"))):
+        common.die(f"{path}: {bad[0]} {bad[1]} disagrees with {ckpt}, whose save {state['save']} "
+                   f"has {bad[0]} {bad[2]}: the file was edited or is another save's; {RECOPY}")
+
+
+def differs(found, want, whole=True):
+    """The first key of want (whole: or of found) whose value found lacks or holds otherwise, as
+    JSON keeps them, paths absolute: (key, found's, want's as JSON; "none": missing); None."""
+    def plain(d):
+        where = lambda v: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) \
+            else [where(x) for x in v] if isinstance(v, list) else v  # noqa: E731
+        return {k: where(v) for k, v in json.loads(json.dumps(d, default=str)).items()}
+    found, want = plain(found), plain(want)
+    if bad := next((k for k in {**want, **(found if whole else {})}
+                    if found.get(k, ...) != want.get(k, ...)), None):
+        return (bad, *(json.dumps(d[bad]) if bad in d else "none" for d in (found, want)))
 
 
 @contextlib.contextmanager
@@ -398,8 +453,10 @@ def read_checkpoint(run_dir, method, device="cpu"):
           "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
           "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
           "best": number, "save": lambda v: v is None or isinstance(v, str),
+          "described": lambda v: v is None or isinstance(v, dict),
           "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
               e.get("score")) and type(e.get("step")) is int for e in v)}
+    state.setdefault("described", None)  # an earlier version's records no sentemb.json
     if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
         common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
     return state
