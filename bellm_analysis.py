@@ -23,13 +23,15 @@ import torch.nn.functional as F
 import common
 import eval_sts
 import figures
+import jtcse_analysis
 from bellm import (BeLLM, PROMPT, check_prompt, read_csv, check_tasks, fill, forward, last_token,
                    load_adapted, load_decoder, make_encode, prompted)
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", nargs="+", default=["meta-llama/Llama-2-7b-hf"], help="decoder LLMs, "
-               "bellm.py runs (--dependency: BERT-like encoders too)")
+               "bellm.py runs (RUN or RUN/best; --degradation: a decoder); --dependency: "
+               "BERT-like encoders too, sscl.py and jtcse.py runs")
 p.add_argument("--bi-layers", type=common.NONNEG_INT, nargs="+", default=[1], help="K of the "
                "plain decoders: each (--dependency, --representative-words)")
 p.add_argument("--bi-mode", default="parallel", choices=["parallel", "sequential"],
@@ -69,6 +71,13 @@ def main():
     if a.representative_words:
         return representative_words(a, device, data)
     check_prompt(a.prompt, False)
+    if len(a.model) > 1:
+        common.die(f"--degradation cuts one decoder and --model got {len(a.model)}: run it once "
+                   "per model")
+    if (meta := eval_sts.read_meta(a.model[0]) if os.path.isdir(a.model[0]) else None):
+        base = f" (this run's base model: {meta['base_model']})" if "base_model" in meta else ""
+        common.die(f"--degradation cuts a plain causal LLM and '{a.model[0]}' is a run of "
+                   f"{meta['method']}.py: pass a decoder{base}")
     tok, dec = load_decoder(a.model[0], 0, "convert", device)
     degradation(a, tok, dec.eval(), device, data, tasks)
 
@@ -166,27 +175,30 @@ def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=
 
 
 def dependency(a, device, data):
-    """For each --model (a decoder at each --bi-layers K, a bellm.py run folder, or a BERT-like
-    encoder), the distribution over STS-B test sentences of the pivot's mean Spearman rho with the
-    sentence's tokens."""
+    """For each --model (a decoder at each --bi-layers K, a bellm.py run, or a BERT-like encoder:
+    also an sscl.py or jtcse.py run, a twin's towers each alone), the distribution over STS-B test
+    sentences of the pivot's mean Spearman rho with the sentence's tokens."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
-    res = {}
+    res, labels = {}, figures.labels(a.model)
     for name in a.model:
-        meta, short = (eval_sts.read_meta(name) if os.path.isdir(name) else None,
-                       os.path.basename(os.path.normpath(name)))
+        meta, short = eval_sts.read_meta(name) if os.path.isdir(name) else None, labels[name]
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
             dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
-        elif (common.load_pretrained(AutoConfig, name).model_type
-              in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
-            # pivot = CLS, bare sentence
-            bert = common.load_pretrained(AutoModel, name).to(device).eval()
-            tok = common.load_pretrained(AutoTokenizer, name)
-            res[f"{short} (CLS)"] = dependency_scores(
-                lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
-                tok, sents, [(0, len(s)) for s in sents], False, device)
+        elif meta or (common.load_pretrained(AutoConfig, name).model_type
+                      in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+            # pivot = CLS, bare sentence; an sscl.py or jtcse.py run (RUN or RUN/best): its BERT
+            # as its encoder runs it, a twin's towers each alone
+            berts, tok = jtcse_analysis.load_model(name, jtcse_analysis.towers_of(name)) if meta \
+                else ([common.load_pretrained(AutoModel, name)],
+                      common.load_pretrained(AutoTokenizer, name))
+            for i, bert in enumerate(t.to(device).eval() for t in berts):
+                part = f", tower {'I' * (i + 1)}" if len(berts) > 1 else ""
+                res[f"{short} (CLS{part})"] = dependency_scores(
+                    lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
+                    tok, sents, [(0, len(s)) for s in sents], False, device)
             continue
         else:  # a causal LLM, zero-shot, at each K
             check_prompt(a.prompt, False)
@@ -292,14 +304,16 @@ def representative_words(a, device, data):
     source = "the STS-B test sentences" if not a.train else f"'{os.path.basename(a.train)}'"
     counts = word_counts(sents if not a.train else
                          [t for r in read_csv(a.train)[1] for t in r if isinstance(t, str)])
-    res = {}
+    res, labels = {}, figures.labels(a.model)
     for name in a.model:
-        meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
-        short = os.path.basename(os.path.normpath(name))
+        meta, short = eval_sts.read_meta(name) if os.path.isdir(name) else None, labels[name]
         if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
             dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
             configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg,
                         meta["base_model"])]
+        elif meta:
+            common.die(f"--representative-words reads a decoder's LM head and '{name}' is a run "
+                       f"of {meta['method']}.py: pass decoders and bellm.py runs")
         else:  # a causal LLM, zero-shot, at each K
             check_prompt(a.prompt, False)
             configs = []

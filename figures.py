@@ -9,6 +9,16 @@ import io
 import os
 
 import common
+import harness
+
+
+def labels(names):
+    """{name: its label in a table or figure}: the base name of its folder (a run's best/: of the
+    run folder, so RUN and RUN/best read alike), or the names themselves where base names clash."""
+    runs = [harness.run_of(n) for n in names]
+    short = [os.path.basename(os.path.normpath(r[1] if r and r[1] else n))
+             for n, r in zip(names, runs)]
+    return dict(zip(names, short if len(set(short)) == len(short) else names))
 
 
 def check(path):

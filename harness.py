@@ -42,6 +42,7 @@ CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", "
     "dev.jsonl", ".lock"
 OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
 RECOPY = "copy the whole run folder again, or train again"
+MOVABLE = {"base_model"}  # sentemb.json: where a base model lives (its checksums say which it is)
 RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None}  # a new run's record:
 # the best dev score, its save's id and sentemb.json, the dev curve (save_step carries it on)
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
@@ -169,6 +170,8 @@ class Run:
             common.die(f"--resume: {path} holds no --{lost[0].replace('_', '-')} among the run's "
                        f"flags (damaged, or written by another version of {self.method}.py): "
                        f"{RECOPY}")
+        if state["save"]:  # best/: the model this checkpoint records
+            check_description(committed(self.dir, self.method, state), state)
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
@@ -282,7 +285,7 @@ class Run:
 
     def final_table(self, load_encoder, data, tasks, bf16):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
-        folder = committed(self.dir, self.method, {**self.record, "meta": self.parts[4]})
+        folder = os.path.join(self.dir, BEST)
         meta = read_meta(folder, self.method, self.check_run)
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
@@ -391,7 +394,6 @@ def committed(run_dir, method, state=None):
         common.die(f"'{run_dir}' holds no best model yet (no dev evaluation has saved one): train "
                    "on with the command that made it and --resume")
     if found := [at(name) for name in (BEST, NEW) if save_id(at(name)) == save]:
-        check_description(found[0], state)
         return found[0]
     common.die(f"{at(NEW if os.path.isdir(at(NEW)) else BEST, common.META)} does not name the save "
                f"{save} that {at(CKPT)} names (missing, damaged or another save's); nothing was "
@@ -402,24 +404,28 @@ def check_description(folder, state):
     """The sentemb.json of the save checkpoint.pt names is the one it records for that save (one
     of an earlier version, which records none: the model's description), or one line."""
     path, ckpt = os.path.join(folder, common.META), os.path.join(os.path.dirname(folder), CKPT)
-    with open(path) as f:  # readable: its save id was read from it
-        said = json.load(f)
-    if bad := differs(said, state.get("described") or state["meta"], bool(state.get("described"))):
+    said = common.read_json(path, f"cannot load '{folder}'", RECOPY)
+    if bad := differs(said, state["described"] or state["meta"], state["described"] is not None,
+                      skip=MOVABLE):
         common.die(f"{path}: {bad[0]} {bad[1]} disagrees with {ckpt}, whose save {state['save']} "
                    f"has {bad[0]} {bad[2]}: the file was edited or is another save's; {RECOPY}")
 
 
-def differs(found, want, whole=True):
-    """The first key of want (whole: or of found) whose value found lacks or holds otherwise, as
-    JSON keeps them, paths absolute: (key, found's, want's as JSON; "none": missing); None."""
-    def plain(d):
-        where = lambda v: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) \
-            else [where(x) for x in v] if isinstance(v, list) else v  # noqa: E731
-        return {k: where(v) for k, v in json.loads(json.dumps(d, default=str)).items()}
-    found, want = plain(found), plain(want)
-    if bad := next((k for k in {**want, **(found if whole else {})}
-                    if found.get(k, ...) != want.get(k, ...)), None):
-        return (bad, *(json.dumps(d[bad]) if bad in d else "none" for d in (found, want)))
+def differs(found, want, whole=True, skip=()):
+    """The first key of want (whole: or of found), not in skip, whose value found lacks or holds
+    otherwise: (key, found's, want's as JSON, "none" where missing); None."""
+    def plain(v):  # as JSON keeps it, a path absolute
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+
+    def same(a, b):  # numbers within 1e-6: a checksum computed on another device
+        return a == b or {type(a), type(b)} <= {int, float} and math.isclose(a, b, rel_tol=1e-6)
+    found, want = (json.loads(json.dumps(d, default=str)) for d in (found, want))
+    for k in {**want, **(found if whole else {})}:
+        if k not in skip and not (k in found and k in want and same(plain(found[k]),
+                                                                      plain(want[k]))):
+            return k, *(json.dumps(d[k]) if k in d else "none" for d in (found, want))
 
 
 @contextlib.contextmanager
@@ -463,13 +469,17 @@ def read_checkpoint(run_dir, method, device="cpu"):
 
 
 def read_meta(folder, method, check_run):
-    """The sentemb.json of a model method's script saved, checked by check_run; or one line."""
-    path = os.path.join(folder, common.META)
+    """The sentemb.json of a model method's script saved, checked by check_run, and in a run
+    folder against the description checkpoint.pt records for its save; or one line."""
+    path, run = os.path.join(folder, common.META), os.path.dirname(os.path.abspath(folder))
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
         common.die(f"{path} is not a run description of {method}.py (method "
                    f"{meta.get('method')!r}): {RECOPY}")
     check_run(folder, meta)
+    if os.path.basename(os.path.abspath(folder)) in (BEST, NEW) and \
+            os.path.isfile(os.path.join(run, CKPT)):  # a run's committed save
+        check_description(folder, read_checkpoint(run, method))
     return meta
 
 

@@ -39,7 +39,8 @@ p.add_argument("--max-len", type=common.POS_INT, default=64, help="tokens read o
 p.add_argument("--data-dir", help="STS data: DIR/downstream/{STS,SICK} (else $SENTEMB_DATA)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--analyze", nargs="?", const="", metavar="TWIN_DIR", help="no training: E_CLS "
-               "(eq. 6) per layer and Fig. 5, --model-a and the twin (jtcse_analysis.py)")
+               "(eq. 6) per layer and Fig. 5, --model-a and the twin: a jtcse.py twin's run "
+               "(RUN or RUN/best), else --model-a and --model-b")
 p.add_argument("--compare", nargs="+", metavar="MODEL", help="no training: last-layer E_CLS "
                "against the 7-STS average (Fig. 10); a twin run = its two towers")
 p.add_argument("--cost", nargs="?", const=64, type=common.POS_INT, metavar="TOKENS", help="with "
@@ -102,8 +103,8 @@ def towers_of(name):
         return [folder]
     if meta["method"] == "jtcse":
         return [os.path.normpath(os.path.join(folder, t)) for t in meta["towers"]]
-    common.die(f"'{name}' is a bellm.py run: --compare takes BERT encoders (Hugging Face BERTs, "
-               "sscl.py and jtcse.py runs)")
+    common.die(f"'{name}' is a bellm.py run: --analyze and --compare take BERT encoders (Hugging "
+               "Face BERTs, sscl.py and jtcse.py runs)")
 
 
 def dropped(name):
@@ -126,12 +127,6 @@ def load_model(name, names):
 def load_config(name):
     """The checked config.json of `name`: its shapes (layers, hidden, heads, positions)."""
     return common.load_pretrained(AutoConfig, name)
-
-
-def label(name, names):
-    """A short label: the folder's base name when the base names of `names` are distinct."""
-    short = [os.path.basename(os.path.normpath(n)) for n in names]
-    return short[names.index(name)] if len(set(short)) == len(short) else name
 
 
 def sts_average(name, data, device):
@@ -180,8 +175,10 @@ def twin(a, device):
     """E_CLS per layer (eq. 6) of --model-a alone and of the twin (TWIN_DIR's towers, or --model-a
     and --model-b) without and with its cross streams; Fig. 5: the cosines of STS-B test pairs by
     gold score under each tower and the twin."""
-    twin_names = ([os.path.join(a.analyze, "tower_a"), os.path.join(a.analyze, "tower_b")]
-                  if a.analyze else [a.model_a, a.model_b])
+    twin_names = towers_of(a.analyze) if a.analyze else [a.model_a, a.model_b]  # RUN or RUN/best
+    if len(twin_names) != 2:
+        common.die(f"--analyze '{a.analyze}' is not a jtcse.py twin's run: pass one (RUN or "
+                   "RUN/best), or no TWIN_DIR and the towers as --model-a and --model-b")
     jtcse.check_towers(twin_names, num_cael=a.num_cael)
     jtcse.check_towers([a.model_a])
     towers, tokenizer = load_model(a.analyze, twin_names) if a.analyze else \
@@ -270,12 +267,12 @@ def e_cls_against_sts(a, towers, device):
     else:
         print("correlation: needs 3 models or more")
     if a.plot:
-        names = list(towers)
+        label = figures.labels(list(towers))
         figures.draw(a.plot, [dict(
             kind="scatter", title="Fig. 10: " + (corr or "attention to CLS and STS"),
             xlabel="E_CLS of the last layer (eq. 6), STS-B test",
             ylabel="7-STS Avg. (Spearman x 100)",
-            points={label(m, names): (float(E[m][-1]), avg[m]) for m in names})],
+            points={label[m]: (float(E[m][-1]), avg[m]) for m in towers})],
             "JTCSE: attention to CLS against STS", ncols=1)
 
 
@@ -361,7 +358,7 @@ def attention_figure(a, towers, device):
     """Fig. 9: each tower's head-averaged attention map of --attention per layer; printed: each
     layer's share of attention (mean over the query rows) on [CLS], [SEP] and the sentence's final
     punctuation token."""
-    rows = []  # (row label, tokens, [(L, L)] per layer), one row per tower
+    rows, label = [], figures.labels(list(towers))  # rows: (label, key, tokens, [(L, L)] a layer)
     for name, names in towers.items():
         ts, tokenizer = load_model(name, names)
         batch = tokenizer([a.attention], padding=True, truncation=True, max_length=a.max_len,
@@ -370,7 +367,7 @@ def attention_figure(a, towers, device):
         for t, tower in enumerate(ts):
             suffix = "" if len(ts) == 1 else " " + "I" * (t + 1)
             maps = [m[0].cpu() for m in attention_maps(tower.to(device).eval(), batch)]
-            rows.append((label(name, list(towers)) + suffix, name + suffix, tokens, maps))
+            rows.append((label[name] + suffix, name + suffix, tokens, maps))
     print(f"Fig. 9: attention of {a.attention!r}, heads averaged; per layer the share of "
           "attention (mean over the query tokens) on [CLS], [SEP] and the final punctuation token")
     for _, key, tokens, maps in rows:

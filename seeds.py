@@ -2,7 +2,8 @@
 (BeLLM Table 1: five runs; SSCL Table 2: three; JTCSE Fig. 6: seeds 1-5), and with --against a
 paired t-test between two groups of runs (scipy.stats.ttest_rel; run i of one group paired with
 run i of the other, in the order the files are given, so give them seed by seed). Input:
-eval_sts.py --json files.
+eval_sts.py --json files; a column for every score they hold (STS, transfer and probing tasks,
+MTEB tasks, alignment, uniformity, retrieval, C-STS).
 
   # SSCL (layer 5) and SimCSE (layer 0): 36 min on 2 cores
   for s in 1 2 3; do
@@ -24,6 +25,8 @@ import numpy as np
 from scipy.stats import ttest_rel
 
 import common
+from eval_more import RECALL_AT
+from transfer import PROBING, TRANSFER
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,38 +37,59 @@ p.add_argument("--against", nargs="+", default=None, metavar="RUN.json",
                     "adds its mean ± std and a paired t-test per column")
 
 
-def number(path, key, v):
-    """A score of the file: a number (NaN allowed: eval_sts.py writes one for a constant embedding),
-    or one line naming the file and the key."""
+def number(path, out, *keys):
+    """The score out[keys[0]][keys[1]]... of the file: a number (NaN allowed: eval_sts.py writes
+    one for a constant embedding), or one line naming the file and the key."""
+    v, key = out, ".".join(keys)
+    for k in keys:
+        if not isinstance(v, dict) or k not in v:
+            common.die(f"'{path}': {key} is missing: the file is not as eval_sts.py --json writes "
+                       "it; write it again with eval_sts.py --json FILE")
+        v = v[k]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         common.die(f"'{path}': {key} is {json.dumps(v)}, not a number: the file is not as "
                    "eval_sts.py --json writes it; write it again with eval_sts.py --json FILE")
     return float(v)
 
 
+# what eval_sts.py --json writes per task: the kind's key -> the field of a task's entry that holds
+# its score (None: the entry is the score)
+PER_TASK = {"results": None, "transfer": "acc", "probing": "acc", "mteb": "score"}
+RETRIEVAL = ("strict", *(f"recall@{k}" for k in RECALL_AT))  # eval_more.retrieval's scores
+KINDS = (*PER_TASK, "align", "uniform", "retrieval", "csts")
+
+
 def scores(path):
-    """{column: score} of one eval_sts.py --json file: STS tasks (Spearman × 100), transfer tasks
-    (test accuracy), each family's Avg. when it has all of its tasks, alignment and uniformity when
-    present."""
+    """{column: score} of one eval_sts.py --json file, every score it holds: STS tasks (Spearman
+    × 100), transfer and probing tasks (test accuracy; probing by the papers' names), each of the
+    two families' Avg. when it has all 7 tasks, MTEB tasks (main score × 100, "MTEB TASK"),
+    alignment, uniformity, retrieval (strict, recall@k) and C-STS."""
     try:
         out = json.loads(common.read_text(path))
     except ValueError:
         out = None
-    parts, found = ("results", "transfer"), ("results", "transfer", "align", "uniform")
-    if not isinstance(out, dict) or not all(isinstance(out.get(k, {}), dict) for k in parts) \
-            or not any(k in out for k in found):  # e.g. a run's sentemb.json
+    if not isinstance(out, dict) or not any(k in out for k in KINDS):  # e.g. a run's sentemb.json
         common.die(f"'{path}' is not an eval_sts.py --json result (it holds no "
-                   f"{', '.join(found)}): write one with eval_sts.py --json FILE")
-    sts = {t: number(path, f"results.{t}", v) for t, v in out.get("results", {}).items()}
-    transfer = {t: number(path, f"transfer.{t}.acc", v.get("acc") if isinstance(v, dict) else v)
-                for t, v in out.get("transfer", {}).items()}
-    row = dict(sts)
-    if len(sts) == len(common.TASKS):
-        row["STS Avg."] = float(np.mean(list(sts.values())))
-    row.update(transfer)
-    if len(transfer) == 7:
-        row["transfer Avg."] = float(np.mean(list(transfer.values())))
-    row.update({k: number(path, k, out[k]) for k in ("align", "uniform") if k in out})
+                   f"{', '.join(KINDS)}): write one with eval_sts.py --json FILE")
+    for k in (*PER_TASK, "retrieval"):
+        if not isinstance(out.get(k, {}), dict):
+            common.die(f"'{path}' is not an eval_sts.py --json result: its {k} is "
+                       f"{json.dumps(out[k])[:40]}, not an object; write it again with "
+                       "eval_sts.py --json FILE")
+    task = {k: {t: number(path, out, k, t, *[field] if field else []) for t in out.get(k, {})}
+            for k, field in PER_TASK.items()}
+    row = dict(task["results"])
+    if len(task["results"]) == len(common.TASKS):
+        row["STS Avg."] = float(np.mean(list(task["results"].values())))
+    row.update(task["transfer"])
+    if len(task["transfer"]) == len(TRANSFER):
+        row["transfer Avg."] = float(np.mean(list(task["transfer"].values())))
+    row.update({PROBING.get(t, (t,))[0]: v for t, v in task["probing"].items()})
+    row.update({f"MTEB {t}": v for t, v in task["mteb"].items()})
+    row.update({k: number(path, out, k) for k in ("align", "uniform") if k in out})
+    row.update({f"retrieval {k}": number(path, out, "retrieval", k)
+                for k in RETRIEVAL if "retrieval" in out})
+    row.update({"C-STS": number(path, out, "csts")} if "csts" in out else {})
     return row
 
 
@@ -94,15 +118,17 @@ def main():
     cols, stats = table(groups)
     if not cols:
         common.die("the files share no task: evaluate every run on the same --tasks")
-    print(f"{'':<12}" + "".join(f"{c:>16}" for c in cols))
+    w = {c: max(16, len(c) + 2) for c in cols}  # MTEB's task names are long
+    print(f"{'':<12}" + "".join(f"{c:>{w[c]}}" for c in cols))
     for g, st in stats.items():
         name = f"{g} ({len(groups[g])})"
-        print(f"{name:<12}" + "".join(f"{st[c][0]:>9.2f} ± {st[c][1]:<4.2f}" for c in cols))
+        print(f"{name:<12}" + "".join(f"{f'{st[c][0]:.2f} ± {st[c][1]:<4.2f}':>{w[c]}}"
+                                      for c in cols))
     if a.against:  # paired over runs: run i of each group shares its seed
         tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]])
                  for c in cols}
-        print(f"{'t':<12}" + "".join(f"{tests[c].statistic:>16.3f}" for c in cols))
-        print(f"{'p':<12}" + "".join(f"{tests[c].pvalue:>16.4f}" for c in cols))
+        print(f"{'t':<12}" + "".join(f"{tests[c].statistic:>{w[c]}.3f}" for c in cols))
+        print(f"{'p':<12}" + "".join(f"{tests[c].pvalue:>{w[c]}.4f}" for c in cols))
     print(f"mean ± sample std (ddof 1) over runs; files: {', '.join(a.runs)}"
           + (f"; against: {', '.join(a.against)} (paired t-test, two-sided)" if a.against else ""))
     return stats

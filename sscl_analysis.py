@@ -18,12 +18,12 @@ import common
 import eval_sts
 import figures
 import harness
-import sscl
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", nargs="+", required=True, help="hub names or local folders (BERT-like "
-               "encoders, or our run folders); with --convergence: run folders")
+               "encoders; sscl.py runs, distilled jtcse.py runs: RUN or RUN/best); with "
+               "--convergence: run folders")
 p.add_argument("--data-dir", help="SentEval's data folder (else $SENTEMB_DATA, else "
                "~/.cache/sentemb/senteval)")
 p.add_argument("--max-len", type=common.POS_INT, default=32, help="tokens read of each sentence "
@@ -44,8 +44,9 @@ def over_smoothing(name, a, sents, device):
     eq. 2 inter-layer similarity: cos(s^l, s^(l+1)), s^l the pooled sentence vector (--pooler).
     With --sentence: also that sentence's last-layer token-by-token cosine matrix (Fig. 5) and its
     tokens."""
-    with eval_sts.reading(name) as (script, folder, _):  # an sscl.py run: its best model
-        folder = folder if script is sscl else name  # (another method's run is no BERT: refused)
+    # a run (RUN or RUN/best): its best model, a BERT for sscl.py's and a distilled jtcse.py
+    # tower's; a twin or a BeLLM adapter is no model folder: refused, saying what it is
+    with eval_sts.reading(name) as (_, folder, _):
         tokenizer = common.load_pretrained(AutoTokenizer, folder)
         bert = common.load_pretrained(AutoModel, folder).to(device).eval()
     common.check_max_len(a.max_len, bert.config, name)
@@ -100,8 +101,7 @@ def analyze(a, device):
                   f"{(m.sum() - m.trace()) / (k ** 2 - k):.4f}")
     if not a.plot:
         return
-    short = [os.path.basename(os.path.normpath(m)) for m in a.model]
-    label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
+    label = figures.labels(a.model)
     panels = [dict(kind="lines", title="Fig. 1: similarity of adjacent layers (eq. 2)",
                    xlabel="layer l", ylabel=f"cos(s^l, s^(l+1)), {a.pooler} pooling",
                    series={label[m]: (range(len(r[1])), r[1]) for m, r in res.items()}),
@@ -125,8 +125,7 @@ def convergence(a):
         if not curves[m]:
             common.die(f"'{m}' holds no dev curve ({harness.CURVE}): --convergence takes run "
                        "folders of sscl.py, jtcse.py or bellm.py, trained with this version")
-    short = [os.path.basename(os.path.normpath(m)) for m in a.model]
-    label = dict(zip(a.model, short if len(set(short)) == len(short) else a.model))
+    label = figures.labels(a.model)
     score = {m: {e["step"]: e["score"] for e in c} for m, c in curves.items()}
     metrics = {m: sorted({e["metric"] for e in c}) for m, c in curves.items()}
     print("Fig. 6: dev score against training steps (" + "; ".join(

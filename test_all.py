@@ -4622,9 +4622,9 @@ def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, 
 @pytest.mark.slow
 def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_command(
         bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
-    """A full disk at a new run's first save: one error line, exit 2, and the output folder holds
-    only the names of a save under way (no checkpoint.pt, no best/); the same command again, with
-    space, runs in that folder from the start."""
+    """A full disk at a new run's first save: one error line, exit 2, saying to run the same
+    command again without --resume, and the output folder as it was before the run (gone, or
+    empty; no stray .lock); the same command again, with space, runs there from the start."""
     real = torch.save
 
     def disk_full(obj, f, *a, **k):  # the commit's write: checkpoint.pt.tmp
@@ -4637,7 +4637,8 @@ def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_comm
         monkeypatch.setattr(torch, "save", disk_full)
         code, _, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 2 and err.count("error:") == 1 and "No space left on device" in err, err
-        assert set(os.listdir(out)) <= harness.OURS and not (out / harness.CKPT).exists()
+        assert "run the same command again, without --resume" in err, err
+        assert os.listdir(out) == [] if out.name == "empty" else not out.exists()  # as it was
         monkeypatch.setattr(torch, "save", real)
         code, log, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 0 and "step     0  stsb_dev" in log, err
@@ -5102,6 +5103,141 @@ def test_harness_a_run_folder_with_no_committed_save_is_named_so_by_every_reader
                            RUN_DATA[script]())
     one_line(code, err, f"'{out}'", "no best model yet", "--resume")
     assert tree_of(out) == before
+
+
+# ---- harness: what a run folder says about its model is checked where it is read ----
+EDITS = {  # a description edited to a value its script could have written: (key, value)
+    "sscl": [("pooler", "avg")], "jtcse": [("drop_layernorm", 1)],
+    "bellm": [("bi_mode", "sequential"), ("bi_layers", 2)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_harness_an_edited_description_is_refused_by_every_reader(
+        script, run_templates, tmp_path, capsys, monkeypatch):
+    """best/sentemb.json edited to describe another model of the same files (SSCL's pooler, a
+    twin's drop_layernorm, BeLLM's bi_mode or bi_layers; before: scored with exit 0, 82.69 where
+    the run recorded 74.39): eval_sts.py on RUN and on RUN/best, --resume, jtcse.py --distill
+    (SSCL and JTCSE runs) and read_meta (the final table's) each refuse it in one line naming the
+    file, the key and both values; nothing changes. A copy of best/ (no checkpoint beside it)
+    reads as it is: nothing there to compare."""
+    monkeypatch.setenv("SENTEMB_DATA", str(RUN_DATA[script]()))
+    meta = json.loads((run_templates[script] / harness.BEST / common.META).read_text())
+    for key, value in EDITS[script]:
+        out = tmp_path / f"run_{key}"
+        shutil.copytree(run_templates[script], out)
+        edit_json(out / harness.BEST / common.META, **{key: value})
+        words = [str(out / harness.BEST / common.META), f"{key} {json.dumps(value)} disagrees",
+                 f"has {key} {json.dumps(meta[key])}"]
+        before = tree_of(out)
+        readers = [(eval_sts, ["--model", m, "--tasks", "STS-B", "--split", "dev", "--data-dir",
+                               RUN_DATA[script]()]) for m in (out, out / harness.BEST)]
+        readers += [(MAINS[script], resume_args(script, out))]
+        readers += [(jtcse, ["--distill", out, "--model-a", TPL.jt / "a", "--train",
+                             TPL.jt / "train.txt", "--output-dir", tmp_path / "d",
+                             "--no-add-sick"])] * (script != "bellm")
+        for main, args in readers:
+            code, _, err = main_of(main, capsys, monkeypatch, *args)
+            one_line(code, err, *words)
+            assert tree_of(out) == before and not (tmp_path / "d").exists(), main.__name__
+        best = str(out / harness.BEST)
+        with pytest.raises(SystemExit) as e:
+            harness.read_meta(best, script, SCRIPTS[script].check_run)
+        one_line(e.value.code, capsys.readouterr().err, *words)
+    shutil.copytree(out / harness.BEST, tmp_path / "copy")
+    assert harness.read_meta(str(tmp_path / "copy"), script, SCRIPTS[script].check_run)[key] \
+        == value
+
+
+@pytest.mark.slow
+def test_harness_a_bellm_run_with_another_base_is_refused_unless_its_checksums_agree(
+        run_templates, tok_dir, tmp_path, capsys, monkeypatch):
+    """A BeLLM run's best/sentemb.json naming another base model with its checksums removed
+    (before: scored 52.32 with exit 0) is refused, naming base_checksum; the same base moved to
+    another folder (checksums kept, and they agree) scores as in place (a test above)."""
+    out = tmp_path / "run"
+    shutil.copytree(run_templates["bellm"], out)
+    other = bl_make_model(tok_dir, tmp_path / "other", layers=3)
+    path = out / harness.BEST / common.META
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in {**meta, "base_model": str(other)}.items()
+                                if k not in ("base_checksum", "base_fingerprint")}))
+    before = tree_of(out)
+    code, _, err = dev_score(out, "bellm", capsys, monkeypatch)
+    one_line(code, err, str(path), "base_checksum none disagrees",
+             f"has base_checksum {json.dumps(meta['base_checksum'])}")
+    assert tree_of(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,flag,value", [("jtcse", "objective", "authors"),
+                                               ("bellm", "bi_mode", "sequential"),
+                                               ("bellm", "bi_layers", 2)])
+def test_harness_resume_compares_the_commands_model_with_the_one_the_checkpoint_records(
+        script, flag, value, run_templates, tmp_path, capsys, monkeypatch):
+    """checkpoint.pt's saved flags edited to another model's, and the command saying the same:
+    --resume refuses in one line naming the key and both values, since the model description the
+    checkpoint saved (and best/sentemb.json) says otherwise (before: trained on). A checkpoint
+    whose saved flags hold only lr is refused under any flags, naming a flag it lacks. Nothing
+    changes."""
+    monkeypatch.setenv("SENTEMB_DATA", str(RUN_DATA[script]()))
+    out = tmp_path / "run"
+    shutil.copytree(run_templates[script], out)
+    recorded = torch.load(out / harness.CKPT, weights_only=False)["meta"][flag]
+    edit_args(out / harness.CKPT, **{flag: value})
+    before = tree_of(out)
+    cli = f"--{flag.replace('_', '-')}"
+    code, _, err = main_of(MAINS[script], capsys, monkeypatch, *resume_args(script, out), cli,
+                           value, "--max-steps", 3)
+    one_line(code, err, "--resume", f"has {flag} {json.dumps(value)}",
+             f"records has {flag} {json.dumps(recorded)}")
+    assert tree_of(out) == before
+    state = torch.load(out / harness.CKPT, weights_only=False)
+    torch.save({**state, "args": {"lr": state["args"]["lr"]}}, out / harness.CKPT)
+    before = tree_of(out)
+    code, _, err = main_of(MAINS[script], capsys, monkeypatch, *resume_args(script, out))
+    one_line(code, err, "--resume", "holds no --", "among the run's flags")
+    assert tree_of(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line,words", [
+    ('{"metric": "stsb_dev", "score": 80.0}', ["line 2: step is missing"]),
+    ('{"step": "2", "metric": "stsb_dev", "score": 80.0}', ['line 2: step is "2"', "integer"]),
+    ('{"step": 2, "metric": "stsb_dev", "score": "80"}', ['line 2: score is "80"', "a number"]),
+    ('[2, "stsb_dev", 80.0]', ["line 2: step is missing"]),
+    ('{"step": 2, "metric": ', ["line 2, is damaged"])])
+def test_harness_a_curve_read_as_it_is_is_checked_entry_by_entry(
+        line, words, run_templates, tmp_path, capsys, monkeypatch):
+    """A run folder without checkpoint.pt (deleted to free space: dev.jsonl is read as it is) whose
+    dev.jsonl holds an entry of another shape: sscl_analysis.py --convergence says so in one line
+    naming the file, the line and the key (before: a KeyError or TypeError traceback)."""
+    out = tmp_path / "run"
+    shutil.copytree(run_templates["sscl"], out)
+    (out / harness.CKPT).unlink()
+    first = (out / harness.CURVE).read_text().splitlines()[0]
+    (out / harness.CURVE).write_text(first + "\n" + line + "\n")
+    before = tree_of(out)
+    code, _, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model", out)
+    one_line(code, err, str(out / harness.CURVE), *words)
+    assert tree_of(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [harness.CURVE, harness.CKPT])
+def test_harness_a_run_file_that_is_a_folder_is_named_by_resume(name, run_templates, tmp_path,
+                                                                capsys, monkeypatch):
+    """dev.jsonl (or checkpoint.pt) made a folder: --resume says in one line that it is not the
+    file the script writes there (before: it named dev.jsonl.tmp and advised freeing disk
+    space); nothing changes."""
+    out = tmp_path / "run"
+    shutil.copytree(run_templates["sscl"], out)
+    os.replace(out / name, tmp_path / "kept")
+    (out / name).mkdir()
+    before = tree_of(out)
+    code, _, err = main_of(sscl, capsys, monkeypatch, *resume_args("sscl", out))
+    one_line(code, err, f"'{out / name}' is not the file sscl.py writes there", "delete it")
+    assert "disk space" not in err and tree_of(out) == before
 
 
 # ---- harness: multi-GPU (torchrun, gloo on CPU; ranks as threads) ----
@@ -6310,3 +6446,216 @@ def test_bad_input_a_run_folder_missing_a_file_is_refused_by_eval_and_resume(
         assert code == 2 and len(errors) == 1 and f"{rel} is missing" in errors[0], (rel, err)
         assert stdout == "", stdout
         assert files_of(out) == before
+
+
+# ---- tools take run folders; seeds.py reads every --json result ----
+@pytest.fixture(scope="module")
+def distilled_run(run_templates, tmp_path_factory):
+    """A finished jtcse.py --distill run (one tower, best/ a BERT folder), taught by a copy of the
+    twin template."""
+    d = tmp_path_factory.mktemp("distilled")
+    shutil.copytree(run_templates["jtcse"], d / "twin")
+    proc = run("jtcse.py", *JT(Namespace(jt=TPL.jt, out=d / "jtcse_d"), "--distill", d / "twin"),
+               env={"SENTEMB_DATA": str(JT_DATA["sts"])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "jtcse_d"
+
+
+SENT = "a man is playing a guitar"
+TOOL_MODES = [  # (tool, mode, its arguments with c.model the run, the run kinds it takes, a line
+    # its output must have once the run's path reads RUN; run0 is the run folder's name)
+    (sscl_analysis, "over-smoothing", lambda c: ["--model", c.model, "--max-len", 16,
+                                                 "--data-dir", c.jt_sts],
+     ("sscl", "jtcse_d"), r"^over-smoothing of RUN on \d+ STS-B test sentences"),
+    (sscl_analysis, "sentence", lambda c: ["--model", c.model, "--max-len", 16, "--data-dir",
+                                           c.jt_sts, "--sentence", SENT],
+     ("sscl", "jtcse_d"), rf"^Fig. 5, last-layer token cosines of '{SENT}': mean off-diagonal -?0"),
+    (sscl_analysis, "convergence", lambda c: ["--convergence", "--model", c.model],
+     ("sscl", "jtcse", "jtcse_d", "bellm"), r"^ +step +run0$"),
+    (jtcse_analysis, "analyze", lambda c: ["--analyze", c.model, "--model-a", TPL.jt / "a",
+                                           "--max-len", 16, "--data-dir", c.jt_sts],
+     ("jtcse",), r"twin = \['RUN/tower_a', 'RUN/tower_b'\]"),
+    (jtcse_analysis, "compare", lambda c: ["--compare", c.model, "--max-len", 16, "--data-dir",
+                                           c.jt_sts],
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN +(\d\.\d{4} +)+\d+\.\d\d$"),
+    (jtcse_analysis, "cost", lambda c: ["--compare", c.model, "--cost", 16, "--data-dir",
+                                        c.jt_sts],
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN +[12] +\d+\.\d\dM +\d"),
+    (jtcse_analysis, "attention", lambda c: ["--compare", c.model, "--attention", SENT],
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN( I| II)? \(\d+ tokens: \[CLS\]"),
+    (jtcse_analysis, "modulus", lambda c: ["--compare", c.model, "--modulus", "--max-len", 16,
+                                           "--data-dir", c.jt_sts],
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN +0 +\d+\.\d{3}"),
+    (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
+                                              TPL.bl_sts],
+     ("sscl", "jtcse_d"), r"^run0 \(CLS\) +-?0\.\d{4}"),
+    (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
+                                              TPL.bl_sts],
+     ("jtcse",), r"^run0 \(CLS, tower II\) +-?0\.\d{4}"),  # and tower I: each alone
+    (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
+                                              TPL.bl_sts],
+     ("bellm",), r"^run0 \(trained, K=\d+\) +-?0\.\d{4}"),
+    (bellm_analysis, "representative-words", lambda c: ["--representative-words", "--model",
+                                                        c.model, "--data-dir", TPL.bl_sts],
+     ("bellm",), r"^run0 \(trained, K=\d+\) +\d+\.\d\d %"),
+]
+
+
+def run_copy(kind, templates, distilled, tmp_path):
+    """A copy of a finished run of this kind (readers may settle the folder they read): run0."""
+    out = tmp_path / "run0"
+    shutil.copytree(distilled if kind == "jtcse_d" else templates[kind], out)
+    return out
+
+
+def as_run(text, out):
+    """text with the run folder's path, and its best/'s, written RUN."""
+    return text.replace(str(out / harness.BEST), "RUN").replace(str(out), "RUN")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool,args,kind,line", [
+    pytest.param(t, a, k, line, id=f"{t.__name__}-{mode}-{k}")
+    for t, mode, a, kinds, line in TOOL_MODES for k in kinds])
+def test_tools_each_analysis_reads_a_run_folder_and_its_best_alike(
+        tool, args, kind, line, run_templates, distilled_run, tmp_path, capsys, monkeypatch):
+    """Every analysis mode, on each kind of run it takes (sscl.py, a jtcse.py twin or distilled
+    tower, bellm.py): RUN and RUN/best exit 0 and print the same text (the same numbers, and the
+    same labels: the run folder's name), the mode's own line among it."""
+    out = run_copy(kind, run_templates, distilled_run, tmp_path)
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    texts = []
+    for model in (out, out / harness.BEST):
+        code, stdout, err = main_of(tool, capsys, monkeypatch, *args(Namespace(
+            model=model, jt_sts=JT_DATA["sts"])))
+        assert code == 0, err[-3000:]
+        texts.append(as_run(stdout, out))
+    assert texts[0] == texts[1]
+    assert re.search(line, texts[0], re.M), texts[0]
+
+
+REFUSED = [  # (tool, the mode's arguments, a kind of run it does not take, its line's words)
+    (bellm_analysis, ["--degradation", "--tasks", "STS-B"], "bellm",
+     ["--degradation cuts a plain causal LLM", "'RUN' is a run of bellm.py", "pass a decoder",
+      "base model"]),
+    (bellm_analysis, ["--degradation", "--tasks", "STS-B"], "sscl",
+     ["'RUN' is a run of sscl.py", "pass a decoder"]),
+    (bellm_analysis, ["--representative-words"], "jtcse_d",
+     ["'RUN' is a run of jtcse.py", "pass decoders and bellm.py runs"]),
+    (jtcse_analysis, ["--analyze"], "sscl", ["--analyze 'RUN' is not a jtcse.py twin's run"]),
+    (jtcse_analysis, ["--analyze"], "jtcse_d", ["--analyze 'RUN' is not a jtcse.py twin's run"]),
+    (jtcse_analysis, ["--analyze"], "bellm", ["'RUN' is a bellm.py run", "--analyze"]),
+    (sscl_analysis, [], "jtcse", ["'RUN/best'", "is a jtcse.py run (a twin", "tower_a"]),
+    (sscl_analysis, [], "bellm", ["'RUN/best'", "is a bellm.py run (a LoRA adapter"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool,args,kind,words", REFUSED, ids=[
+    f"{t.__name__}{''.join(a[:1])}-{k}" for t, a, k, _ in REFUSED])
+def test_tools_a_run_a_mode_does_not_take_is_one_line_alike_as_run_and_best(
+        tool, args, kind, words, run_templates, distilled_run, tmp_path, capsys, monkeypatch):
+    """A run a mode cannot read is refused in one line, the same for RUN and RUN/best (after their
+    paths), saying what it is, before any work; the folder is left as it was."""
+    out = run_copy(kind, run_templates, distilled_run, tmp_path)
+    before, lines = files_of(out), []
+    flag = "--model" if tool is not jtcse_analysis else None
+    for model in (out, out / harness.BEST):
+        code, stdout, err = main_of(tool, capsys, monkeypatch, *args, *[flag] * bool(flag),
+                                    model, "--data-dir", TPL.bl_sts)
+        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert stdout == ""
+        lines.append(as_run(errors[0], out))
+    assert lines[0] == lines[1] and all(w in lines[0] for w in words), lines
+    assert files_of(out) == before
+
+
+def test_tools_degradation_cuts_one_decoder(tok_dir, tmp_path, capsys, monkeypatch):
+    """--degradation reads --model's first decoder only: two are refused, never one ignored."""
+    dec = bl_make_model(tok_dir, tmp_path)
+    code, _, err = main_of(bellm_analysis, capsys, monkeypatch, "--degradation", "--model", dec,
+                           dec, "--data-dir", bl_sts_dir(tmp_path), "--tasks", "STS-B")
+    one_line(code, err, "--degradation cuts one decoder", "--model got 2", "once per model")
+
+
+def test_seeds_reads_a_real_probing_json_of_eval_sts(bert_dir, tmp_path, capsys, monkeypatch):
+    """eval_sts.py --tasks probing --json (its probing results alone) is read by seeds.py: one
+    column a probing task, by the papers' names, its test accuracy."""
+    write_sts(tmp_path, n=4)  # senteval_dir looks for the STS folders
+    write_probing(tmp_path)
+    files = [tmp_path / f"r{i}.json" for i in (1, 2)]
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--pooler", "avg",
+                           "--data-dir", tmp_path, "--tasks", "probing", "--transfer-mode",
+                           "fasttest", "--json", files[0], "--quiet")
+    assert code == 0, err
+    r = json.loads(files[0].read_text())
+    assert set(r) & set(seeds.KINDS) == {"probing"}
+    want = {transfer.PROBING[t][0]: r["probing"][t]["acc"] for t in transfer.PROBING}
+    assert seeds.scores(files[0]) == want
+    shutil.copy(files[0], files[1])
+    code, out, err = main_of(seeds, capsys, monkeypatch, *files)
+    assert code == 0, err
+    head, row = out.splitlines()[:2]
+    assert head.split() == ["SentLen", "TreeDepth", "CoordInv"]
+    assert row.split()[2:] == [x for t in want for x in (f"{want[t]:.2f}", "±", "0.00")]
+
+
+def test_seeds_every_score_kind_of_eval_sts_is_a_column(tmp_path, capsys, monkeypatch):
+    """Each score eval_sts.py --json writes is a column: STS (and its Avg.), transfer (and its
+    Avg.), probing, MTEB tasks, alignment, uniformity, retrieval and C-STS; counts, names, the
+    shown queries and the seconds are not scores."""
+    body = {"model": "m", "split": "test", "transfer_mode": "test", "seconds": {"sts": 1.0},
+            "results": {t: 70.0 + i for i, t in enumerate(common.TASKS)},
+            "transfer": {t: {"devacc": 1.0, "acc": 80.0 + i}
+                         for i, t in enumerate(transfer.TRANSFER)},
+            "probing": {"Depth": {"devacc": 1.0, "acc": 30.5}},
+            "mteb": {"STS12": {"metric": "cosine_spearman", "score": 61.5, "scores": {}}},
+            "align": 0.25, "uniform": -2.5, "csts": 40.25,
+            "retrieval": {"queries": 3, "captions": 9, "strict": 33.0, "recall@1": 50.0,
+                          "recall@5": 90.0, "recall@10": 100.0, "shown": [{"query": "q"}]}}
+    f = tmp_path / "all.json"
+    f.write_text(json.dumps(body))
+    row = seeds.scores(f)
+    assert row == {**body["results"], "STS Avg.": 73.0,
+                   **{t: v["acc"] for t, v in body["transfer"].items()}, "transfer Avg.": 83.0,
+                   "TreeDepth": 30.5, "MTEB STS12": 61.5, "align": 0.25, "uniform": -2.5,
+                   "retrieval strict": 33.0, "retrieval recall@1": 50.0,
+                   "retrieval recall@5": 90.0, "retrieval recall@10": 100.0, "C-STS": 40.25}
+    code, out, err = main_of(seeds, capsys, monkeypatch, f, f)
+    head, values = out.splitlines()[:2]
+    assert code == 0 and "MTEB STS12" in head and "retrieval recall@10" in head, err
+    assert len(values) == len(head)  # a column as wide as its name: the values stand under it
+
+
+SEEDS_BAD = [  # (an entry of a file, what seeds.py's line says of it)
+    ({"results": {"STS-B": "80"}}, "results.STS-B is \"80\""),
+    ({"transfer": {"MR": 80}}, "transfer.MR.acc is missing"),
+    ({"transfer": {"MR": {"acc": None}}}, "transfer.MR.acc is null"),
+    ({"probing": {"Length": {"devacc": 1}}}, "probing.Length.acc is missing"),
+    ({"probing": {"Length": {"acc": "51"}}}, "probing.Length.acc is \"51\""),
+    ({"probing": [51]}, "its probing is [51], not an object"),
+    ({"mteb": {"STS12": {"metric": "cosine_spearman"}}}, "mteb.STS12.score is missing"),
+    ({"mteb": {"STS12": {"score": True}}}, "mteb.STS12.score is true"),
+    ({"align": "0.2"}, "align is \"0.2\""),
+    ({"uniform": None}, "uniform is null"),
+    ({"retrieval": {"strict": 1.0, "recall@1": 1.0, "recall@5": [1], "recall@10": 1.0}},
+     "retrieval.recall@5 is [1]"),
+    ({"retrieval": {"strict": 1.0}}, "retrieval.recall@1 is missing"),
+    ({"retrieval": 50}, "its retrieval is 50, not an object"),
+    ({"csts": {"score": 1}}, "csts is {\"score\": 1}"),
+]
+
+
+@pytest.mark.parametrize("body,key", SEEDS_BAD, ids=[re.sub(r"\W+", "-", k) for _, k in SEEDS_BAD])
+def test_seeds_a_bad_entry_of_each_kind_is_one_line_naming_file_and_key(
+        body, key, tmp_path, capsys, monkeypatch):
+    """Every entry seeds.py reads is checked: a bad one, of any kind, is one line that names the
+    file and the key, and says to write the file again with eval_sts.py --json."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"results": {"STS-B": 80.0}, "align": 0.2}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": {"STS-B": 81.0}, **body}))
+    code, out, err = main_of(seeds, capsys, monkeypatch, good, bad)
+    one_line(code, err, f"'{bad}'", key, "eval_sts.py --json")
+    assert out == ""
