@@ -9,10 +9,11 @@ its weight files fingerprinted, and synced before the checkpoint names it, so a 
 instant leaves the last committed save or the new one. settle(), run first by every command that
 opens a run folder no run holds, rolls a committed .best.new into best/ and removes what no commit
 names, never a save a commit names. Readers get the committed save (best/, or .best.new where
-they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed. One
-run a folder (.lock), never an input model; --resume goes on as the uninterrupted run would; a
+they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed, its
+sentemb.json the one the checkpoint records (read_meta). One run a folder (.lock), never an input
+model; --resume goes on as the uninterrupted run would, on the model the checkpoint describes; a
 signal stops training at the next step, saved, on every rank (a second: at once); a full disk is
-one line, and what was saved before is kept.
+one line, and what was saved before is kept (a first save: the folder as it was).
 """
 import atexit
 import contextlib
