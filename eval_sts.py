@@ -80,9 +80,7 @@ def reading(name):
         yield None, name, None
         return
     script, run_dir, folder = found
-    with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
-            contextlib.nullcontext(folder) as folder:
-        meta = harness.read_meta(folder, script.METHOD, script.check_run)
+    with harness.reading(run_dir, script.METHOD, script.check_run, folder) as (folder, meta):
         yield script, folder, meta
         harness.check_prints(folder, meta)  # once its files have loaded (a damaged one named)
 

@@ -287,7 +287,8 @@ class Run:
     def final_table(self, load_encoder, data, tasks, bf16):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
         folder = os.path.join(self.dir, BEST)
-        meta = read_meta(folder, self.method, self.check_run)
+        meta = read_meta(folder, self.method, self.check_run,
+                         {**self.record, "meta": self.parts[4]})  # as its checkpoint records it
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
@@ -360,7 +361,7 @@ def settle(run_dir, method, check_run, state=None):
     try:  # the committed save never goes: in best/, else in .best.new (rolled forward), else stop
         if save and committed(run_dir, method, state) == at(NEW):
             if not ours:  # a leftover: checked before it is used
-                check_prints(at(NEW), read_meta(at(NEW), method, check_run))
+                check_prints(at(NEW), read_meta(at(NEW), method, check_run, state))
             with folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
                 pause()
                 if os.path.isdir(at(BEST)):
@@ -430,13 +431,21 @@ def differs(found, want, whole=True, skip=()):
 
 
 @contextlib.contextmanager
-def reading(run_dir, method, check_run):
-    """A reader of a run folder, settled if it can be: -> the committed save's folder (no swap)."""
+def reading(run_dir, method, check_run, folder=None):
+    """A reader of a run folder, settled if it can be: -> the committed save's folder and its
+    sentemb.json, checked, the one checkpoint.pt records for that save, under the readers' lock (no
+    swap inside). run_dir None: folder (a copy of best/), checked on its own."""
+    if run_dir is None:
+        yield folder, read_meta(folder, method, check_run)
+        return
     with contextlib.suppress(OSError), open(os.path.join(run_dir, LOCK), "a+") as lock:
         if flock(lock, "EX", "NB"):
             settle(run_dir, method, check_run)
-    with folder_lock(run_dir, "SH"):
-        yield committed(run_dir, method)
+    with folder_lock(run_dir, "SH"):  # one checkpoint read: a commit may follow while inside
+        state = read_checkpoint(run_dir, method) if os.path.lexists(os.path.join(
+            run_dir, CKPT)) else None
+        folder = committed(run_dir, method, state)
+        yield folder, read_meta(folder, method, check_run, state)
 
 
 def read_checkpoint(run_dir, method, device="cpu"):
@@ -469,18 +478,17 @@ def read_checkpoint(run_dir, method, device="cpu"):
     return state
 
 
-def read_meta(folder, method, check_run):
-    """The sentemb.json of a model method's script saved, checked by check_run, and in a run
-    folder against the description checkpoint.pt records for its save; or one line."""
-    path, run = os.path.join(folder, common.META), os.path.dirname(os.path.abspath(folder))
+def read_meta(folder, method, check_run, state=None):
+    """The sentemb.json of a model method's script saved, checked by check_run, and (state: the
+    checkpoint that names its save) against the one it records; or one line."""
+    path = os.path.join(folder, common.META)
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
         common.die(f"{path} is not a run description of {method}.py (method "
                    f"{meta.get('method')!r}): {RECOPY}")
     check_run(folder, meta)
-    if os.path.basename(os.path.abspath(folder)) in (BEST, NEW) and \
-            os.path.isfile(os.path.join(run, CKPT)):  # a run's committed save
-        check_description(folder, read_checkpoint(run, method))
+    if state is not None:
+        check_description(folder, state)
     return meta
 
 

@@ -409,9 +409,7 @@ def teacher_run(name, load):
             import sscl as script
         except ImportError:
             common.die(f"--distill '{name}' is a run of sscl.py: put sscl.py beside jtcse.py")
-    with harness.reading(run_dir, method, script.check_run) if run_dir else \
-            nullcontext(folder) as folder:
-        meta = harness.read_meta(folder, method, script.check_run)
+    with harness.reading(run_dir, method, script.check_run, folder) as (folder, meta):
         loaded = load(script, folder, meta)
         harness.check_prints(folder, meta)  # once its files have loaded (a damaged one named)
         return loaded
