@@ -347,7 +347,7 @@ def run_kind(folder):
 
 def check_hf_folder(folder, kind, where, fix=REFETCH):
     has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
-    needs = "config.json" if kind != "tokenizer" else "a tokenizer file"
+    needs = "config.json" if kind != "tokenizer" else "tokenizer file"
     if not (has("config.json") if kind != "tokenizer" else any(map(has, TOKENIZER_FILES))) \
             and (run := run_kind(folder)):  # say what it is before naming a missing file
         die(f"{where}: it is {run}, not a model folder (no {needs}): pass it to eval_sts.py "

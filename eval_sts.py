@@ -415,7 +415,7 @@ def main():
         out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks, mteb)
         if a.align_uniform:
             points[out["model"]] = (out["uniform"], out["align"])
-            short.append(" + ".join(os.path.basename(os.path.normpath(m)) for m, _ in members))
+            short.append(" + ".join(figures.labels([m])[m] for m, _ in members))
     if a.plot:  # Fig. 7 of JTCSE (SimCSE's Fig. 2): one labelled point per model
         labels = short if len(set(short)) == len(short) else list(points)
         panel = dict(kind="scatter", title=f"STS-B {a.split}; lower is better for both",

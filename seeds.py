@@ -87,9 +87,10 @@ def scores(path):
     row.update({PROBING.get(t, (t,))[0]: v for t, v in task["probing"].items()})
     row.update({f"MTEB {t}": v for t, v in task["mteb"].items()})
     row.update({k: number(path, out, k) for k in ("align", "uniform") if k in out})
-    row.update({f"retrieval {k}": number(path, out, "retrieval", k)
-                for k in RETRIEVAL if "retrieval" in out})
-    row.update({"C-STS": number(path, out, "csts")} if "csts" in out else {})
+    if "retrieval" in out:
+        row.update({f"retrieval {k}": number(path, out, "retrieval", k) for k in RETRIEVAL})
+    if "csts" in out:
+        row["C-STS"] = number(path, out, "csts")
     return row
 
 

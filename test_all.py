@@ -5118,9 +5118,9 @@ def test_harness_an_edited_description_is_refused_by_every_reader(
     """best/sentemb.json edited to describe another model of the same files (SSCL's pooler, a
     twin's drop_layernorm, BeLLM's bi_mode or bi_layers; before: scored with exit 0, 82.69 where
     the run recorded 74.39): eval_sts.py on RUN and on RUN/best, --resume, jtcse.py --distill
-    (SSCL and JTCSE runs) and read_meta (the final table's) each refuse it in one line naming the
-    file, the key and both values; nothing changes. A copy of best/ (no checkpoint beside it)
-    reads as it is: nothing there to compare."""
+    (SSCL and JTCSE runs) and harness.reading (what every reader opens) each refuse it in one
+    line naming the file, the key and both values; nothing changes. A copy of best/ (no
+    checkpoint beside it) reads as it is: nothing there to compare."""
     monkeypatch.setenv("SENTEMB_DATA", str(RUN_DATA[script]()))
     meta = json.loads((run_templates[script] / harness.BEST / common.META).read_text())
     for key, value in EDITS[script]:
@@ -5140,9 +5140,9 @@ def test_harness_an_edited_description_is_refused_by_every_reader(
             code, _, err = main_of(main, capsys, monkeypatch, *args)
             one_line(code, err, *words)
             assert tree_of(out) == before and not (tmp_path / "d").exists(), main.__name__
-        best = str(out / harness.BEST)
-        with pytest.raises(SystemExit) as e:
-            harness.read_meta(best, script, SCRIPTS[script].check_run)
+        with pytest.raises(SystemExit) as e, harness.reading(str(out), script,
+                                                             SCRIPTS[script].check_run):
+            pass
         one_line(e.value.code, capsys.readouterr().err, *words)
     shutil.copytree(out / harness.BEST, tmp_path / "copy")
     assert harness.read_meta(str(tmp_path / "copy"), script, SCRIPTS[script].check_run)[key] \
@@ -6471,33 +6471,33 @@ TOOL_MODES = [  # (tool, mode, its arguments with c.model the run, the run kinds
                                            c.jt_sts, "--sentence", SENT],
      ("sscl", "jtcse_d"), rf"^Fig. 5, last-layer token cosines of '{SENT}': mean off-diagonal -?0"),
     (sscl_analysis, "convergence", lambda c: ["--convergence", "--model", c.model],
-     ("sscl", "jtcse", "jtcse_d", "bellm"), r"^ +step +run0$"),
+     ("sscl", "jtcse", "jtcse_d", "bellm"), r"^ step run0$"),
     (jtcse_analysis, "analyze", lambda c: ["--analyze", c.model, "--model-a", TPL.jt / "a",
                                            "--max-len", 16, "--data-dir", c.jt_sts],
      ("jtcse",), r"twin = \['RUN/tower_a', 'RUN/tower_b'\]"),
     (jtcse_analysis, "compare", lambda c: ["--compare", c.model, "--max-len", 16, "--data-dir",
                                            c.jt_sts],
-     ("sscl", "jtcse", "jtcse_d"), r"^RUN +(\d\.\d{4} +)+\d+\.\d\d$"),
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN (\d\.\d{4} )+-?\d+\.\d\d$"),
     (jtcse_analysis, "cost", lambda c: ["--compare", c.model, "--cost", 16, "--data-dir",
                                         c.jt_sts],
-     ("sscl", "jtcse", "jtcse_d"), r"^RUN +[12] +\d+\.\d\dM +\d"),
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN [12] \d+\.\d\dM \d"),
     (jtcse_analysis, "attention", lambda c: ["--compare", c.model, "--attention", SENT],
      ("sscl", "jtcse", "jtcse_d"), r"^RUN( I| II)? \(\d+ tokens: \[CLS\]"),
     (jtcse_analysis, "modulus", lambda c: ["--compare", c.model, "--modulus", "--max-len", 16,
                                            "--data-dir", c.jt_sts],
-     ("sscl", "jtcse", "jtcse_d"), r"^RUN +0 +\d+\.\d{3}"),
+     ("sscl", "jtcse", "jtcse_d"), r"^RUN 0 \d+\.\d{3}"),
     (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
                                               TPL.bl_sts],
-     ("sscl", "jtcse_d"), r"^run0 \(CLS\) +-?0\.\d{4}"),
+     ("sscl", "jtcse_d"), r"^run0 \(CLS\) -?0\.\d{4}"),
     (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
                                               TPL.bl_sts],
-     ("jtcse",), r"^run0 \(CLS, tower II\) +-?0\.\d{4}"),  # and tower I: each alone
+     ("jtcse",), r"^run0 \(CLS, tower II\) -?0\.\d{4}"),  # and tower I: each alone
     (bellm_analysis, "dependency", lambda c: ["--dependency", "--model", c.model, "--data-dir",
                                               TPL.bl_sts],
-     ("bellm",), r"^run0 \(trained, K=\d+\) +-?0\.\d{4}"),
+     ("bellm",), r"^run0 \(trained, K=\d+\) -?0\.\d{4}"),
     (bellm_analysis, "representative-words", lambda c: ["--representative-words", "--model",
                                                         c.model, "--data-dir", TPL.bl_sts],
-     ("bellm",), r"^run0 \(trained, K=\d+\) +\d+\.\d\d %"),
+     ("bellm",), r"^run0 \(trained, K=\d+\) \d+\.\d\d %"),
 ]
 
 
@@ -6509,8 +6509,10 @@ def run_copy(kind, templates, distilled, tmp_path):
 
 
 def as_run(text, out):
-    """text with the run folder's path, and its best/'s, written RUN."""
-    return text.replace(str(out / harness.BEST), "RUN").replace(str(out), "RUN")
+    """text with the run folder's path, and its best/'s, written RUN, and each run of spaces one
+    space (a table's columns are as wide as its longest name)."""
+    text = text.replace(str(out / harness.BEST), "RUN").replace(str(out), "RUN")
+    return re.sub(r" +", " ", text)
 
 
 @pytest.mark.slow
@@ -6545,8 +6547,8 @@ REFUSED = [  # (tool, the mode's arguments, a kind of run it does not take, its 
     (jtcse_analysis, ["--analyze"], "sscl", ["--analyze 'RUN' is not a jtcse.py twin's run"]),
     (jtcse_analysis, ["--analyze"], "jtcse_d", ["--analyze 'RUN' is not a jtcse.py twin's run"]),
     (jtcse_analysis, ["--analyze"], "bellm", ["'RUN' is a bellm.py run", "--analyze"]),
-    (sscl_analysis, [], "jtcse", ["'RUN/best'", "is a jtcse.py run (a twin", "tower_a"]),
-    (sscl_analysis, [], "bellm", ["'RUN/best'", "is a bellm.py run (a LoRA adapter"]),
+    (sscl_analysis, [], "jtcse", ["cannot load 'RUN'", "is a jtcse.py run (a twin", "tower_a"]),
+    (sscl_analysis, [], "bellm", ["cannot load 'RUN'", "is a bellm.py run (a LoRA adapter"]),
 ]
 
 
