@@ -109,7 +109,6 @@ class Run:
         self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for k, v in vars(a).items()}  # the command's flags, its paths absolute
         self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
-        self.made = []  # what open() makes, which a failed first save removes (undo)
         self.lock = self.open(a.resume, inputs) if self.rank == 0 else None  # held till exit
         if self.world > 1:
             dist.barrier()
@@ -131,10 +130,9 @@ class Run:
                        f"'{out}' already holds a run of {method}.py: pass "
                        f"{'--resume to continue it, or ' * (method == self.method)}another "
                        "--output-dir")
-        made, up = [], os.path.abspath(out)  # the folders this run makes, .lock: undo()
-        while not os.path.lexists(up):
-            made, up = made + [up], os.path.dirname(up)
-        self.made = made + [path] * (not os.path.lexists(path))
+        self.made, up = [path] * (not os.path.lexists(path)), os.path.abspath(out)  # for undo():
+        while not os.path.lexists(up):  # the folders this run makes, outermost first, and .lock
+            self.made, up = [up, *self.made], os.path.dirname(up)
         try:
             os.makedirs(out, exist_ok=True)
             lock = open(path, "a+")

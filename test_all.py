@@ -4632,13 +4632,13 @@ def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_comm
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, f, *a, **k)
     (tmp_path / "empty").mkdir()
-    for out in (tmp_path / "new", tmp_path / "empty"):
+    for out in (tmp_path / "new" / "runs" / "run", tmp_path / "empty"):
         args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=2)
         monkeypatch.setattr(torch, "save", disk_full)
         code, _, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 2 and err.count("error:") == 1 and "No space left on device" in err, err
         assert "run the same command again, without --resume" in err, err
-        assert os.listdir(out) == [] if out.name == "empty" else not out.exists()  # as it was
+        assert os.listdir(out) == [] if out.name == "empty" else not (tmp_path / "new").exists()
         monkeypatch.setattr(torch, "save", real)
         code, log, err = main_of(sscl, capsys, monkeypatch, *args)
         assert code == 0 and "step     0  stsb_dev" in log, err
