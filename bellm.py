@@ -224,8 +224,9 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
     texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit,
-                      return_tensors="pt").to(device)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+    tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
+    batch = batch.to(device, non_blocking=True)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
     h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
@@ -233,10 +234,11 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     if kind == "nli":
         loss = bellm_loss(*cols, temp)  # eq. 6 over the global batch
     else:
-        loss = cosent_loss(*cols, gather(torch.tensor([r[3] for r in rows], device=device)))
+        labels = torch.tensor([r[3] for r in rows]).to(device, non_blocking=True)  # (B,)
+        loss = cosent_loss(*cols, gather(labels))
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     (loss * world / accum).backward()
-    return loss, int(batch["attention_mask"].sum())
+    return loss, tokens
 
 
 # ---------------------------------------------------------------- the data loader -----------------
@@ -614,8 +616,9 @@ def main():
     lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
-    forward = common.in_length_groups(  # --compile: each decoder layer, in place (training, eval)
-        functools.partial(embed, common.compiled_layers(model, a.compile)), a.length_grouping)
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
+        functools.partial(embed, common.compiled_layers(model, a.compile)),  # --compile: each
+        a.length_grouping)  # decoder layer, in place (training, eval)
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
@@ -638,27 +641,29 @@ def main():
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
-            with meter.step(forward):
+            with meter.step(step_model):
                 for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss, n = train_step(forward, tokenizer, [rows[i] for i in ids], kind,
-                                             a.prompt, device, a.temp, a.max_len, bf16, world,
-                                             a.grad_accum, harness.gather)
+                        loss, n = train_step(
+                            step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
+                            temp=a.temp, max_len=a.max_len, bf16=bf16, world=world,
+                            accum=a.grad_accum, gather=harness.gather)
                     meter.tokens += n  # real ones
-                    if not torch.isfinite(loss):  # before the update: the last save is good
-                        run.diverged(step, loss)
+                    run.watch(step, loss)  # not finite: noted on the device, read below
                 gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
                     params, a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
+        read, dev = evaluate or step % a.log_steps == 0, None  # the host reads the device here
+        if read and step > 0:
+            run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
                     f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
-        halt = run.stop_requested()  # a signal on any rank: every rank stops here
-        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        dev = None
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
         if evaluate and rank == 0:  # the dev score, without dropout
             raw_model.eval()
             dev = dev_score(encode, data, csts_dev)

@@ -1,19 +1,22 @@
 """The run folder and the training process, written once for sscl.py, jtcse.py and bellm.py. A
-reader of a paper may skip this file: main() calls it at a few places (start, Run, resume,
-stop_requested, save, finish; a Meter for the step lines), and its training step is plain torch.
+reader of a paper may skip this file: each main()'s step is plain torch, and it calls here only
 
-What it guarantees, by construction: one commit point, checkpoint.pt, holds all a run knows
-(flags, model description, weights, optimiser, schedule, RNG states, step, dev curve, best score,
-the id of the save in best/), replaced whole; a new best model is written whole into .best.new/,
-its weight files fingerprinted, and synced before the checkpoint names it, so a SIGKILL at any
-instant leaves the last committed save or the new one. settle(), run first by every command that
-opens a run folder no run holds, rolls a committed .best.new into best/ and removes what no commit
-names, never a save a commit names. Readers get the committed save (best/, or .best.new where
-they cannot settle) under a shared lock that a swap takes exclusively: never two saves mixed, its
-sentemb.json the one the checkpoint records (read_meta). One run a folder (.lock), never an input
-model; --resume goes on as the uninterrupted run would, on the model the checkpoint describes; a
-signal stops training at the next step, saved, on every rank (a second: at once); a full disk is
-one line, and what was saved before is kept (a first save: the folder as it was).
+  start()                       this process, or one of torchrun's: rank, world, device, log
+  gather(z)                     a step's (B, D) rows of every rank, in order (in-batch negatives)
+  Run(a, method, ...)           the run folder opened, locked and settled; --resume: .state
+  run.complete(steps)           a resumed run with nothing left to train (it says so)
+  run.resume(model, opt, ...)   what every save holds; --resume: each loaded as saved
+  run.watch(step, loss)         a loss not finite, noted on the device (no wait inside a step)
+  run.check_loss()              ... read where the run reads anyway: one line, the last save good
+  run.stop_requested(read)      a signal (SIGINT, SIGTERM) on any rank: stop here, saved
+  run.save(step, metric, ...)   checkpoint.pt, the one commit point; a new best model into best/
+  run.finish(step)              peak memory; a stopped run exits 128 + the signal's number
+  run.final_table(...)          the best model on the test sets, loaded as eval_sts.py loads it
+  Meter(...): meter.step(...)   the step lines' speed and FLOP/s; meter.line(): the line
+
+Readers (eval_sts.py, the analyses, --distill) use run_of and reading. What all this guarantees
+(a kill at any instant, readers during saves, a full disk, --resume as the uninterrupted run) and
+how it is tested: docs/operations.md, "Run folders" and "Failure and recovery".
 """
 import atexit
 import contextlib
@@ -197,6 +200,7 @@ class Run:
         rate over this command's schedule (as HF Trainer), a new --lr from that step on. Signals
         stop training from here. -> the first step (0: as loaded)"""
         self.parts = model, optimizer, scheduler, lr, meta, generators
+        self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): step, loss
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if (state := self.state) is None:
             return 0
@@ -223,6 +227,8 @@ class Run:
         torch.set_rng_state(state["rng"][0].cpu())  # map_location may have put it on the device
         random.setstate(state["rng"][1])
         np.random.set_state(state["rng"][2])
+        if len(state["rng"]) == 4 and self.device.type == "cuda":  # saved on a GPU
+            torch.cuda.set_rng_state(state["rng"][3].cpu(), self.device)
         for g in optimizer.param_groups:  # the rate over this command's schedule
             g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler.base_lrs = [lr] * len(optimizer.param_groups)
@@ -232,14 +238,27 @@ class Run:
         self.state = {k: v for k, v in state.items() if k not in ("model", "opt")}  # (in use)
         return state["step"] + 1
 
-    def diverged(self, step, loss):
-        """The loss is not finite (before the update: the last save is good): one line."""
-        common.die(f"loss became {loss.item()} at step {step}: resume with a lower --lr (now "
-                   f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
-                   f"{self.dir} is kept")
+    def watch(self, step, loss):
+        """Notes on the device the first step whose loss is not finite (no wait inside a step);
+        check_loss() reads it where the run reads anyway."""
+        first = torch.stack([torch.full_like(loss, step), loss]).detach().float()  # (2,)
+        bad = ~torch.isfinite(loss) & (self.nonfinite[0] < 0)
+        self.nonfinite = torch.where(bad, first, self.nonfinite)
 
-    def stop_requested(self):
-        """Whether a signal asked training to stop (on any rank: all of them stop)."""
+    def check_loss(self):
+        """A loss was not finite since the last check (before any save: the last is good): one
+        line. Called where the run reads the device: step lines, evaluations, saves."""
+        step, loss = self.nonfinite.tolist()
+        if step >= 0:
+            common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
+                       f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
+                       f"{self.dir} is kept")
+
+    def stop_requested(self, agree=True):
+        """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
+        signal to one rank stops all of them there)."""
+        if self.world > 1 and not agree:
+            return False
         if self.world > 1:
             t = torch.tensor(STOP["signum"], device=self.device)
             collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
@@ -250,12 +269,14 @@ class Run:
         """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
         if self.rank == 0:
             model, optimizer, scheduler, lr, meta, generators = self.parts
+            cuda = self.device.type == "cuda"  # its generator too: a resumed run's dropout
             state = {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
                                if v.requires_grad},
                      "opt": optimizer.state_dict(), "sched": scheduler.state_dict(),
                      "method": self.method, "meta": meta, "args": {**self.flags, "lr": lr},
                      "step": step, "world": self.world,
-                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+                             *([torch.cuda.get_rng_state(self.device)] if cuda else [])),
                      **{k: g.get_state() for k, g in generators.items()}}
             self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
                                     metric, dev, state, write, self.log, self.undo)
@@ -462,8 +483,9 @@ def read_checkpoint(run_dir, method, device="cpu"):
     ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
           "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
           "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
-          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and torch.is_tensor(v[0])
-          and isinstance(v[1], tuple) and isinstance(v[2], tuple),
+          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) in (3, 4) and torch.is_tensor(
+              v[0]) and isinstance(v[1], tuple) and isinstance(v[2], tuple) and all(
+              map(torch.is_tensor, v[3:])),  # (CPU, Python, NumPy[, CUDA: saved on a GPU])
           "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
           "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
           "best": number, "save": lambda v: v is None or isinstance(v, str),
@@ -581,29 +603,38 @@ def folder_lock(folder, how):
 
 # ---------------------------------------------------------------- the step lines' meter -----------
 class Meter:
-    """The step lines' speed: `with meter.step(forward):` around each step; line(): rows (unit) and
-    real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks.
-    FLOPs: the first step's a padded token slot (common.FlopCount) times another step's slots."""
+    """The step lines' speed: `with meter.step(step_model):` around each step; line(): rows (unit)
+    and real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks.
+    A step's time runs from its start to its end on the device's own clock (CUDA events, read at
+    line(): no wait inside a step). FLOPs: the first step's a padded token slot (common.FlopCount)
+    times another step's slots (step_model.slots, the padded token slots it ran)."""
 
     def __init__(self, device, per_step, unit):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
-        self.time = self.steps = self.flops = self.tokens = 0
+        self.spans, self.flops, self.tokens = [], 0, 0
+
+    def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        (event := torch.cuda.Event(enable_timing=True)).record()
+        return event
 
     @contextlib.contextmanager
-    def step(self, forward):
-        t0, slots = time.perf_counter(), forward.slots
+    def step(self, step_model):
+        start, slots = self.now(), step_model.slots
         with common.FlopCount() if self.per_slot is None else contextlib.nullcontext() as counted:
             yield
         if counted is not None:
-            self.per_slot = counted.flops / max(forward.slots - slots, 1)
-        if self.device.type == "cuda":  # the step's kernels done
-            torch.cuda.synchronize(self.device)
-        self.flops += self.per_slot * (forward.slots - slots)
-        self.time, self.steps = self.time + time.perf_counter() - t0, self.steps + 1
+            self.per_slot = counted.flops / max(step_model.slots - slots, 1)
+        self.flops += self.per_slot * (step_model.slots - slots)
+        self.spans.append((start, self.now()))
 
     def line(self):
-        dt, cuda = self.time, self.device.type == "cuda"
-        text = f"{self.unit}/s {self.per_step * self.steps / dt:.2f}"
+        cuda = self.device.type == "cuda"
+        if cuda:  # the steps' kernels done: their events read
+            torch.cuda.synchronize(self.device)
+        dt = sum(a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in self.spans)
+        text = f"{self.unit}/s {self.per_step * len(self.spans) / dt:.2f}"
         if self.tokens:
             text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
         flops = summed(self.flops, self.device) / dt
@@ -612,7 +643,7 @@ class Meter:
         if peak := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
-        self.time = self.steps = self.flops = self.tokens = 0
+        self.spans, self.flops, self.tokens = [], 0, 0
         return text
 
 

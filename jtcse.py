@@ -239,7 +239,7 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
     -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H);
     the gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt").to(device)  # (B, L)
+                      return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     B, terms = len(sentences), {}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         if teacher is not None:
@@ -519,8 +519,10 @@ def main():
         if a.distill else None  # it encodes the text the student reads (cut to --max-len)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
     student = functools.partial(cls, model) if a.distill else model
-    forward = common.in_length_groups(torch.compile(student, dynamic=True) if a.compile else
-                                      student, a.length_grouping, raw_model)  # the same outputs
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
+        torch.compile(student, dynamic=True) if a.compile else student,  # same outputs)
+        a.length_grouping, raw_model)
+    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = make_encode(towers, tokenizer, eval_len, device, a.compile)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
@@ -543,28 +545,29 @@ def main():
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
-            with meter.step(forward):
+            with meter.step(step_model):
                 for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, terms = train_step(
-                            forward, tokenizer, [sentences[i] for i in rows], R, device, a.temp,
-                            a.max_len, a.objective, skip, a.drop_layernorm > 0,
-                            a.bf16 or device.type == "cuda", teacher, world, a.grad_accum,
-                            harness.gather)
-                    if not torch.isfinite(loss):  # before the update: the last save is good
-                        run.diverged(step, loss)
+                            step_model, tokenizer, [sentences[i] for i in rows], R, device,
+                            temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
+                            tmc_on_h=a.drop_layernorm > 0, bf16=bf16, teacher=teacher,
+                            world=world, accum=a.grad_accum, gather=harness.gather)
+                    run.watch(step, loss)  # not finite: noted on the device, read below
                 terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
                     params, a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+            run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
                 log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
                     f"  R {R}") + f"  {meter.line()}")
-        halt = run.stop_requested()  # a signal on any rank: every rank stops here
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
         if evaluate and rank == 0:  # the dev score, without dropout
             raw_model.eval()
             dev = common.stsb_dev(encode, data)

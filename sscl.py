@@ -153,7 +153,7 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
     (world·B, D); the gradients × world / accum (DDP averages them over the ranks; accum
     micro-batches a step)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt").to(device)  # (B, L)
+                      return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -366,8 +366,10 @@ def main():
     bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
     raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
-    forward = common.in_length_groups(torch.compile(model, dynamic=True) if a.compile else model,
-                                      a.length_grouping, raw_model)  # the same outputs, cheaper
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
+        torch.compile(model, dynamic=True) if a.compile else model,  # same outputs, cheaper)
+        a.length_grouping, raw_model)
+    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
     encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
@@ -388,26 +390,28 @@ def main():
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
-            with meter.step(forward):
+            with meter.step(step_model):
                 for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
                     rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss = train_step(forward, tokenizer, [sentences[i] for i in rows],
-                                          layers, device, a.temp, a.max_len, a.objective,
-                                          a.no_aug, a.bf16 or device.type == "cuda", world,
-                                          a.grad_accum, harness.gather)
-                    if not torch.isfinite(loss):  # before the update: the last save is good
-                        run.diverged(step, loss)
+                        loss = train_step(
+                            step_model, tokenizer, [sentences[i] for i in rows], layers, device,
+                            temp=a.temp, max_len=a.max_len, objective=a.objective,
+                            no_aug=a.no_aug, bf16=bf16, world=world, accum=a.grad_accum,
+                            gather=harness.gather)
+                    run.watch(step, loss)  # not finite: noted on the device, read below
                 gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
                     raw_model.parameters(), a.max_grad_norm or math.inf)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+            run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
                     f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
-        halt = run.stop_requested()  # a signal on any rank: every rank stops here
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
         if evaluate and rank == 0:  # the dev score, without dropout
             raw_model.eval()
             dev = dev_score(encode, data)

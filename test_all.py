@@ -7,6 +7,7 @@ data and the all-MiniLM-L6-v2 / SmolLM2-135M checkpoints: $SENTEMB_DATA, $SENTEM
 CI=true."""
 import codecs
 import collections
+import contextlib
 import copy
 import csv
 import errno
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from argparse import Namespace
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, PreTrainedTokenizerFast
 
 import bellm
@@ -1938,6 +1941,108 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
     assert not (out / harness.BEST).exists()
 
 
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_save_good(
+        script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
+    """The loss is checked on the device and read where the run reads anyway (step lines,
+    evaluations, saves): a loss that becomes NaN at step 5 (no read there: step lines every 3,
+    evaluations every 4) stops the run at step 6's read, before its save, with one line naming
+    step 5; checkpoint.pt is step 4's, its weights finite, resumable."""
+    out, module, calls = tmp_path / "run", SCRIPTS[script], []
+    every = ["--max-steps", 6, "--eval-steps", 4, "--log-steps", 3]
+    if script == "sscl":
+        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *every)
+    elif script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        args = ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
+                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
+                "--no-add-sick", "--no-final-eval", *every]
+    else:
+        args = ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path, 24),
+                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
+                "--lora-r", 4, "--no-final-eval", *every]
+    step = module.train_step
+
+    def nan_at_5(*a, **k):  # the 5th micro-batch, step 5: its loss NaN
+        got = step(*a, **k)
+        calls.append(1)
+        nan = float("nan") if len(calls) == 5 else 1.0
+        return got * nan if torch.is_tensor(got) else (got[0] * nan, *got[1:])
+    monkeypatch.setattr(module, "train_step", nan_at_5)
+    code, log, err = main_of(module, capsys, monkeypatch, *args)
+    one_line(code, err, "loss became nan at step 5", "--resume --lr")
+    assert len(calls) == 6 and "step     3" in log and "step     6" not in log, log
+    state = torch.load(out / harness.CKPT, weights_only=False)
+    assert state["step"] == 4 and all(v.isfinite().all() for v in state["model"].values())
+
+
+class DeviceReads(TorchDispatchMode):
+    """Inside: each read of a tensor's value back to the host (.item(), bool(), int(), float();
+    .tolist() through the patch below) whose innermost caller, outside torch and this file, is a
+    file of ours: .ours, ["file.py:line", ...]."""
+
+    def __init__(self):
+        super().__init__()
+        self.ours = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.caller()
+        return func(*args, **(kwargs or {}))
+
+    def caller(self):
+        for f in reversed(traceback.extract_stack()[:-2]):
+            if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__:
+                if Path(f.filename).parent == ROOT:
+                    self.ours.append(f"{Path(f.filename).name}:{f.lineno}")
+                return
+
+
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_a_step_reads_nothing_back_from_the_device(
+        script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
+    """Inside each optimisation step (train_step, clipping, the update), our code reads no tensor's
+    value back to the host (on a GPU: waits for it): the loss's finiteness is checked on the device
+    and read at the step lines, evaluations and saves, which lie outside the steps; the meter reads
+    its CUDA events at its line. Counted in 5 steps of each script (a CPU's host and device are
+    one: every read counts), without length groups, whose cuts read the rows' lengths
+    (common.by_length; transformers' mask code, not ours, reads one too)."""
+    out, module, found = tmp_path / "run", SCRIPTS[script], []
+    every = ["--max-steps", 5, "--eval-steps", 5, "--log-steps", 5, "--no-length-grouping"]
+    if script == "sscl":
+        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *every)
+    elif script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        args = ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
+                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
+                "--no-add-sick", "--no-final-eval", *every]
+    else:
+        args = ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path, 24),
+                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
+                "--lora-r", 4, "--no-final-eval", *every]
+    step, tolist, reads, inside = harness.Meter.step, torch.Tensor.tolist, DeviceReads(), []
+
+    @contextlib.contextmanager
+    def counted(meter, forward):
+        with step(meter, forward), reads:
+            inside.append(1)
+            yield
+            inside.clear()
+        found.append(list(reads.ours))
+        reads.ours.clear()
+
+    def listed(t):  # .tolist() inside a step
+        if inside:
+            reads.caller()
+        return tolist(t)
+    monkeypatch.setattr(harness.Meter, "step", counted)
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", listed)
+        code, log, err = main_of(module, capsys, monkeypatch, *args)
+    assert code == 0 and "step     5" in log, err
+    assert found == [[]] * 5, found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py")))
 def test_bench_scripts_print_their_help(script):
@@ -3660,8 +3765,8 @@ def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of
         with meter.step(forward), common.FlopCount() as exact:
             sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
         assert meter.flops - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
-    assert meter.steps == 5 and re.fullmatch(r"sent/s [\d.]+  GFLOP/s [\d.]+", meter.line())
-    assert meter.steps == meter.flops == 0  # counted anew after each step line
+    assert len(meter.spans) == 5 and re.fullmatch(r"sent/s [\d.]+  GFLOP/s [\d.]+", meter.line())
+    assert meter.spans == [] and meter.flops == 0  # counted anew after each step line
 
 
 def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_graphs(
@@ -5756,6 +5861,41 @@ def test_harness_cuda_sdpa_gives_eager_attentions_hidden_states_under_bellms_mas
                 got[attn] = bl_real(bellm.forward(dec, b["input_ids"], am, k, mode, "convert"), am)
         torch.testing.assert_close(got["sdpa"], got["eager"], rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"K={k} {mode}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_harness_cuda_resume_draws_the_uninterrupted_runs_dropout(
+        script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path):
+    """On a GPU, dropout draws from the CUDA generator, whose state checkpoint.pt holds too: 2
+    steps then --resume to 3 log the step-3 loss of the run trained 3 steps at once (a rate
+    independent of the total: a warm-up, JTCSE's constant rate)."""
+    d, warm = jt_env[0], ["--warmup-steps", 10]
+    if script == "sscl":
+        args = lambda out, n: sscl_args(bert_dir, train_txt, sts_dir, out,  # noqa: E731
+                                        "--no-final-eval", *warm, steps=n, eval_steps=2)
+    elif script == "jtcse":
+        args = lambda out, n: ["--model-a", d / "a", "--model-b", d / "b", "--train",  # noqa
+                               d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                               "--batch-size", 8, "--max-len", 16, "--max-steps", n,
+                               "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
+                               "--no-final-eval"]
+    else:
+        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
+        args = lambda out, n: ["--model", model, "--train", nli, "--data-dir", data,  # noqa
+                               "--output-dir", out, "--batch-size", 4, "--max-steps", n,
+                               "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
+                               "--lora-dropout", 0.1, "--no-final-eval", "--no-eval-first", *warm]
+    logs = []
+    for out, parts in ((tmp_path / "whole", [(3, [])]), (tmp_path / "resumed",
+                                                         [(2, []), (3, ["--resume"])])):
+        for n, more in parts:
+            proc = run(f"{script}.py", *args(out, n), *more)
+            assert proc.returncode == 0 and "device cuda" in proc.stdout, proc.stderr[-3000:]
+        logs.append(re.search(r"step +3  loss (\S+)", proc.stdout).group(1))
+    assert logs[0] == logs[1], logs
 
 
 @pytest.mark.cuda
