@@ -46,7 +46,7 @@ CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", "
     "dev.jsonl", ".lock"
 OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
 RECOPY = "copy the whole run folder again, or train again"
-MOVABLE = {"base_model"}  # sentemb.json: where a base model lives (its checksums say which it is)
+MOVABLE = {"base_model", "teacher"}  # sentemb.json: where a model it reads lives (checked apart)
 RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None}  # a new run's record:
 # the best dev score, its save's id and sentemb.json, the dev curve (save_step carries it on)
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
@@ -207,7 +207,7 @@ class Run:
         if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
             common.die(f"--resume: {CKPT} is damaged ({bad[0]} missing or of the wrong type): "
                        f"{RECOPY}")
-        if bad := differs(meta, state["meta"]):  # the model this command builds: the run's
+        if bad := differs(meta, state["meta"], skip=MOVABLE):  # the model this command builds
             common.die(f"--resume: this command's model has {bad[0]} {bad[1]}, the model "
                        f"{os.path.join(self.dir, CKPT)} records has {bad[0]} {bad[2]}: resume "
                        "with the run's own settings (its record damaged: train again)")
@@ -434,18 +434,13 @@ def check_description(folder, state):
 
 def differs(found, want, whole=True, skip=()):
     """The first key of want (whole: or of found), not in skip, whose value found lacks or holds
-    otherwise: (key, found's, want's as JSON, "none" where missing); None."""
-    def plain(v):  # as JSON keeps it, a path absolute
-        if isinstance(v, list):
-            return [plain(x) for x in v]
-        return os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-
-    def same(a, b):  # numbers within 1e-6: a checksum computed on another device
+    otherwise, as JSON keeps them (numbers within 1e-6: a checksum computed on another device):
+    (key, found's, want's as JSON, "none" where missing); None."""
+    def same(a, b):
         return a == b or {type(a), type(b)} <= {int, float} and math.isclose(a, b, rel_tol=1e-6)
     found, want = (json.loads(json.dumps(d, default=str)) for d in (found, want))
     for k in {**want, **(found if whole else {})}:
-        if k not in skip and not (k in found and k in want and same(plain(found[k]),
-                                                                      plain(want[k]))):
+        if k not in skip and not (k in found and k in want and same(found[k], want[k])):
             return k, *(json.dumps(d[k]) if k in d else "none" for d in (found, want))
 
 
