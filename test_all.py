@@ -1941,6 +1941,21 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
     assert not (out / harness.BEST).exists()
 
 
+def tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, monkeypatch,
+             *extra):
+    """The command line of a tiny run of script into out, without its final table, with extra."""
+    if script == "sscl":
+        return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *extra)
+    if script == "jtcse":
+        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        return ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
+                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
+                "--no-add-sick", "--no-final-eval", *extra]
+    return ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path, 24),
+            "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
+            "--lora-r", 4, "--no-final-eval", *extra]
+
+
 @pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
 def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_save_good(
         script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
@@ -1950,17 +1965,8 @@ def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_sav
     step 5; checkpoint.pt is step 4's, its weights finite, resumable."""
     out, module, calls = tmp_path / "run", SCRIPTS[script], []
     every = ["--max-steps", 6, "--eval-steps", 4, "--log-steps", 3]
-    if script == "sscl":
-        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *every)
-    elif script == "jtcse":
-        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-        args = ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
-                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
-                "--no-add-sick", "--no-final-eval", *every]
-    else:
-        args = ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path, 24),
-                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
-                "--lora-r", 4, "--no-final-eval", *every]
+    args = tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path,
+                    monkeypatch, *every)
     step = module.train_step
 
     def nan_at_5(*a, **k):  # the 5th micro-batch, step 5: its loss NaN
@@ -2009,17 +2015,8 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
     (common.by_length; transformers' mask code, not ours, reads one too)."""
     out, module, found = tmp_path / "run", SCRIPTS[script], []
     every = ["--max-steps", 5, "--eval-steps", 5, "--log-steps", 5, "--no-length-grouping"]
-    if script == "sscl":
-        args = sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *every)
-    elif script == "jtcse":
-        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-        args = ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b", "--train",
-                jt_env[0] / "train.txt", "--output-dir", out, "--batch-size", 8, "--max-len", 16,
-                "--no-add-sick", "--no-final-eval", *every]
-    else:
-        args = ["--model", bl_make_model(tok_dir, tmp_path), "--train", nli_csv(tmp_path, 24),
-                "--data-dir", bl_sts_dir(tmp_path), "--output-dir", out, "--batch-size", 4,
-                "--lora-r", 4, "--no-final-eval", *every]
+    args = tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path,
+                    monkeypatch, *every)
     step, tolist, reads, inside = harness.Meter.step, torch.Tensor.tolist, DeviceReads(), []
 
     @contextlib.contextmanager
