@@ -239,8 +239,7 @@ class Run:
         return state["step"] + 1
 
     def watch(self, step, loss):
-        """Notes on the device the first step whose loss is not finite (no wait inside a step);
-        check_loss() reads it where the run reads anyway."""
+        """The first step whose loss is not finite, noted on the device (no wait): check_loss()"""
         first = torch.stack([torch.full_like(loss, step), loss]).detach().float()  # (2,)
         bad = ~torch.isfinite(loss) & (self.nonfinite[0] < 0)
         self.nonfinite = torch.where(bad, first, self.nonfinite)
@@ -267,6 +266,7 @@ class Run:
 
     def save(self, step, metric, dev, write):
         """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
+        self.check_loss()  # a save reads the device: never after a loss that was not finite
         if self.rank == 0:
             model, optimizer, scheduler, lr, meta, generators = self.parts
             cuda = self.device.type == "cuda"  # its generator too: a resumed run's dropout
