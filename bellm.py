@@ -293,6 +293,100 @@ def step_rows(n, per_step, epochs, max_steps, seed):
     return steps[:total]
 
 
+# ---------------------------------------------------------------- main ----------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = harness.start()  # torchrun: one process a GPU
+    tasks = check_args(a, world)
+
+    # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
+    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
+    csts_dev = read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
+    check_data(a, kind, csts_dev is not None)
+    data = common.sts_data(a.data_dir, tasks if a.final_eval else [])
+    metric = "csts_dev" if csts_dev else "stsb_dev"
+    per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
+    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder (harness.py), locked; --resume: its state, trained as this command says
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
+    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
+        return
+    lr = a.lr or (run.state["args"]["lr"] if run.state else 2e-4)  # the paper's, or the run's
+
+    # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
+    torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
+    longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
+    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
+    bf16 = a.bf16 or device.type == "cuda"  # autocast: --bf16, always on CUDA
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
+    raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
+        functools.partial(embed, common.compiled_layers(model, a.compile)),  # --compile: each
+        a.length_grouping)  # decoder layer, in place (training, eval)
+    meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
+                bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
+                max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
+                lora_r=a.lora_r, lora_alpha=a.lora_alpha, **base_checksums(dec))  # sentemb.json
+    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
+
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # the update (authors' code)
+    optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
+    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
+    check_base(meta, run.state["meta"] if run.state else {}, a.model, harness.CKPT)
+    log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
+        f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
+        f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
+        f"{common.device_line(world, device, a.bf16)}")
+    log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
+                    dtype == torch.bfloat16 or bf16, grad_ckpt))
+
+    meter = harness.Meter(device, per_step, "rows")  # the step lines' speed
+    raw_model.train()
+    for step in range(first, len(steps) + 1):  # step 0: the model as loaded
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
+            with meter.step(step_model):
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
+                    ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
+                        loss, n = train_step(
+                            step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
+                            temp=a.temp, max_len=a.max_len, bf16=bf16, world=world,
+                            accum=a.grad_accum, gather=harness.gather)
+                    meter.tokens += n  # real ones
+                    run.watch(step, loss)  # not finite: noted on the device, read below
+                gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
+                    params, a.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
+        read, dev = evaluate or step % a.log_steps == 0, None  # the host reads the device here
+        if read and step > 0:
+            run.check_loss()  # one not finite since the last read: one line, the last save good
+            if step % a.log_steps == 0 or step == len(steps):
+                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
+                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
+        if evaluate and rank == 0:  # the dev score, without dropout
+            raw_model.eval()
+            dev = dev_score(encode, data, csts_dev)
+            raw_model.train()
+        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
+            run.save(step, metric, dev, lora.save_pretrained)
+        if halt:
+            break
+
+    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
+        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+            run.final_table(load_encoder, data, tasks, a.bf16)
+
+
+# ======== a reader of the paper may stop at main(): below, how a run of BeLLM is saved and checked
 # ---------------------------------------------------------------- the model, its run folder -------
 def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
@@ -361,7 +455,6 @@ def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=False):
     if autocast:
         cast_frozen_linears(dec)
     return lora
-
 
 
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
@@ -477,7 +570,6 @@ def check_run(run_dir, meta):
     check_lora_config(os.path.join(run_dir, "adapter_config.json"), meta, path, where)
 
 
-
 # adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
 # would run another model than the one trained
 LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
@@ -583,99 +675,6 @@ def check_data(a, kind, csts_dev):
     if kind == "csts" and a.temp != p.get_default("temp"):
         common.die("--temp is eq. 6's temperature, and C-STS rows train with cosent_loss, which "
                    "has none: drop --temp")
-
-
-# ---------------------------------------------------------------- main ----------------------------
-def main():
-    a = common.parse(p)
-    rank, world, device, log = harness.start()  # torchrun: one process a GPU
-    tasks = check_args(a, world)
-
-    # data: NLI triplets (or C-STS pairs); every step's rows drawn from the seed
-    kind, rows = read_csv(common.train_file(a.train, "nli_for_simcse.csv"))
-    csts_dev = read_csv(a.csts)[1] if a.csts else None  # C-STS dev selects the checkpoint
-    check_data(a, kind, csts_dev is not None)
-    data = common.sts_data(a.data_dir, tasks if a.final_eval else [])
-    metric = "csts_dev" if csts_dev else "stsb_dev"
-    per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
-    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
-    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
-        return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 2e-4)  # the paper's, or the run's
-
-    # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
-    torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
-    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
-    longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
-    grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    bf16 = a.bf16 or device.type == "cuda"  # autocast: --bf16, always on CUDA
-    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
-    raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
-    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
-        functools.partial(embed, common.compiled_layers(model, a.compile)),  # --compile: each
-        a.length_grouping)  # decoder layer, in place (training, eval)
-    meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
-                bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
-                max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
-                lora_r=a.lora_r, lora_alpha=a.lora_alpha, **base_checksums(dec))  # sentemb.json
-    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
-
-    params = [q for q in raw_model.parameters() if q.requires_grad]  # the update (authors' code)
-    optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
-    check_base(meta, run.state["meta"] if run.state else {}, a.model, harness.CKPT)
-    log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
-        f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
-        f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
-        f"{common.device_line(world, device, a.bf16)}")
-    log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
-                    dtype == torch.bfloat16 or bf16, grad_ckpt))
-
-    meter = harness.Meter(device, per_step, "rows")  # the step lines' speed
-    raw_model.train()
-    for step in range(first, len(steps) + 1):  # step 0: the model as loaded
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
-            with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss, n = train_step(
-                            step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
-                            temp=a.temp, max_len=a.max_len, bf16=bf16, world=world,
-                            accum=a.grad_accum, gather=harness.gather)
-                    meter.tokens += n  # real ones
-                    run.watch(step, loss)  # not finite: noted on the device, read below
-                gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
-                    params, a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        read, dev = evaluate or step % a.log_steps == 0, None  # the host reads the device here
-        if read and step > 0:
-            run.check_loss()  # one not finite since the last read: one line, the last save good
-            if step % a.log_steps == 0 or step == len(steps):
-                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
-                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
-        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
-            dev = dev_score(encode, data, csts_dev)
-            raw_model.train()
-        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
-            run.save(step, metric, dev, lora.save_pretrained)
-        if halt:
-            break
-
-    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, tasks, a.bf16)
 
 
 if __name__ == "__main__":

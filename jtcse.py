@@ -279,6 +279,103 @@ def sts_sentences(data, task, split):
     return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
 
 
+# ---------------------------------------------------------------- main ----------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = harness.start()  # torchrun: one process a GPU
+    skip = check_args(a, world)  # eq. 15's terms left out (Table X)
+
+    # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
+    data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
+    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
+        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder (harness.py), locked; --resume: its state, trained as this command says
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model_a, a.model_b, *(a.distill or [])],
+                      device)
+    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
+        return
+    lr = a.lr or (run.state["args"]["lr"] if run.state else 1e-5 if a.distill else 1.3e-6)
+
+    # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
+    torch.manual_seed(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
+    r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
+    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
+    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
+                                    a.drop_layernorm, not (a.distill or a.no_ictm))  # eq. 13's
+    raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
+    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
+        if a.distill else None  # it encodes the text the student reads (cut to --max-len)
+    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
+    student = functools.partial(cls, model) if a.distill else model
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
+        torch.compile(student, dynamic=True) if a.compile else student,  # same outputs)
+        a.length_grouping, raw_model)
+    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
+    eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
+    encode = make_encode(towers, tokenizer, eval_len, device, a.compile)
+    meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
+                objective=None if a.distill else a.objective,
+                num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
+                drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
+
+    # the update; NOTE(authors' code): AdamW (train_jtcse_bert.py L245) at a constant rate
+    params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta, r_gen=r_gen)  # each save's
+    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
+        f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
+    log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
+        f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+
+    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
+    raw_model.train()
+    for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
+            R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
+            with meter.step(step_model):
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
+                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
+                        loss, terms = train_step(
+                            step_model, tokenizer, [sentences[i] for i in rows], R, device,
+                            temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
+                            tmc_on_h=a.drop_layernorm > 0, bf16=bf16, teacher=teacher,
+                            world=world, accum=a.grad_accum, gather=harness.gather)
+                    run.watch(step, loss)  # not finite: noted on the device, read below
+                terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
+                    params, a.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+            run.check_loss()  # one not finite since the last read: one line, the last save good
+            if step % a.log_steps == 0 or step == len(steps):
+                parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
+                log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
+                    f"  R {R}") + f"  {meter.line()}")
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
+        if evaluate and rank == 0:  # the dev score, without dropout
+            raw_model.eval()
+            dev = common.stsb_dev(encode, data)
+            raw_model.train()
+        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
+            run.save(step, "stsb_dev", dev,
+                     functools.partial(save_model, towers, names, tokenizer, eval_len))
+        if halt:
+            break
+
+    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
+        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+            run.final_table(load_encoder, data, common.TASKS, a.bf16)
+
+
+# ======== a reader of the paper may stop at main(): below, how a run of JTCSE is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(towers, tokenizer, max_len, device, compiled=False):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
@@ -485,102 +582,6 @@ def check_args(a, world):
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
     check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
     return skip
-
-
-# ---------------------------------------------------------------- main ----------------------------
-def main():
-    a = common.parse(p)
-    rank, world, device, log = harness.start()  # torchrun: one process a GPU
-    skip = check_args(a, world)  # eq. 15's terms left out (Table X)
-
-    # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
-    data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
-    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model_a, a.model_b, *(a.distill or [])],
-                      device)
-    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
-        return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 1e-5 if a.distill else 1.3e-6)
-
-    # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
-    torch.manual_seed(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
-    r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
-    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
-    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
-                                    a.drop_layernorm, not (a.distill or a.no_ictm))  # eq. 13's
-    raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
-    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
-        if a.distill else None  # it encodes the text the student reads (cut to --max-len)
-    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
-    student = functools.partial(cls, model) if a.distill else model
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
-        torch.compile(student, dynamic=True) if a.compile else student,  # same outputs)
-        a.length_grouping, raw_model)
-    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
-    eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = make_encode(towers, tokenizer, eval_len, device, a.compile)
-    meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
-                objective=None if a.distill else a.objective,
-                num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
-                drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
-
-    # the update; NOTE(authors' code): AdamW (train_jtcse_bert.py L245) at a constant rate
-    params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta, r_gen=r_gen)  # each save's
-    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
-        f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
-    log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
-        f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
-
-    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
-    raw_model.train()
-    for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
-            R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
-            with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss, terms = train_step(
-                            step_model, tokenizer, [sentences[i] for i in rows], R, device,
-                            temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
-                            tmc_on_h=a.drop_layernorm > 0, bf16=bf16, teacher=teacher,
-                            world=world, accum=a.grad_accum, gather=harness.gather)
-                    run.watch(step, loss)  # not finite: noted on the device, read below
-                terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
-                    params, a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
-        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
-            run.check_loss()  # one not finite since the last read: one line, the last save good
-            if step % a.log_steps == 0 or step == len(steps):
-                parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
-                    f"  R {R}") + f"  {meter.line()}")
-        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
-            dev = common.stsb_dev(encode, data)
-            raw_model.train()
-        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
-            run.save(step, "stsb_dev", dev,
-                     functools.partial(save_model, towers, names, tokenizer, eval_len))
-        if halt:
-            break
-
-    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, common.TASKS, a.bf16)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,93 @@ def step_rows(n, per_step, epochs, max_steps, seed):
     return steps[:total]
 
 
+# ---------------------------------------------------------------- main ----------------------------
+def main():
+    a = common.parse(p)
+    rank, world, device, log = harness.start()  # torchrun: one process a GPU
+    layers = check_args(a, world)
+
+    # data: every step's sentences drawn from the seed; the STS files read once, now
+    data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
+    metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
+    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
+    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+
+    # the run folder (harness.py), locked; --resume: its state, trained as this command says
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
+    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
+        return
+    lr = a.lr or (run.state["args"]["lr"] if run.state else 3e-5)  # the paper's, or the run's
+
+    # the model: BERT (its first --num-layers, Table 1) and SimCSE's pooling
+    torch.manual_seed(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
+    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
+    bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
+    raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
+    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
+    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
+        torch.compile(model, dynamic=True) if a.compile else model,  # same outputs, cheaper)
+        a.length_grouping, raw_model)
+    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
+    eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
+    encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile)
+    meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
+                layers=layers, objective=a.objective, select_on=a.select_on,
+                num_layers=bert.config.num_hidden_layers)  # best/sentemb.json: how it encodes
+
+    # the update: the authors' Trainer (transformers 4.2.1): AdamW (trainer.py L553-583, betas
+    # 0.9/0.999, ε 1e-8), the global norm clipped (sscl/trainers.py L472-488), linear decay (L585)
+    groups = common.decay_groups(raw_model, a.weight_decay)  # no decay: biases, LayerNorm
+    optimizer = AdamW421(groups, lr=lr, eps=1e-8, fused=True)  # one kernel for all parameters
+    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
+    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
+        f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
+        f"lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+
+    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
+    raw_model.train()
+    for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
+        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
+            with meter.step(step_model):
+                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
+                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
+                        loss = train_step(
+                            step_model, tokenizer, [sentences[i] for i in rows], layers, device,
+                            temp=a.temp, max_len=a.max_len, objective=a.objective,
+                            no_aug=a.no_aug, bf16=bf16, world=world, accum=a.grad_accum,
+                            gather=harness.gather)
+                    run.watch(step, loss)  # not finite: noted on the device, read below
+                gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
+                    raw_model.parameters(), a.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
+        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+            run.check_loss()  # one not finite since the last read: one line, the last save good
+            if step % a.log_steps == 0 or step == len(steps):
+                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
+                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
+        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
+        if evaluate and rank == 0:  # the dev score, without dropout
+            raw_model.eval()
+            dev = dev_score(encode, data)
+            raw_model.train()
+        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
+            run.save(step, metric, dev,
+                     functools.partial(save_model, raw_model, tokenizer, eval_len))
+        if halt:
+            break
+
+    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
+        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+            run.final_table(load_encoder, data, common.TASKS, a.bf16)
+
+
+# ======== a reader of the paper may stop at main(): below, how a run of SSCL is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(encoder, tokenizer, max_len, device, compiled=False):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
@@ -339,92 +426,6 @@ def parse_layers(spec, n):
         common.die(f"--layer {spec}: this model has {n} layers, so M must be in 1..{n - 1} "
                    "(or --layer 0 for plain SimCSE)")
     return [m for m in layers if m]
-
-
-# ---------------------------------------------------------------- main ----------------------------
-def main():
-    a = common.parse(p)
-    rank, world, device, log = harness.start()  # torchrun: one process a GPU
-    layers = check_args(a, world)
-
-    # data: every step's sentences drawn from the seed; the STS files read once, now
-    data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
-    metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
-    per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
-
-    # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
-    if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
-        return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 3e-5)  # the paper's, or the run's
-
-    # the model: BERT (its first --num-layers, Table 1) and SimCSE's pooling
-    torch.manual_seed(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
-    tokenizer = common.load_pretrained(AutoTokenizer, a.model)
-    bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
-    raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
-    model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
-        torch.compile(model, dynamic=True) if a.compile else model,  # same outputs, cheaper)
-        a.length_grouping, raw_model)
-    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
-    eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
-    encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile)
-    meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
-                layers=layers, objective=a.objective, select_on=a.select_on,
-                num_layers=bert.config.num_hidden_layers)  # best/sentemb.json: how it encodes
-
-    # the update: the authors' Trainer (transformers 4.2.1): AdamW (trainer.py L553-583, betas
-    # 0.9/0.999, ε 1e-8), the global norm clipped (sscl/trainers.py L472-488), linear decay (L585)
-    groups = common.decay_groups(raw_model, a.weight_decay)  # no decay: biases, LayerNorm
-    optimizer = AdamW421(groups, lr=lr, eps=1e-8, fused=True)  # one kernel for all parameters
-    scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
-    log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
-        f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
-        f"lr {lr:g}, {common.device_line(world, device, a.bf16)}")
-
-    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
-    raw_model.train()
-    for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
-        if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
-            with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
-                    with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss = train_step(
-                            step_model, tokenizer, [sentences[i] for i in rows], layers, device,
-                            temp=a.temp, max_len=a.max_len, objective=a.objective,
-                            no_aug=a.no_aug, bf16=bf16, world=world, accum=a.grad_accum,
-                            gather=harness.gather)
-                    run.watch(step, loss)  # not finite: noted on the device, read below
-                gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
-                    raw_model.parameters(), a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
-        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
-            run.check_loss()  # one not finite since the last read: one line, the last save good
-            if step % a.log_steps == 0 or step == len(steps):
-                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
-                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
-        halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
-            dev = dev_score(encode, data)
-            raw_model.train()
-        if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
-            run.save(step, metric, dev,
-                     functools.partial(save_model, raw_model, tokenizer, eval_len))
-        if halt:
-            break
-
-    with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, common.TASKS, a.bf16)
 
 
 if __name__ == "__main__":

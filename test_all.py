@@ -3717,6 +3717,15 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
                      "optimizer.step()", "scheduler.step()", "raw_model.eval()",
                      "raw_model.train()", "optimizer.zero_grad(set_to_none=True)"):
             assert call in code, (script, call)
+        # the order: the paper, train_step, the data loader, main(); then, past a banner, the
+        # run folder's code (a reader of the paper may stop at main())
+        top = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert top.index("train_step") < top.index("step_rows") < top.index("main") < top.index(
+            "make_encode") < top.index("check_run") < top.index("check_args"), (script, top)
+        lines = (ROOT / f"{script}.py").read_text().splitlines()
+        banner = next(i for i, x in enumerate(lines) if x.startswith("# ====") and "stop" in x)
+        assert main.end_lineno < banner + 1 < min(n.lineno for n in tree.body if isinstance(
+            n, ast.FunctionDef) and n.name == "make_encode"), script
 
 
 def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(bert_dir, tok_dir,
