@@ -377,7 +377,7 @@ def main():
             dev = dev_score(encode, data, csts_dev)
             raw_model.train()
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
-            run.save(step, metric, dev, lora.save_pretrained)
+            run.save(step, metric, dev, functools.partial(save_model, lora))
         if halt:
             break
 
@@ -505,6 +505,13 @@ def make_encode(dec, tok, cfg, device, cpu_bf16=False):
     encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
     encode.embed, encode.layers = functools.partial(embed, net), net  # common.compiled_encode
     return encode
+
+
+def save_model(lora, folder):
+    """The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors), also a
+    sentence-transformers folder of st_module.BeLLM (trust_remote_code=True)."""
+    lora.save_pretrained(folder)
+    common.write_st_module(folder, "BeLLM")
 
 
 def load_adapter(dec, run_dir):

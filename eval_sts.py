@@ -32,6 +32,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -245,6 +246,10 @@ p.add_argument("--compile", action="store_true",
 p.add_argument("--quiet", action="store_true",
                help="no progress bars (shown only when stderr is a terminal)")
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
+p.add_argument("--export-st", metavar="DIR", default=None,
+               help="evaluate nothing: copy the run's best model to DIR, a new folder, with the "
+               "sentence-transformers files and the model card its script writes today (for runs "
+               "saved before it wrote them)")
 common.show_ranges(p)
 
 def hf_encoder(name, pooler, max_len, device, num_layers=None):
@@ -371,8 +376,42 @@ def check_num_layers(num_layers, names, poolers):
         common.check_num_layers(num_layers, common.load_pretrained(AutoConfig, name), name)
 
 
+def export_st(names, dest):
+    """--export-st: a run's best model copied to dest, then what its script writes into best/
+    today (the sentence-transformers files: st_module.py for a twin and a BeLLM adapter, CLS for
+    each tower; the card), their fingerprints added to dest/sentemb.json."""
+    if len(names) != 1 or not run_folder(names[0]):
+        common.die("--export-st copies one run of ours (a run folder or its best/): pass one "
+                   "--model RUN")
+    if os.path.lexists(dest):
+        common.die(f"--export-st '{dest}' exists: pass a new folder")
+    with reading(names[0]) as (script, folder, meta):
+        harness.check_prints(folder, meta)  # what is copied is the save sentemb.json describes
+        shutil.copytree(folder, dest)
+    run_dir = run_folder(names[0])[1]
+    args = harness.read_checkpoint(run_dir, meta["method"])["args"] if run_dir and \
+        os.path.lexists(os.path.join(run_dir, harness.CKPT)) else {}
+    twin = meta["method"] == "jtcse" and meta["towers"] != ["."]
+    for tower in meta.get("towers", []):  # JTCSE: each tower's CLS
+        config = common.read_json(os.path.join(dest, tower, "config.json"), dest, common.REFETCH)
+        common.write_st_files(os.path.join(dest, tower), config["hidden_size"], meta["max_len"],
+                              "cls")
+    if twin or meta["method"] == "bellm":
+        common.write_st_module(dest, "JTCSETwin" if twin else "BeLLM")
+    meta.setdefault("fingerprints", {}).update({f: common.fingerprint(os.path.join(dest, f))
+                                 for f in ("st_module.py", "modules.json")
+                                 if os.path.isfile(os.path.join(dest, f))})
+    with open(os.path.join(dest, common.META), "w") as f:
+        json.dump(meta, f, indent=2)
+    common.write_card(dest, meta, args, next(k for k in meta if k.endswith("_dev")))
+    print(f"{dest}: SentenceTransformer({dest!r}"
+          f"{', trust_remote_code=True' * (twin or meta['method'] == 'bellm')}) loads it")
+
+
 def main():
     a = common.parse(p)
+    if a.export_st:
+        return export_st(a.model, a.export_st)
     no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for
     sts_tasks, transfer_tasks, probing_tasks = ([], [], []) if no_tasks else parse_tasks(
         "sts" if a.tasks is None else a.tasks)

@@ -312,7 +312,10 @@ class Run:
         check_prints(folder, meta)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
         with common.autocast(self.device, bf16):
-            print(common.format_table(common.evaluate(encode, data, tasks)))
+            table = common.format_table(common.evaluate(encode, data, tasks))
+        print(table)
+        common.write_card(folder, meta, {**self.flags, "lr": self.parts[3]},
+                          self.record["curve"][-1]["metric"], table)  # rewritten whole
 
 
 def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log,
@@ -338,11 +341,12 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
             write(new)
             prints = {os.path.relpath(os.path.join(root, f), new): common.fingerprint(
                 os.path.join(root, f)) for root, _, files in os.walk(new) for f in files
-                if f.endswith((".safetensors", ".pt", ".bin"))}  # the weight files
+                if f.endswith((".safetensors", ".pt", ".bin", ".py")) or f == "modules.json"}
             described = json.loads(json.dumps({**state["meta"], "save": save, "step": step,
                                                metric: dev, "fingerprints": prints}))
             with open(os.path.join(new, common.META), "w") as f:
                 json.dump(described, f, indent=2)
+            common.write_card(new, described, state["args"], metric)  # README.md
             sync_tree(new)  # on disk before the commit names it
             run = {**run, "best": dev, "save": save, "described": described}
         state = {**state, **run}

@@ -385,13 +385,15 @@ def make_encode(towers, tokenizer, max_len, device, compiled=False):
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders; a distilled tower (".") is also a sentence-transformers folder
-    (CLS), so that SentenceTransformer(folder) encodes as we evaluate."""
+    """Plain BertModel folders, each also a sentence-transformers folder (CLS); a twin's folder is
+    one too, of st_module.JTCSETwin (CLS(I) + CLS(II); trust_remote_code=True): SentenceTransformer
+    (folder) encodes as we evaluate."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
-    if names == ["."]:
-        common.write_st_files(folder, towers[0].config.hidden_size, max_len, "cls")
+        common.write_st_files(os.path.join(folder, name), tower.config.hidden_size, max_len, "cls")
+    if names != ["."]:
+        common.write_st_module(folder, "JTCSETwin")
 
 
 META_TYPES = {  # sentemb.json: the keys, and their types; a tower: "." (distilled) or a folder

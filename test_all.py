@@ -3051,8 +3051,9 @@ def test_jtcse_distilled_tower_is_a_sentence_transformers_folder(jt_env, tmp_pat
             d / "train.txt",
             "--output-dir", tmp_path / "one", "--batch-size", 8, "--max-len", 16, "--max-steps", 1,
             "--no-add-sick", "--no-final-eval")
-    # a sum of two towers is not one module chain
-    assert not (tmp_path / "twin" / harness.BEST / "modules.json").exists()
+    # a sum of two towers is one custom module (st_module.py)
+    assert json.loads((tmp_path / "twin" / harness.BEST / "modules.json").read_text())[0][
+        "type"] == "st_module.JTCSETwin"
     assert json.loads((tmp_path / "one" / harness.BEST / "1_Pooling" / "config.json").read_text())[
         "pooling_mode_cls_token"]
     r = st_python(f"""
@@ -3292,6 +3293,10 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
         logs.append([line.split("rows/s")[0] for line in out.splitlines() if " loss " in line])
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # same seed, same losses
     assert out.splitlines()[-2].split() == ["STS-B", "Avg."]  # the final table
+    card = (tmp_path / "run1" / harness.BEST / "README.md").read_text()
+    assert "\n".join(out.splitlines()[-2:]) in card  # the card rewritten with it
+    assert "\n".join(out.splitlines()[-2:]) not in (tmp_path / "run0" / harness.BEST /
+                                                    "README.md").read_text()
     meta = json.load(open(tmp_path / "run1" / harness.BEST / "sentemb.json"))
     assert meta["method"] == "bellm" and meta["bi_layers"] == 2 and meta["bi_mode"] == "parallel"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks",
@@ -6807,3 +6812,250 @@ def test_seeds_a_bad_entry_of_each_kind_is_one_line_naming_file_and_key(
     code, out, err = main_of(seeds, capsys, monkeypatch, good, bad)
     one_line(code, err, f"'{bad}'", key, "eval_sts.py --json")
     assert out == ""
+
+
+# ---------------------------------------------------------------- sentence-transformers: st_module.py
+ST_KINDS = {"jtcse": "JTCSETwin", "bellm": "BeLLM"}  # st_module's class for a run's best/
+
+
+def st_copy(run_dir, dest, lora=False, **edits):
+    """A copy of a run's best/ (read as a copy: not checked against checkpoint.pt), its
+    sentemb.json edited: another encoder, described as our readers and st_module read it.
+    lora: a BeLLM adapter's B matrices drawn at random (LoRA starts them at 0, and a step-0 best/
+    keeps them there: an adapter left out would go unseen); sentemb.json then has no
+    fingerprints (a copy whose weights are not its save's)."""
+    shutil.copytree(run_dir / harness.BEST, dest)
+    if lora:
+        from safetensors.torch import load_file, save_file
+        path, g = dest / "adapter_model.safetensors", torch.Generator().manual_seed(0)
+        save_file({k: torch.randn(v.shape, generator=g) * 0.1 if "lora_B" in k else v
+                   for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+        edits["fingerprints"] = {}
+    if edits:
+        edit_json(dest / common.META, **edits)
+    return dest
+
+
+LONG = " ".join(SENTS * 8)  # longer than any max_len here: the cut (BeLLM) and truncation (twin)
+
+
+def st_remote(folders, resave=None, padding="right"):
+    """SentenceTransformer(folder, trust_remote_code=True) and eval_sts.load_model(folder) on SENTS
+    + LONG, in batches of 3 (ours: of 64 or 128), the module imported from best/'s copy of
+    st_module.py. resave: a folder the first model is saved into by sentence-transformers, then
+    loaded again by both. padding: the tokenizer's side in sentence-transformers. -> {folder:
+    (max |st - ours|, st's embeddings)}"""
+    r = st_python(f"""
+import json, torch, eval_sts
+from sentence_transformers import SentenceTransformer
+s, folders, resave = {SENTS + [LONG]!r}, {list(map(str, folders))!r}, {resave and str(resave)!r}
+out, cpu = {{}}, torch.device("cpu")
+for folder in folders:
+    st = SentenceTransformer(folder, device="cpu", trust_remote_code=True)
+    assert type(st[0]).__module__.startswith("transformers_modules."), type(st[0]).__module__
+    st.tokenizer.padding_side = {padding!r}
+    e = st.encode(s, convert_to_tensor=True, batch_size=3).float()
+    out[folder] = [float((e - eval_sts.load_model(folder, device=cpu)(s)).abs().max()), e.tolist()]
+    if resave and folder == folders[0]:
+        st.save(resave)
+        again = SentenceTransformer(resave, device="cpu", trust_remote_code=True)
+        out["resaved"] = [max(float((again.encode(s, convert_to_tensor=True) - e).abs().max()),
+                              float((eval_sts.load_model(resave, device=cpu)(s) - e).abs().max())),
+                          []]
+print(json.dumps(out))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def assert_distinct(got, folders):
+    """The variants are different encoders (so that agreeing with eval_sts.py tests each)."""
+    embs = [torch.tensor(got[str(f)][1]) for f in folders]
+    for i, a in enumerate(embs):
+        for b in embs[i + 1:]:
+            assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_st_module_twin_encodes_as_eval_sts(run_templates, tmp_path):
+    """A JTCSE twin's best/ in sentence-transformers (st_module.JTCSETwin) = eval_sts.py's
+    CLS(I) + CLS(II), within 1e-5: as trained, with Fig. 8's LayerNorms dropped in the last 2
+    layers, and cut at 8 tokens; saved by sentence-transformers and loaded again, the same."""
+    folders = [st_copy(run_templates["jtcse"], tmp_path / "twin"),
+               st_copy(run_templates["jtcse"], tmp_path / "twin_drop2", drop_layernorm=2),
+               st_copy(run_templates["jtcse"], tmp_path / "twin_len8", max_len=8)]
+    got = st_remote(folders, resave=tmp_path / "resaved")
+    for f in folders:
+        assert got[str(f)][0] <= 1e-5, (f, got[str(f)][0])
+    assert got["resaved"][0] <= 1e-5
+    assert_distinct(got, folders)
+
+
+@pytest.mark.slow
+def test_st_module_bellm_encodes_as_eval_sts(run_templates, tmp_path):
+    """A BeLLM run's best/ in sentence-transformers (st_module.BeLLM: base + LoRA adapter,
+    bidirectional last K layers, prompt, last token) = eval_sts.py's, within 1e-5: K = 1,
+    parallel (eq. 5), with the adapter as saved (B = 0) and with a random one; K = all layers;
+    sequential K = 2 with sentences cut at 4 tokens; left padding; saved by sentence-transformers
+    and loaded again, the same."""
+    folders = [st_copy(run_templates["bellm"], tmp_path / "bellm", lora=True),
+               st_copy(run_templates["bellm"], tmp_path / "bellm_b0"),
+               st_copy(run_templates["bellm"], tmp_path / "bellm_k4", lora=True, bi_layers=4),
+               st_copy(run_templates["bellm"], tmp_path / "bellm_seq", lora=True,
+                       bi_mode="sequential", bi_layers=2, max_len=4)]
+    got = st_remote(folders, resave=tmp_path / "resaved", padding="left")
+    for f in folders:
+        assert got[str(f)][0] <= 1e-5, (f, got[str(f)][0])
+    assert got["resaved"][0] <= 1e-5
+    assert_distinct(got, folders)
+
+
+@pytest.mark.slow
+def test_st_module_bellm_add_strategy_encodes_as_eval_sts(run_templates, tmp_path):
+    """--bi-strategy add (Table 4): the adapter holds LoRA weights of the K added layers, which
+    st_module copies from the base before the adapter loads, as bellm.py does."""
+    proc = run("bellm.py", *BL_RUN(TPL, tmp_path / "run", "--bi-strategy", "add"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folders = [st_copy(tmp_path / "run", tmp_path / "bellm_add", lora=True),
+               st_copy(tmp_path / "run", tmp_path / "bellm_add_b0")]
+    got = st_remote(folders)
+    for f in folders:
+        assert got[str(f)][0] <= 1e-5, (f, got[str(f)][0])
+    assert_distinct(got, folders)
+
+
+@pytest.mark.slow
+def test_st_module_refuses_without_trust_remote_code(run_templates, tmp_path):
+    """Without trust_remote_code, sentence-transformers refuses a twin's and a BeLLM run's best/ in
+    its own words, before it imports st_module: never another encoder (a Transformer with mean
+    pooling)."""
+    folders = [st_copy(run_templates[m], tmp_path / m) for m in ST_KINDS]
+    r = st_python(f"""
+import sys
+from sentence_transformers import SentenceTransformer
+for folder in {list(map(str, folders))!r}:
+    try:
+        SentenceTransformer(folder, device="cpu")
+        print("loaded")
+    except ValueError as e:
+        print("refused:", str(e).replace(chr(10), " "))
+print("imported:", [m for m in sys.modules if "st_module" in m or "transformers_modules" in m])""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    *refused, imported = r.stdout.splitlines()[-3:]
+    for line, kind in zip(refused, ST_KINDS.values()):
+        assert line.startswith("refused:") and f"'st_module.{kind}'" in line, line
+        assert "Please pass the argument `trust_remote_code=True`" in line, line
+    assert imported == "imported: []"
+
+
+@pytest.mark.slow
+def test_st_module_twin_tower_loads_with_cls(run_templates, tmp_path):
+    """Each tower of a twin's best/ is a sentence-transformers folder of its own: CLS pooling
+    (common.write_st_files), = jtcse.cls on that tower, within 1e-5."""
+    folder = st_copy(run_templates["jtcse"], tmp_path / "twin")
+    r = st_python(f"""
+import functools, torch, common, jtcse
+from sentence_transformers import SentenceTransformer
+s = {SENTS + [LONG]!r}
+for t in ("tower_a", "tower_b"):
+    path = {str(folder)!r} + "/" + t
+    st = SentenceTransformer(path, device="cpu").encode(s, convert_to_tensor=True)
+    (tower,), tok = jtcse.load_towers([path])
+    ours = common.encoder(functools.partial(jtcse.cls, tower.eval()), tok, 128,
+                          torch.device("cpu"))(s)
+    print(float((st - ours).abs().max()))""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(float(d) <= 1e-5 for d in r.stdout.split()[-2:]), r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["jtcse", "bellm"])
+def test_st_module_every_best_is_a_sentence_transformers_folder(method, run_templates):
+    """The best/ a run saves names st_module's class and carries st_module.py (identical to ours);
+    a twin's towers are CLS folders."""
+    best = run_templates[method] / harness.BEST
+    modules = json.loads((best / "modules.json").read_text())
+    assert modules == [{"idx": 0, "name": "0", "path": "",
+                        "type": f"st_module.{ST_KINDS[method]}"}]
+    assert (best / "st_module.py").read_bytes() == (ROOT / "st_module.py").read_bytes()
+    for tower in ("tower_a", "tower_b") if method == "jtcse" else ():
+        assert json.loads((best / tower / "1_Pooling" / "config.json").read_text())[
+            "pooling_mode_cls_token"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "bellm"])
+def test_harness_every_best_holds_our_model_card(method, run_templates):
+    """best/README.md is our card (peft's template replaced): Hub YAML (sentence-transformers,
+    sentence-similarity), the paper, this save's step and dev score, trust_remote_code where
+    st_module.py encodes it, the flags; no path of the training machine (a local base model is
+    named by its config.json's _name_or_path or left out); no table before the final evaluation."""
+    best = run_templates[method] / harness.BEST
+    card, meta = (best / "README.md").read_text(), json.loads((best / common.META).read_text())
+    assert card.startswith("---\nlibrary_name: sentence-transformers\npipeline_tag: "
+                           "sentence-similarity\n") and "[More Information Needed]" not in card
+    assert common.PAPERS[method] in card and f"step {meta['step']}: stsb_dev " \
+        f"{meta['stsb_dev']:.2f}" in card and "On the test sets" not in card
+    assert ("trust_remote_code=True" in card) == (method != "sscl")
+    args = torch.load(run_templates[method] / harness.CKPT, weights_only=False)["args"]
+    paths = [v for v in args.values() if isinstance(v, str) and os.path.isabs(v)]
+    assert paths and not any(v in card for v in paths) and str(run_templates[method].parent) \
+        not in card and "/tmp" not in card
+    assert "| `--lr` |" in card and "base_model:" not in card  # the tiny test models: no hub name
+
+
+def test_harness_a_model_card_names_a_local_base_by_its_hub_name(tmp_path):
+    """hub_name: a hub name as given; a local folder by its config.json's _name_or_path when that is
+    a hub name, else None (a path, a missing key)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5"}))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))
+    (tmp_path / "q").mkdir()
+    assert common.hub_name("bert-base-uncased") == "bert-base-uncased"
+    assert common.hub_name(str(tmp_path / "m")) == "org/model-1.5"
+    assert common.hub_name(str(tmp_path / "p")) is None and common.hub_name(str(tmp_path / "q")) \
+        is None and common.hub_name(str(tmp_path)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["jtcse", "bellm"])
+def test_harness_the_code_a_best_carries_is_checked_like_its_weights(method, run_templates,
+                                                                     tmp_path):
+    """st_module.py and modules.json in best/ are fingerprinted in sentemb.json: our readers never
+    run them, and a changed copy is refused as a changed weight is (one line, exit 2)."""
+    meta = json.loads((run_templates[method] / harness.BEST / common.META).read_text())
+    assert {"st_module.py", "modules.json"} <= set(meta["fingerprints"])
+    for name in ("st_module.py", "modules.json"):
+        shutil.copytree(run_templates[method], tmp_path / name)
+        with open(tmp_path / name / harness.BEST / name, "a") as f:
+            f.write("\n")
+        r = run("eval_sts.py", "--model", tmp_path / name, "--tasks", "STS-B",
+                env={"SENTEMB_DATA": str(JT_DATA["sts"])})
+        assert_bad_input(r, f"{harness.BEST}/{name} is not the file of the save")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["jtcse", "bellm"])
+def test_st_module_an_older_best_is_exported_as_a_sentence_transformers_folder(method,
+                                                                               run_templates,
+                                                                               tmp_path):
+    """eval_sts.py --export-st DIR: a best/ saved before runs carried st_module.py (no
+    modules.json, no tower CLS files, no card) copied to DIR with them; DIR loads in
+    sentence-transformers as eval_sts.py scores it, and our readers check its new files."""
+    old = shutil.copytree(run_templates[method] / harness.BEST, tmp_path / "old")
+    for f in [*old.glob("**/modules.json"), *old.glob("**/1_Pooling/config.json"),
+              *old.glob("**/sentence_bert_config.json"), old / "st_module.py", old / "README.md"]:
+        f.unlink()
+    prints = json.loads((old / common.META).read_text())["fingerprints"]
+    edit_json(old / common.META, fingerprints={k: v for k, v in prints.items()
+                                               if not k.endswith(("st_module.py", "modules.json"))})
+    r = run("eval_sts.py", "--model", old, "--export-st", tmp_path / "new")
+    assert r.returncode == 0 and "trust_remote_code=True" in r.stdout, r.stderr[-2000:]
+    assert "[More Information Needed]" not in (tmp_path / "new" / "README.md").read_text()
+    got = st_remote([tmp_path / "new"])
+    assert got[str(tmp_path / "new")][0] <= 1e-5
+    assert_bad_input(run("eval_sts.py", "--model", old, "--export-st", tmp_path / "new"), "exists")
+    with open(tmp_path / "new" / "st_module.py", "a") as f:
+        f.write("\n")
+    assert_bad_input(run("eval_sts.py", "--model", tmp_path / "new", "--tasks", "STS-B",
+                         env={"SENTEMB_DATA": str(JT_DATA["sts"])}), "st_module.py is not the file")
