@@ -511,7 +511,7 @@ def save_model(lora, folder):
     """The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors), also a
     sentence-transformers folder of st_module.BeLLM (trust_remote_code=True)."""
     lora.save_pretrained(folder)
-    common.write_st_module(folder, "BeLLM")
+    common.write_st_files(folder, pooler="BeLLM")
 
 
 def load_adapter(dec, run_dir):

@@ -73,7 +73,6 @@ def fsync(path):
         os.close(fd)
 
 
-
 def fingerprint(path):
     """A file's CRC-32 and size, one pass over its bytes, once a process (None: no such file)."""
     with contextlib.suppress(OSError):
@@ -527,10 +526,20 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
 
 
 # ---------------------------------------------------------------- sentence-transformers -------
-def write_st_files(folder, hidden, max_len, pooler, dense=None):
+ST_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "st_module.py")
+
+
+def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
     """Beside a plain HF model folder, the files of a sentence-transformers folder (Transformer ->
     Pooling, cls or avg [-> Dense: a torch.nn.Linear, sscl.py --proj-dim]): SentenceTransformer(
-    folder) encodes as our scripts evaluate (no normalisation: cosine needs none)."""
+    folder) encodes as our scripts evaluate (no normalisation: cosine needs none). pooler a class
+    of st_module.py (JTCSETwin, BeLLM): one module of ours, st_module.py copied in, which reads
+    sentemb.json (SentenceTransformer(folder, trust_remote_code=True))."""
+    if pooler not in ("cls", "avg"):
+        shutil.copyfile(ST_MODULE, os.path.join(folder, "st_module.py"))
+        with open(os.path.join(folder, "modules.json"), "w") as f:
+            return json.dump([{"idx": 0, "name": "0", "path": "", "type": f"st_module.{pooler}"}],
+                             f, indent=2)
     modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + [("2_Dense", "Dense")] * bool(dense)
     files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
                                "type": f"sentence_transformers.models.{kind}"}
@@ -554,55 +563,6 @@ def write_st_files(folder, hidden, max_len, pooler, dense=None):
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "w") as f:
             json.dump(content, f, indent=2)
-
-
-ST_MODULE, CARD = (os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                   for f in ("st_module.py", "card.md"))
-
-
-def write_st_module(folder, kind):
-    """A saved model no Transformer -> Pooling chain encodes (a JTCSE twin, a BeLLM adapter) as a
-    sentence-transformers folder of one module: modules.json names st_module.py's class kind, and
-    st_module.py is copied in (SentenceTransformer(folder, trust_remote_code=True))."""
-    with open(os.path.join(folder, "modules.json"), "w") as f:
-        json.dump([{"idx": 0, "name": "0", "path": "", "type": f"st_module.{kind}"}], f, indent=2)
-    shutil.copyfile(ST_MODULE, os.path.join(folder, "st_module.py"))
-
-
-PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",
-          "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
-          "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
-
-
-def hub_name(name):
-    """A model as the hub names it: name, or a local folder's config.json _name_or_path when that
-    is a hub name; else None (never a path of this machine)."""
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        with open(os.path.join(name, "config.json")) as f:
-            name = json.load(f)["_name_or_path"]
-    ok = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(name)) and not os.path.exists(name)
-    return name if ok else None
-
-
-def write_card(folder, meta, flags, metric, table=None):
-    """folder/README.md, the model card of a saved model (card.md filled in, written whole): the
-    paper, this save's step and dev score, the test table (format_table's) once the final
-    evaluation ran, how to load it, and the flags that trained it (a path by its file name)."""
-    given = [flags[k] for k in ("model", "model_a", "model_b") if flags.get(k)]
-    bases = list(dict.fromkeys(filter(None, map(hub_name, given))))  # never a local path
-    shown = {k: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v
-             for k, v in sorted(flags.items()) if k not in ("output_dir", "resume", "quiet")}
-    trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_module's folder
-    text = read_text(CARD).format(
-        method=meta["method"], paper=PAPERS[meta["method"]], step=meta["step"], metric=metric,
-        score=meta[metric], base_model="".join(f"base_model: {b}\n" for b in bases[:1]),
-        title=f"{meta['method'].upper()} sentence encoder" + (f" ({' + '.join(bases)})" if bases
-                                                              else ""),
-        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "",
-        trust=", trust_remote_code=True" * trust, trust_note="The folder's `st_module.py` "
-        "computes the embedding: hence `trust_remote_code=True`.\n" * trust,
-        flags="\n".join(f"| `--{k.replace('_', '-')}` | `{v}` |" for k, v in shown.items()))
-    write_whole(os.path.join(folder, "README.md"), lambda f: f.write(text.encode()))
 
 
 # ---------------------------------------------------------------- tokenisation ------------------

@@ -397,13 +397,13 @@ def export_st(names, dest):
         common.write_st_files(os.path.join(dest, tower), config["hidden_size"], meta["max_len"],
                               "cls")
     if twin or meta["method"] == "bellm":
-        common.write_st_module(dest, "JTCSETwin" if twin else "BeLLM")
+        common.write_st_files(dest, pooler="JTCSETwin" if twin else "BeLLM")
     meta.setdefault("fingerprints", {}).update({f: common.fingerprint(os.path.join(dest, f))
                                  for f in ("st_module.py", "modules.json")
                                  if os.path.isfile(os.path.join(dest, f))})
     with open(os.path.join(dest, common.META), "w") as f:
         json.dump(meta, f, indent=2)
-    common.write_card(dest, meta, args, next(k for k in meta if k.endswith("_dev")))
+    harness.write_card(dest, meta, args, next(k for k in meta if k.endswith("_dev")))
     print(f"{dest}: SentenceTransformer({dest!r}"
           f"{', trust_remote_code=True' * (twin or meta['method'] == 'bellm')}) loads it")
 

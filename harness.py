@@ -314,8 +314,34 @@ class Run:
         with common.autocast(self.device, bf16):
             table = common.format_table(common.evaluate(encode, data, tasks))
         print(table)
-        common.write_card(folder, meta, {**self.flags, "lr": self.parts[3]},
+        write_card(folder, meta, {**self.flags, "lr": self.parts[3]},
                           self.record["curve"][-1]["metric"], table)  # rewritten whole
+
+
+PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",
+          "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
+          "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
+CARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card.md")
+
+
+def write_card(folder, meta, flags, metric, table=None):
+    """folder/README.md, the model card (card.md filled in, written whole): the paper, this save's
+    step and dev score, the test table once the final evaluation ran, how to load it, the flags
+    that trained it; no path of this machine (a path by its file name; a local base left out)."""
+    bases = list(dict.fromkeys(v for k, v in flags.items() if k in ("model", "model_a", "model_b")
+                               and v and not os.path.isabs(v) and not os.path.exists(v)))
+    shown = {k: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v
+             for k, v in sorted(flags.items()) if k not in ("output_dir", "resume")}
+    trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
+    text = common.read_text(CARD).format(
+        method=meta["method"], paper=PAPERS[meta["method"]], step=meta["step"], metric=metric,
+        score=meta[metric], base_model="".join(f"base_model: {b}\n" for b in bases[:1]),
+        title=f"{meta['method'].upper()} sentence encoder" + f" ({' + '.join(bases)})" * any(bases),
+        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "",
+        trust=", trust_remote_code=True" * trust, trust_note="The folder's `st_module.py` "
+        "computes the embedding: hence `trust_remote_code=True`.\n" * trust,
+        flags="\n".join(f"| `--{k.replace('_', '-')}` | `{v}` |" for k, v in shown.items()))
+    common.write_whole(os.path.join(folder, "README.md"), lambda f: f.write(text.encode()))
 
 
 def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log,
@@ -346,7 +372,7 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
                                                metric: dev, "fingerprints": prints}))
             with open(os.path.join(new, common.META), "w") as f:
                 json.dump(described, f, indent=2)
-            common.write_card(new, described, state["args"], metric)  # README.md
+            write_card(new, described, state["args"], metric)  # README.md
             sync_tree(new)  # on disk before the commit names it
             run = {**run, "best": dev, "save": save, "described": described}
         state = {**state, **run}

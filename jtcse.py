@@ -393,7 +393,7 @@ def save_model(towers, names, tokenizer, max_len, folder):
         tokenizer.save_pretrained(os.path.join(folder, name))
         common.write_st_files(os.path.join(folder, name), tower.config.hidden_size, max_len, "cls")
     if names != ["."]:
-        common.write_st_module(folder, "JTCSETwin")
+        common.write_st_files(folder, pooler="JTCSETwin")
 
 
 META_TYPES = {  # sentemb.json: the keys, and their types; a tower: "." (distilled) or a folder

@@ -6,7 +6,7 @@ encode function of its script (eval_sts.py scores the same vectors: within 1e-5 
   model = SentenceTransformer("runs/jtcse/best", trust_remote_code=True)   # or runs/bellm/best
   embeddings = model.encode(["A man is playing a guitar.", "Someone plays music."])  # (2, H)
 
-This file is copied into best/ (common.write_st_module, at every save) beside modules.json, whose
+This file is copied into best/ (common.write_st_files, at every save) beside modules.json, whose
 "type" names its class (st_module.JTCSETwin, st_module.BeLLM): sentence-transformers imports a
 class from outside its own package only with trust_remote_code=True, and otherwise refuses in its
 own words ("... Please pass the argument `trust_remote_code=True` to allow custom code to be

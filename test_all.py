@@ -1818,14 +1818,21 @@ BENCH_BAD = [
 @pytest.mark.slow
 @pytest.mark.parametrize("script,args,words", BENCH_BAD,
                          ids=[f"{s}-{'_'.join(a)}" for s, a, _ in BENCH_BAD])
-def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words):
+def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words, capsys, monkeypatch):
     """A bad number or word on a bench script's command line: exit code 2, argparse's usage and
-    one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output."""
-    proc = run(f"bench/{script}", *args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, proc.stderr
+    one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output.
+    Run as __main__ in this process (its imports already loaded): the refusal comes first."""
+    import runpy
+    path = str(ROOT / "bench" / script)
+    monkeypatch.setattr(sys, "argv", [path, *map(str, args)])
+    monkeypatch.setattr(sys, "path", [str(ROOT / "bench"), *sys.path])  # as python puts it
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(path, run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2, out + err
+    assert "Traceback" not in err and out == "", out + err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
 
 
@@ -6993,7 +7000,7 @@ def test_harness_every_best_holds_our_model_card(method, run_templates):
     card, meta = (best / "README.md").read_text(), json.loads((best / common.META).read_text())
     assert card.startswith("---\nlibrary_name: sentence-transformers\npipeline_tag: "
                            "sentence-similarity\n") and "[More Information Needed]" not in card
-    assert common.PAPERS[method] in card and f"step {meta['step']}: stsb_dev " \
+    assert harness.PAPERS[method] in card and f"step {meta['step']}: stsb_dev " \
         f"{meta['stsb_dev']:.2f}" in card and "On the test sets" not in card
     assert ("trust_remote_code=True" in card) == (method != "sscl")
     args = torch.load(run_templates[method] / harness.CKPT, weights_only=False)["args"]
@@ -7003,18 +7010,23 @@ def test_harness_every_best_holds_our_model_card(method, run_templates):
     assert "| `--lr` |" in card and "base_model:" not in card  # the tiny test models: no hub name
 
 
-def test_harness_a_model_card_names_a_local_base_by_its_hub_name(tmp_path):
-    """hub_name: a hub name as given; a local folder by its config.json's _name_or_path when that is
-    a hub name, else None (a path, a missing key)."""
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5"}))
-    (tmp_path / "p").mkdir()
-    (tmp_path / "p" / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))
-    (tmp_path / "q").mkdir()
-    assert common.hub_name("bert-base-uncased") == "bert-base-uncased"
-    assert common.hub_name(str(tmp_path / "m")) == "org/model-1.5"
-    assert common.hub_name(str(tmp_path / "p")) is None and common.hub_name(str(tmp_path / "q")) \
-        is None and common.hub_name(str(tmp_path)) is None
+def test_harness_a_model_card_names_a_hub_base_and_no_path_of_this_machine(tmp_path):
+    """write_card: a base model given by its hub name is the card's base_model; one given as a
+    local folder is left out (its path never written); a path flag by its file name; the final
+    table when given; written whole (no .tmp left)."""
+    meta = {"method": "jtcse", "step": 7, "stsb_dev": 81.234}
+    flags = {"model_a": "org/bert-1.5", "model_b": str(tmp_path), "lr": 3e-5,
+             "train": str(tmp_path / "wiki.txt"), "output_dir": str(tmp_path / "out")}
+    harness.write_card(tmp_path, meta, flags, "stsb_dev", "  STS-B\n  80.00")
+    card = (tmp_path / "README.md").read_text()
+    assert "\nbase_model: org/bert-1.5\n" in card and "# JTCSE sentence encoder (org/bert-1.5)" \
+        in card and str(tmp_path) not in card and "| `--train` | `wiki.txt` |" in card
+    assert "step 7: stsb_dev 81.23" in card and "```\n  STS-B\n  80.00\n```" in card
+    assert "trust_remote_code" not in card and list(tmp_path.iterdir()) == [tmp_path / "README.md"]
+    (tmp_path / "st_module.py").write_text("")
+    harness.write_card(tmp_path, meta, {"model_a": str(tmp_path)}, "stsb_dev")
+    card = (tmp_path / "README.md").read_text()
+    assert "base_model" not in card and "trust_remote_code=True" in card and "test sets" not in card
 
 
 @pytest.mark.slow
