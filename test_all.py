@@ -3707,6 +3707,16 @@ def names_of(node, owners):
             and isinstance(n.value, ast.Name) and n.value.id in owners}
 
 
+def test_tools_the_readme_is_a_front_page():
+    """README.md within 200 lines and 15,000 bytes (details in docs/), and every file it lists
+    exists."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200 and len(text.encode()) <= 15000
+    for row in re.findall(r"^\| (`[^|]+`) \|", text, re.M):
+        for name in re.findall(r"`([^`]+)`", row):
+            assert list(ROOT.glob(name.rstrip("/"))), name
+
+
 def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch():
     """The three layers, each a file: the paper files, harness.py, common.py, each within its size
     and the five within 3,250 lines. Each script's main() is a page (at most 100 lines) taking at
