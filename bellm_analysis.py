@@ -324,8 +324,8 @@ def representative_words(a, device, data):
                                      prompt=a.prompt, max_len=dec.config.max_position_embeddings),
                                 name))
         for label, dec, tok, cfg, base in configs:
-            ids = next_tokens(make_encode(dec, tok, cfg, device, a.bf16), lm_head(base, dec),
-                              sents)
+            ids = next_tokens(make_encode(dec, tok, cfg, device, "bf16" if a.bf16 else None),
+                              lm_head(base, dec), sents)
             res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
     total = sum(counts.values())
     cover = [sum(c for _, c in counts.most_common(n)) / total for n in TOP_N]

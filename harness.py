@@ -194,12 +194,15 @@ class Run:
                      "pass a larger --max-steps or --epochs with --resume to train on")
         return done
 
-    def resume(self, model, optimizer, scheduler, lr, meta, **generators):
-        """What every save holds: the model's trained weights, optimiser, schedule, rate lr, meta
-        (best/sentemb.json), generators (JTCSE's R); --resume: each as saved, RNG states too, the
-        rate over this command's schedule (as HF Trainer), a new --lr from that step on. Signals
-        stop training from here. -> the first step (0: as loaded)"""
-        self.parts = model, optimizer, scheduler, lr, meta, generators
+    def resume(self, model, optimizer, scheduler, lr, meta, scaler, **generators):
+        """What every save holds: the model's trained weights, optimiser (with the gradient scaler:
+        fp16's, else disabled), schedule, rate lr, meta (best/sentemb.json), generators (JTCSE's
+        R); --resume: each as saved, RNG states too, the rate over this command's schedule (as HF
+        Trainer), a new --lr from that step on. Signals stop training from here. -> the first step
+        (0: as loaded)"""
+        self.parts, self.scaler, self.skipped = (model, optimizer, scheduler, lr, meta,
+                                                 generators), scaler, 0
+        optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
         self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): step, loss
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if (state := self.state) is None:
@@ -218,6 +221,7 @@ class Run:
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["opt"])
             scheduler.load_state_dict(state["sched"])
+            scaler.load_state_dict(state["opt"].get("scaler") or scaler.state_dict())  # fp16's
             for k, g in generators.items():
                 g.set_state(state[k].cpu())
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
@@ -246,12 +250,20 @@ class Run:
 
     def check_loss(self):
         """A loss was not finite since the last check (before any save: the last is good): one
-        line. Called where the run reads the device: step lines, evaluations, saves."""
+        line, exit 1; fp16: the gradient scaler skipped more steps (an inf or NaN gradient: those
+        weights unchanged; the run goes on): one line. Called where the run reads the device: step
+        lines, evaluations, saves."""
         step, loss = self.nonfinite.tolist()
         if step >= 0:
             common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
                        f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
                        f"{self.dir} is kept")
+        optimizer, scheduler = self.parts[1:3]  # the steps run, and taken (AdamW's count)
+        taken = [s["step"] for s in optimizer.state.values()] if self.scaler.is_enabled() else []
+        if taken and (n := scheduler.last_epoch - int(torch.stack(taken).max())) > self.skipped:
+            self.skipped = n
+            self.log(f"the fp16 gradient scaler has skipped {n} of {scheduler.last_epoch} steps "
+                     f"(inf or NaN gradients), its scale now {self.scaler.get_scale():g}")
 
     def stop_requested(self, agree=True):
         """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
@@ -303,7 +315,7 @@ class Run:
             for s, h in self.handlers.items():
                 signal.signal(s, h)
 
-    def final_table(self, load_encoder, data, tasks, bf16):
+    def final_table(self, load_encoder, data, tasks, precision):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
         folder = os.path.join(self.dir, BEST)
         meta = read_meta(folder, self.method, self.check_run,
@@ -311,7 +323,7 @@ class Run:
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
-        with common.autocast(self.device, bf16):
+        with common.autocast(self.device, precision):
             print(common.format_table(common.evaluate(encode, data, tasks)))
 
 
@@ -604,8 +616,9 @@ class Meter:
     line(): no wait inside a step). FLOPs: the first step's a padded token slot (common.FlopCount)
     times another step's slots (step_model.slots, the padded token slots it ran)."""
 
-    def __init__(self, device, per_step, unit):
+    def __init__(self, device, per_step, unit, precision="fp32"):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
+        self.precision = precision  # MFU: of the GPU's dense bf16 (= fp16) peak
         self.spans, self.flops, self.tokens = [], 0, 0
 
     def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
@@ -635,9 +648,10 @@ class Meter:
         flops = summed(self.flops, self.device) / dt
         text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
         name = torch.cuda.get_device_name(self.device) if cuda else ""
-        if peak := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
+        if peak := self.precision != "fp32" and next(
+                ((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
+            text += f"  MFU {100 * flops / (summed(1, self.device) * peak[1]):.1f}% of {peak[0]} " \
+                f"{self.precision}"
         self.spans, self.flops, self.tokens = [], 0, 0
         return text
 
