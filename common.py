@@ -103,7 +103,6 @@ def pick_device():
 
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # autocast's dtype
-CHOSEN = []  # the precision of each autocast() entered: an encoder inside runs in its caller's
 
 
 def pick_precision(device, chosen=None, say=False):
@@ -113,21 +112,14 @@ def pick_precision(device, chosen=None, say=False):
     if chosen == "bf16" and not bf16:
         die("--precision bf16: this GPU has no bf16: pass --precision fp16 (or fp32)")
     if say and not (chosen or bf16):
-        print("note: this GPU has no bf16: fp16 autocast, with a gradient scaler (--precision "
-              "fp32: none)", file=sys.stderr)
+        print("note: this GPU has no bf16: fp16 autocast, with a gradient scaler", file=sys.stderr)
     return chosen or ("fp32" if device.type != "cuda" else "bf16" if bf16 else "fp16")
 
 
-@contextlib.contextmanager
 def autocast(device, precision=None):
-    """Autocast in precision, bf16 or fp16 (fp32: none); None: an enclosing autocast()'s (an
-    encoder runs in its caller's precision), else the device's default."""
-    CHOSEN.append(precision or (CHOSEN[-1] if CHOSEN else pick_precision(device)))
-    try:
-        with torch.autocast(device.type, PRECISIONS[CHOSEN[-1]], CHOSEN[-1] != "fp32"):
-            yield
-    finally:
-        CHOSEN.pop()
+    """Autocast in precision: bf16 or fp16; fp32: none; None: the caller's (nothing changes)."""
+    return contextlib.nullcontext() if precision is None else \
+        torch.autocast(device.type, PRECISIONS[precision], precision != "fp32")
 
 
 def decay_groups(model, weight_decay):
@@ -695,8 +687,8 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
 
 
 def encoder(embed, tokenizer, max_len, device, precision=None):
-    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, under
-    autocast(device, precision), no gradients: each method's encode function (.embed: its model)."""
+    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, in
+    precision (None: the caller's), no gradients: each method's encode function (.embed: its net)"""
     @torch.no_grad()
     def encode(sentences):
         with autocast(device, precision):

@@ -170,15 +170,13 @@ class Run:
             common.die(f"--resume: {path} is damaged ({bad[0]} of the wrong type): {RECOPY}")
         if lost := [k for k in now if k not in old and k not in resumable]:
             common.die(f"--resume: {path} holds no --{lost[0].replace('_', '-')} among the run's "
-                       f"flags (damaged, or written by another version of {self.method}.py): "
-                       f"{RECOPY}")
+                       f"flags (damaged, or another version of {self.method}.py's): {RECOPY}")
         if state["save"]:  # best/: the model this checkpoint records
             check_description(committed(self.dir, self.method, state), state)
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
-                       f"{state['world']} (1: without torchrun), so that its steps keep their "
-                       "global batch")
+                       f"{state['world']} (1: without torchrun) to keep its global batch")
         if changed := [k for k in old if k not in resumable and old[k] != now.get(k)
                        and (k in now or old[k])]:  # a flag now gone: ignored where it was off
             said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
@@ -195,15 +193,13 @@ class Run:
         return done
 
     def resume(self, model, optimizer, scheduler, lr, meta, scaler, **generators):
-        """What every save holds: the model's trained weights, optimiser (with the gradient scaler:
-        fp16's, else disabled), schedule, rate lr, meta (best/sentemb.json), generators (JTCSE's
-        R); --resume: each as saved, RNG states too, the rate over this command's schedule (as HF
-        Trainer), a new --lr from that step on. Signals stop training from here. -> the first step
-        (0: as loaded)"""
-        self.parts, self.scaler, self.skipped = (model, optimizer, scheduler, lr, meta,
-                                                 generators), scaler, 0
+        """What every save holds: the model's trained weights, optimiser (and fp16's gradient
+        scaler), schedule, rate lr, meta (sentemb.json), generators (JTCSE's R); --resume: each as
+        saved, RNG states too, the rate over this command's schedule (as HF Trainer), a new --lr
+        from that step on. Signals stop training from here. -> the first step (0: as loaded)"""
+        self.parts, self.scaler = (model, optimizer, scheduler, lr, meta, generators), scaler
         optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
-        self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): step, loss
+        self.nonfinite, self.skipped = torch.tensor([-1.0, 0.0], device=self.device), 0  # watch()
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if (state := self.state) is None:
             return 0
@@ -249,32 +245,26 @@ class Run:
         self.nonfinite = torch.where(bad, first, self.nonfinite)
 
     def check_loss(self):
-        """A loss was not finite since the last check (before any save: the last is good): one
-        line, exit 1; fp16: the gradient scaler skipped more steps (an inf or NaN gradient: those
-        weights unchanged; the run goes on): one line. Called where the run reads the device: step
-        lines, evaluations, saves."""
+        """A loss not finite since the last check (before any save: the last is good): one line,
+        exit; fp16: more steps skipped by the gradient scaler: one line. At the device's reads."""
         step, loss = self.nonfinite.tolist()
         if step >= 0:
             common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
                        f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
                        f"{self.dir} is kept")
-        optimizer, scheduler = self.parts[1:3]  # the steps run, and taken (AdamW's count)
-        taken = [s["step"] for s in optimizer.state.values()] if self.scaler.is_enabled() else []
-        if taken and (n := scheduler.last_epoch - int(torch.stack(taken).max())) > self.skipped:
-            self.skipped = n
-            self.log(f"the fp16 gradient scaler has skipped {n} of {scheduler.last_epoch} steps "
-                     f"(inf or NaN gradients), its scale now {self.scaler.get_scale():g}")
+        took = self.scaler.is_enabled() and [s["step"] for s in self.parts[1].state.values()]
+        if took and (n := self.parts[2].last_epoch - int(torch.stack(took).max())) > self.skipped:
+            self.skipped = n  # the steps run (the schedule's count) less those AdamW took
+            self.log(f"fp16: {n} of {self.parts[2].last_epoch} steps skipped (inf/NaN gradients)")
 
     def stop_requested(self, agree=True):
         """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
         signal to one rank stops all of them there)."""
-        if self.world > 1 and not agree:
-            return False
-        if self.world > 1:
+        if self.world > 1 and agree:
             t = torch.tensor(STOP["signum"], device=self.device)
             collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
             STOP["signum"] = int(t)
-        return bool(STOP["signum"])
+        return bool(STOP["signum"]) and (agree or self.world == 1)
 
     def save(self, step, metric, dev, write):
         """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
@@ -298,10 +288,9 @@ class Run:
     @contextlib.contextmanager
     def finish(self, step):
         """Training ended: peak memory; stopped by a signal: exit 128 + its number. Inside: now."""
-        if self.device.type == "cuda":
-            gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
-        else:
-            gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"
+        gib, how = (torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated") \
+            if self.device.type == "cuda" else \
+            (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss")
         self.log(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
         try:
             if signum := STOP["signum"]:
@@ -618,8 +607,7 @@ class Meter:
 
     def __init__(self, device, per_step, unit, precision="fp32"):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
-        self.precision = precision  # MFU: of the GPU's dense bf16 (= fp16) peak
-        self.spans, self.flops, self.tokens = [], 0, 0
+        self.spans, self.flops, self.tokens, self.precision = [], 0, 0, precision
 
     def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
         if self.device.type != "cuda":
@@ -647,11 +635,9 @@ class Meter:
             text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
         flops = summed(self.flops, self.device) / dt
         text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
-        name = torch.cuda.get_device_name(self.device) if cuda else ""
-        if peak := self.precision != "fp32" and next(
-                ((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
-            text += f"  MFU {100 * flops / (summed(1, self.device) * peak[1]):.1f}% of {peak[0]} " \
-                f"{self.precision}"
+        name = torch.cuda.get_device_name(self.device) if cuda and self.precision != "fp32" else ""
+        if top := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):  # MFU
+            text += f"  MFU {flops / summed(top[1], self.device):.1%} of {top[0]} {self.precision}"
         self.spans, self.flops, self.tokens = [], 0, 0
         return text
 
