@@ -79,11 +79,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=64, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16: with a "
-               "gradient scaler; fp32: none): default bf16 on a GPU (fp16 where it has no bf16), "
-               "fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-               help="--precision bf16")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile each layer (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -218,23 +216,23 @@ def embed(model, batch):
 
 
 def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=64,
-               precision="fp32", world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
+               autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
     accumulated. kind "nli": rows (anchor, entailment, contradiction), eq. 6; "csts": rows
     (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
     condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
     through embed), or that run in length groups (the same outputs); prompt: with {sentence} (and
-    {condition}); max_len: the tokens of a sentence; precision: autocast (bf16, fp16; fp32: none).
-    torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients × world / accum
-    (DDP averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the
-    gradient scaler's)."""
+    {condition}); max_len: the tokens of a sentence; autocast: the forward's dtype (bf16, fp16;
+    None: fp32). torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients ×
+    world / accum (DDP averages them over the ranks; accum micro-batches a step), of scale(loss)
+    (fp16: the gradient scaler's)."""
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
     texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     batch = batch.to(device, non_blocking=True)
-    with common.autocast(device, precision):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
     h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
     cols = [gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
@@ -323,13 +321,13 @@ def main():
 
     # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
     torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
-    dtype = getattr(torch, a.dtype) if a.dtype else device.type == "cuda" and common.PRECISIONS[
-        a.precision] or torch.float32  # CUDA: the base in the 16 bits of the step, if any
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
+    dtype = getattr(torch, a.dtype) if a.dtype else device.type == "cuda" and autocast or \
+        torch.float32  # the base: on CUDA in the step's 16 bits, if any
     tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
     longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt,
-                    common.PRECISIONS[a.precision])
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, autocast)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
     step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
@@ -352,7 +350,7 @@ def main():
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
         f"{world} process(es), device {device}, {a.precision}")
     log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
-                    dtype != torch.float32 or a.precision != "fp32", grad_ckpt))
+                    dtype != torch.float32 or autocast is not None, grad_ckpt))
 
     meter = harness.Meter(device, per_step, "rows", a.precision)  # the step lines' speed
     raw_model.train()
@@ -364,7 +362,7 @@ def main():
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, n = train_step(
                             step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
-                            temp=a.temp, max_len=a.max_len, precision=a.precision, world=world,
+                            temp=a.temp, max_len=a.max_len, autocast=autocast, world=world,
                             accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
                     meter.tokens += n  # real ones
                     run.watch(step, loss)  # not finite: noted on the device, read below

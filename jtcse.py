@@ -65,11 +65,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=64, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16: with a "
-               "gradient scaler; fp32: none): default bf16 on a GPU (fp16 where it has no bf16), "
-               "fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-               help="--precision bf16")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -233,21 +231,22 @@ class Twin(torch.nn.Module):
 
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, objective="paper",
-               skip=(), tmc_on_h=False, precision="fp32", teacher=None, world=1, accum=1,
+               skip=(), tmc_on_h=False, autocast=None, teacher=None, world=1, accum=1,
                gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
     accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
     model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H); either
     may run in length groups (the same outputs). R: eq. 12's direction; objective "authors": their
     code's losses (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h:
-    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); precision: autocast (bf16, fp16; fp32:
-    none); teacher: encode(list[str]) -> (B, H), without gradients. torchrun: gather(z) = every
-    rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over the
-    ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
+    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16,
+    fp16; None: fp32); teacher: encode(list[str]) -> (B, H), without gradients. torchrun:
+    gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP
+    averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
+    scaler's)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
                       return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     B, terms = len(sentences), {}
-    with common.autocast(device, precision):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
             loss = F.mse_loss(gather(model(batch).float()), gather(target))
@@ -331,6 +330,7 @@ def main():
     params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
     scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
     first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler, r_gen=r_gen)
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
@@ -350,7 +350,7 @@ def main():
                         loss, terms = train_step(
                             step_model, tokenizer, [sentences[i] for i in rows], R, device,
                             temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
-                            tmc_on_h=a.drop_layernorm > 0, precision=a.precision, teacher=teacher,
+                            tmc_on_h=a.drop_layernorm > 0, autocast=autocast, teacher=teacher,
                             world=world, accum=a.grad_accum, gather=harness.gather,
                             scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
@@ -389,9 +389,8 @@ def main():
 def make_encode(towers, tokenizer, max_len, device, compiled=False, precision=None):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.compiled_encode(common.encoder(lambda batch: sum(cls(t, batch) for t in towers),
-                                                 tokenizer, max_len, device, precision),
-                                  compiled)
+    return common.compiled_encode(common.encoder(lambda b: sum(cls(t, b) for t in towers),
+                                                 tokenizer, max_len, device, precision), compiled)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):

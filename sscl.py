@@ -64,11 +64,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=32, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16: with a "
-               "gradient scaler; fp32: none): default bf16 on a GPU (fp16 where it has no bf16), "
-               "fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-               help="--precision bf16")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -148,14 +146,14 @@ class SentenceEncoder(torch.nn.Module):
 
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=32,
-               objective="paper", no_aug=False, precision="fp32", world=1, accum=1,
+               objective="paper", no_aug=False, autocast=None, world=1, accum=1,
                gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
     global batch, its gradients accumulated. -> the loss.
     model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
     SentenceEncoder, or one run in length groups (the same outputs); layers: the M of eq. 4 ([]:
     SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
-    SSCL-BERT, Table 2; precision: the forward's autocast (bf16, fp16; fp32: none). torchrun:
+    SSCL-BERT, Table 2; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun:
     gather(z) = every rank's rows (B, D) -> (world·B, D); the gradients × world / accum (DDP
     averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
     scaler's, × its scale)."""
@@ -163,7 +161,7 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
                       return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-    with common.autocast(device, precision):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with no_aug; per M: the same
     B = len(sentences)  # the loss in fp32, outside autocast
     h, h_pos = z[:B].float(), (z if no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
@@ -252,6 +250,7 @@ def main():
     groups = common.decay_groups(raw_model, a.weight_decay)  # no decay: biases, LayerNorm
     optimizer = AdamW421(groups, lr=lr, eps=1e-8, fused=True)  # one kernel for all parameters
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
     scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
     first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler)  # what every save holds
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
@@ -269,7 +268,7 @@ def main():
                         loss = train_step(
                             step_model, tokenizer, [sentences[i] for i in rows], layers, device,
                             temp=a.temp, max_len=a.max_len, objective=a.objective,
-                            no_aug=a.no_aug, precision=a.precision, world=world,
+                            no_aug=a.no_aug, autocast=autocast, world=world,
                             accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
                 scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are

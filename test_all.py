@@ -3809,7 +3809,7 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
         for model in (net, enc):
             enc.zero_grad(set_to_none=True)
             loss = sscl.train_step(common.in_length_groups(model, True, enc), tok, sents, [1], cpu,
-                                   max_len=24, precision="bf16" if bf16 else "fp32")
+                                   max_len=24, autocast=torch.bfloat16 if bf16 else None)
             out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
         (lc, gc), (le, ge) = out
         tol = 1e-2 if bf16 else 1e-5  # bf16 keeps 8 significant bits, fp32 24
@@ -4135,7 +4135,8 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
     after clipping at half that norm each gradient is exactly half what it was."""
     tok = AutoTokenizer.from_pretrained(bert_dir)
     sentence_encoder = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").train()
-    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16, precision="bf16")
+    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16,
+                    autocast=torch.bfloat16)
     ltok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU,
                                    torch.bfloat16)
     bellm.add_lora(dec, 4, 4, 0.0, autocast=torch.bfloat16)
@@ -4146,7 +4147,7 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
                 q.normal_(0, 0.02)
     bellm.train_step(functools.partial(bellm.embed, model), ltok,
                      [tuple(SENTS[i:i + 3]) for i in range(4)], "nli", bellm.PROMPT, bl_CPU,
-                     precision="bf16")
+                     autocast=torch.bfloat16)
     for net in (sentence_encoder, model):
         params = [q for q in net.parameters() if q.requires_grad]
         assert params and all(q.dtype == q.grad.dtype == torch.float32 for q in params)
@@ -5699,7 +5700,7 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
             net = bellm.BeLLM(m, 1, "parallel", "convert")
             return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
                                     tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
-                                    precision=a.precision)[0]
+                                    autocast=common.PRECISIONS[a.precision])[0]
 
         def encode(m, dev):
             return bellm.make_encode(m, tok, cfg, dev)(SENTS)
@@ -5714,7 +5715,7 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
 
         def step(m, dev, a):
             return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
-                                   max_len=a.max_len, precision=a.precision)
+                                   max_len=a.max_len, autocast=common.PRECISIONS[a.precision])
 
         def encode(m, dev):
             return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
@@ -5727,12 +5728,13 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
                 for x in ("fp32", precision)]
 
         def step(m, dev, a):
+            dtype = common.PRECISIONS[a.precision]
             if method == "jtcse":
                 return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
-                                        max_len=a.max_len, precision=a.precision)[0]
+                                        max_len=a.max_len, autocast=dtype)[0]
             teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
             return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
-                                    tok, rows, 1, dev, max_len=a.max_len, precision=a.precision,
+                                    tok, rows, 1, dev, max_len=a.max_len, autocast=dtype,
                                     teacher=teacher)[0]
 
         def encode(m, dev):
@@ -5834,8 +5836,8 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     run.log = said.append
     for step in (1, 2):
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss = sscl.train_step(model, tok, SENTS[:6], [2], dev, max_len=16, precision="fp16",
-                               scale=scaler.scale)
+        loss = sscl.train_step(model, tok, SENTS[:6], [2], dev, max_len=16,
+                               autocast=torch.float16, scale=scaler.scale)
         run.watch(step, loss)
         scaler.unscale_(optimizer)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
