@@ -5884,6 +5884,39 @@ def test_harness_fp16_run_skips_goes_on_and_resumes_with_the_scalers_state(
         assert torch.equal(a, weights(out, "model")[key]), key
 
 
+def test_eval_sts_and_dev_evaluation_encode_in_the_precision_chosen(bert_dir, sts_dir, capsys,
+                                                                   monkeypatch):
+    """eval_sts.py --precision fp32 / bf16 / fp16 (--bf16: bf16) encodes under that autocast (none
+    in fp32), and the STS-B scores stay within the mode's rounding of fp32's; a training run's dev
+    encoder (make_encode with the run's precision) too, and one made without a precision (a run's
+    load_encoder) runs in its caller's, as harness.Run.final_table and eval_sts.py set it."""
+    seen, real = [], common.encode_in_batches
+
+    def spy(*args, **kwargs):  # the autocast state the batches are encoded in
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(common, "encode_in_batches", spy)
+    scores = {}
+    for flags, dtype in ((["--precision", "fp32"], None), (["--bf16"], torch.bfloat16),
+                         (["--precision", "fp16"], torch.float16)):
+        seen.clear()
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                                 sts_dir, "--tasks", "STS-B", *flags)
+        assert code == 0, err[-2000:]
+        assert seen and set(seen) == {dtype}, (flags, seen)
+        scores[dtype] = float(re.search(r"STS-B\s+Avg\.\n\s*(\S+)", out).group(1))
+    assert scores[torch.bfloat16] == pytest.approx(scores[None], abs=1.0)
+    assert scores[torch.float16] == pytest.approx(scores[None], abs=0.2)
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").eval()
+    for precision, dtype in (("fp16", torch.float16), ("fp32", None)):
+        seen.clear()
+        sscl.make_encode(enc, tok, 16, torch.device("cpu"), precision=precision)(SENTS[:4])
+        with common.autocast(torch.device("cpu"), "bf16"):  # the caller's, kept
+            sscl.make_encode(enc, tok, 16, torch.device("cpu"))(SENTS[:4])
+        assert seen == [dtype, torch.bfloat16], (precision, seen)
+
+
 def test_bad_input_precision_lines(capsys, monkeypatch):
     """--precision: --bf16 is its alias; bf16 on a GPU without bf16 (a V100, a T4): one line, exit
     2; the default there: fp16, one line saying so; a CPU: fp32; a name not in the list: argparse's
