@@ -100,7 +100,7 @@ def degradation(a, tok, dec, device, data, tasks):
                 texts, max_len = prompted(tok, {"prompt": a.prompt,
                                                 "max_len": dec.config.max_position_embeddings},
                                           missing)  # evaluation does not cut sentences
-                with common.autocast(device, a.precision):
+                with common.autocast(device, common.pick_precision(device)):
                     memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts,
                                                                       max_len, device, 64)))
             return torch.stack([memo[s][k - 1] for s in sentences])
@@ -324,7 +324,8 @@ def representative_words(a, device, data):
                                      prompt=a.prompt, max_len=dec.config.max_position_embeddings),
                                 name))
         for label, dec, tok, cfg, base in configs:
-            ids = next_tokens(make_encode(dec, tok, cfg, device, "bf16" if a.bf16 else a.precision),
+            ids = next_tokens(make_encode(dec, tok, cfg, device, "bf16" if a.bf16 else
+                                          common.pick_precision(device)),
                               lm_head(base, dec), sents)
             res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
     total = sum(counts.values())

@@ -252,7 +252,7 @@ def parse(p):
         check_compile()
     global QUIET
     QUIET = a.quiet
-    a.precision = pick_precision(pick_device(), getattr(a, "precision", None), say=True)
+    a.precision = pick_precision(pick_device(), getattr(a, "precision", None), "precision" in a)
     import transformers
     transformers.logging.disable_progress_bar()
     return a
