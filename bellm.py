@@ -79,7 +79,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=64, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile each layer (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -87,8 +89,9 @@ p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=Tr
                help="the 7 STS tasks of the best checkpoint at the end")
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
                help="evaluate step 0 (zero-shot); --no-eval-first saves one evaluation")
-p.add_argument("--dtype", choices=["float32", "bfloat16"], help="the base LLM's weights (LoRA and "
-               "AdamW stay float32): default bfloat16 on CUDA (the paper's), float32 on CPU")
+p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the base LLM's weights "
+               "(LoRA and AdamW stay float32): default on CUDA --precision's (bf16: the paper's), "
+               "float32 on CPU")
 p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
                help="gradient checkpointing: default on with CUDA, off on CPU")
 p.add_argument("--tasks", default=",".join(common.TASKS), help="the final table's tasks")
@@ -109,8 +112,9 @@ p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: sele
 common.show_ranges(p)
 METHOD = "bellm"  # the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping", "tasks",
-             "eval_first", "grad_ckpt"}  # --resume may change
+             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
+             "tasks", "eval_first", "grad_ckpt", "bf16"}  # --resume may change (bf16: an earlier
+# version's flag)
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -211,23 +215,24 @@ def embed(model, batch):
     return model(batch["input_ids"], batch["attention_mask"])
 
 
-def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=64, bf16=False,
-               world=1, accum=1, gather=lambda z: z):
+def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=64,
+               autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
     accumulated. kind "nli": rows (anchor, entailment, contradiction), eq. 6; "csts": rows
     (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
     condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
     through embed), or that run in length groups (the same outputs); prompt: with {sentence} (and
-    {condition}); max_len: the tokens of a sentence; bf16: autocast. torchrun: gather(z) = every
-    rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over the
-    ranks; accum micro-batches a step)."""
+    {condition}); max_len: the tokens of a sentence; autocast: the forward's dtype (bf16, fp16;
+    None: fp32). torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients ×
+    world / accum (DDP averages them over the ranks; accum micro-batches a step), of scale(loss)
+    (fp16: the gradient scaler's)."""
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
     texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     batch = batch.to(device, non_blocking=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
     h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
     cols = [gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
@@ -237,7 +242,7 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
         labels = torch.tensor([r[3] for r in rows]).to(device, non_blocking=True)  # (B,)
         loss = cosent_loss(*cols, gather(labels))
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
-    (loss * world / accum).backward()
+    scale(loss * world / accum).backward()
     return loss, tokens
 
 
@@ -316,12 +321,13 @@ def main():
 
     # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
     torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
-    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
+    dtype = getattr(torch, a.dtype) if a.dtype else device.type == "cuda" and autocast or \
+        torch.float32  # the base: on CUDA in the step's 16 bits, if any
     tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
     longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    bf16 = a.bf16 or device.type == "cuda"  # autocast: --bf16, always on CUDA
-    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, bf16)
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, autocast)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
     step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
@@ -331,21 +337,22 @@ def main():
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences
                 lora_r=a.lora_r, lora_alpha=a.lora_alpha, **base_checksums(dec))  # sentemb.json
-    encode = make_encode(dec, tokenizer, meta, device, a.bf16)
+    encode = make_encode(dec, tokenizer, meta, device, a.precision)
 
     params = [q for q in raw_model.parameters() if q.requires_grad]  # the update (authors' code)
     optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
+    scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler)  # what every save holds
     check_base(meta, run.state["meta"] if run.state else {}, a.model, harness.CKPT)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "
         f"{len(steps)} steps of {per_step} rows, lr {lr:g}, "
-        f"{common.device_line(world, device, a.bf16)}")
+        f"{world} process(es), device {device}, {a.precision}")
     log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
-                    dtype == torch.bfloat16 or bf16, grad_ckpt))
+                    dtype != torch.float32 or autocast is not None, grad_ckpt))
 
-    meter = harness.Meter(device, per_step, "rows")  # the step lines' speed
+    meter = harness.Meter(device, per_step, "rows", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
@@ -355,14 +362,16 @@ def main():
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, n = train_step(
                             step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
-                            temp=a.temp, max_len=a.max_len, bf16=bf16, world=world,
-                            accum=a.grad_accum, gather=harness.gather)
+                            temp=a.temp, max_len=a.max_len, autocast=autocast, world=world,
+                            accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
                     meter.tokens += n  # real ones
                     run.watch(step, loss)  # not finite: noted on the device, read below
+                scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
                     params, a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
+                scaler.step(optimizer)  # fp16: skipped where a gradient is inf or NaN
+                scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
+                scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
         evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
         read, dev = evaluate or step % a.log_steps == 0, None  # the host reads the device here
@@ -383,7 +392,7 @@ def main():
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
         if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, tasks, a.bf16)
+            run.final_table(load_encoder, data, tasks, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of BeLLM is saved and checked
@@ -442,18 +451,18 @@ def cast_frozen_linears(dec, dtype=torch.bfloat16):
             m.to(dtype)
 
 
-def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=False):
+def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=None):
     """LoRA on every Linear of the decoder (peft; AutoModel has no LM head), in place. grad_ckpt:
-    gradient checkpointing (with bf16 weights, LLaMA-2-7B fits one 80 GB GPU); autocast: bf16
-    autocast will run, so the frozen Linears are cast once (cast_frozen_linears). -> the peft
-    model (its save_pretrained writes the adapter)"""
+    gradient checkpointing (with bf16 weights, LLaMA-2-7B fits one 80 GB GPU); autocast: the dtype
+    autocast will run in (bf16, fp16), so the frozen Linears are cast to it once
+    (cast_frozen_linears). -> the peft model (its save_pretrained writes the adapter)"""
     from peft import LoraConfig, get_peft_model
     if grad_ckpt:
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = get_peft_model(dec, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                           target_modules="all-linear"))
     if autocast:
-        cast_frozen_linears(dec)
+        cast_frozen_linears(dec, autocast)
     return lora
 
 
@@ -492,7 +501,7 @@ def prompt_tokens(tokenizer, dec, prompt, max_len, name):
     return n
 
 
-def make_encode(dec, tok, cfg, device, cpu_bf16=False):
+def make_encode(dec, tok, cfg, device, precision=None):
     """encode(list[str], conditions=None) -> (N, H): the one encode function (dev evaluation in
     training, eval_sts.py)."""
     net = BeLLM(dec, cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
@@ -500,7 +509,7 @@ def make_encode(dec, tok, cfg, device, cpu_bf16=False):
     @torch.no_grad()
     def encode(sentences, conditions=None):
         texts, max_len = prompted(tok, cfg, sentences, conditions)
-        with common.autocast(device, cpu_bf16):
+        with common.autocast(device, precision):
             return common.encode_in_batches(encode.embed, tok, texts, max_len, device, 64)
     encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
     encode.embed, encode.layers = functools.partial(embed, net), net  # common.compiled_encode
@@ -550,7 +559,8 @@ META_TYPES = {  # sentemb.json: the keys, and their types
     "bi_mode": ("parallel", "sequential").__contains__,
     "prompt": lambda v: isinstance(v, str) and "{sentence}" in v}
 META_OPTIONAL = {  # keys that older runs may lack
-    "bi_strategy": ("convert", "add").__contains__, "dtype": ("float32", "bfloat16").__contains__,
+    "bi_strategy": ("convert", "add").__contains__,
+    "dtype": ("float32", "bfloat16", "float16").__contains__,
     "max_len": lambda v: type(v) is int and v >= 1, "lora_r": lambda v: type(v) is int and v >= 1,
     "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
     **{k: lambda v: type(v) in (int, float) for k in ("base_checksum", "base_fingerprint")},

@@ -100,7 +100,7 @@ def degradation(a, tok, dec, device, data, tasks):
                 texts, max_len = prompted(tok, {"prompt": a.prompt,
                                                 "max_len": dec.config.max_position_embeddings},
                                           missing)  # evaluation does not cut sentences
-                with common.autocast(device):
+                with common.autocast(device, common.pick_precision(device)):
                     memo.update(zip(missing, common.encode_in_batches(embed_all, tok, texts,
                                                                       max_len, device, 64)))
             return torch.stack([memo[s][k - 1] for s in sentences])
@@ -155,7 +155,7 @@ def dependency_scores(hidden, tok, texts, spans, pivot_last, device, batch_size=
         enc = tok([texts[j] for j in idx], padding=True, return_offsets_mapping=True,
                   return_special_tokens_mask=True, return_tensors="pt")
         am = enc["attention_mask"]  # (b, L)
-        with common.autocast(device):
+        with common.autocast(device, common.pick_precision(device)):
             h = hidden(enc["input_ids"].to(device), am.to(device)).float().cpu()  # (b, L, H)
         pivot = ((am * torch.arange(am.shape[1])).argmax(1) if pivot_last
                  else torch.zeros(len(idx), dtype=torch.long))
@@ -324,8 +324,9 @@ def representative_words(a, device, data):
                                      prompt=a.prompt, max_len=dec.config.max_position_embeddings),
                                 name))
         for label, dec, tok, cfg, base in configs:
-            ids = next_tokens(make_encode(dec, tok, cfg, device, a.bf16), lm_head(base, dec),
-                              sents)
+            ids = next_tokens(make_encode(dec, tok, cfg, device, "bf16" if a.bf16 else
+                                          common.pick_precision(device)),
+                              lm_head(base, dec), sents)
             res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
     total = sum(counts.values())
     cover = [sum(c for _, c in counts.most_common(n)) / total for n in TOP_N]

@@ -102,25 +102,24 @@ def pick_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def bf16_note(device):
-    """--bf16 on this device: whether the CPU has the instructions that make bf16 faster."""
-    has = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"),
-                          ("AMX", "_is_amx_tile_supported")) if getattr(torch.cpu, f)()]
-    return "bf16 autocast" if device.type != "cpu" else \
-        f"bf16 autocast; this CPU has {' and '.join(has)}" if has else \
-        "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than fp32"
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # autocast's dtype
 
 
-def device_line(world, device, bf16=False):
-    """The start-up line's end: '1 process(es), device cpu', and with --bf16 what autocast does."""
-    return f"{world} process(es), device {device}" + (f" ({bf16_note(device)})" if bf16 else "")
+def pick_precision(device, chosen=None, say=False):
+    """--precision on this device: by default bf16, fp16 on a GPU without bf16 (say: one line says
+    so), fp32 on a CPU; bf16 on a GPU without it: one line, exit 2."""
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if chosen == "bf16" and not bf16:
+        die("--precision bf16: this GPU has no bf16: pass --precision fp16 (or fp32)")
+    if say and not (chosen or bf16):
+        print("note: this GPU has no bf16: fp16 autocast, with a gradient scaler", file=sys.stderr)
+    return chosen or ("fp32" if device.type != "cuda" else "bf16" if bf16 else "fp16")
 
 
-def autocast(device, cpu_bf16=False):
-    """bf16 autocast on CUDA; on a CPU plain fp32, unless cpu_bf16 (--bf16)."""
-    if device.type == "cuda" or cpu_bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(device, precision=None):
+    """Autocast in precision: bf16 or fp16; fp32: none; None: the caller's (nothing changes)."""
+    return contextlib.nullcontext() if precision is None else \
+        torch.autocast(device.type, PRECISIONS[precision], precision != "fp32")
 
 
 def decay_groups(model, weight_decay):
@@ -245,7 +244,7 @@ FRACTION = _typed(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 def parse(p):
     """The command line; --quiet silences our progress bars, Hugging Face's are always off;
-    --compile is checked to work before anything is read or written."""
+    --compile is checked to work before anything is read or written; --precision: this device's."""
     a = p.parse_args()
     if getattr(a, "max_steps", -1) != -1 and a.epochs != p.get_default("epochs"):
         die("--max-steps sets the run's length, so --epochs would do nothing: drop one of them")
@@ -253,6 +252,7 @@ def parse(p):
         check_compile()
     global QUIET
     QUIET = a.quiet
+    a.precision = pick_precision(pick_device(), getattr(a, "precision", None), "precision" in a)
     import transformers
     transformers.logging.disable_progress_bar()
     return a
@@ -676,8 +676,8 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these):
-# the MFU of a step line (bf16 autocast is on with CUDA); the first name in the device's applies
+# dense bf16 tensor-core peaks, FLOP/s (NVIDIA's datasheets; with sparsity they say twice these;
+# fp16's are the same): a step line's MFU in bf16 or fp16; the first name in the device's applies
 GPU_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12,
              "H200": 989e12, "A100": 312e12}
 
@@ -696,12 +696,12 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
     return torch.stack(out)
 
 
-def encoder(embed, tokenizer, max_len, device):
-    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, under
-    autocast (bf16 on CUDA), no gradients: each method's encode function (.embed: what it runs)."""
+def encoder(embed, tokenizer, max_len, device, precision=None):
+    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, in
+    precision (None: the caller's), no gradients: each method's encode function (.embed: its net)"""
     @torch.no_grad()
     def encode(sentences):
-        with autocast(device):
+        with autocast(device, precision):
             return encode_in_batches(encode.embed, tokenizer, sentences, max_len, device)
     encode.tokenizer, encode.max_len = tokenizer, max_len  # what it reads (eval_sts.py --ensemble)
     encode.embed = embed

@@ -237,9 +237,12 @@ p.add_argument("--batch-size", type=common.POS_INT, default=128,
 p.add_argument("--max-len", type=common.POS_INT, default=512, help="truncation, in tokens")
 p.add_argument("--exact", action="store_true",
                help="STS only: SentEval's own batches (slower; for parity checks)")
-p.add_argument("--bf16", action="store_true",
-               help="bf16 autocast on CPU as well (about 2x faster where the CPU has bf16 "
+p.add_argument("--precision", choices=common.PRECISIONS,
+               help="autocast while encoding: default bf16 on a GPU (fp16 where it has no bf16), "
+                    "fp32 on a CPU (bf16 there: about 2x faster where the CPU has bf16 "
                     "instructions; numbers move by ~0.01)")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+               help="--precision bf16")
 p.add_argument("--compile", action="store_true",
                help="torch.compile each model's forward, a decoder's layer by layer (dynamic "
                     "shapes: compiled once, then reused for every batch; seconds to minutes)")
@@ -277,7 +280,7 @@ def hf_encoder(name, pooler, max_len, device, num_layers=None):
             return avg((out.hidden_states[1] + out.hidden_states[-1]) / 2)
         return out.pooler_output
 
-    return common.encoder(embed, tok, max_len, device)  # no gradients, autocast on CUDA
+    return common.encoder(embed, tok, max_len, device)  # no gradients, the caller's autocast
 
 
 def load_model(name, pooler="cls", max_len=512, device=None, prompt=None, cut=None,
@@ -408,6 +411,14 @@ def export_st(names, dest):
           f"{', trust_remote_code=True' * (twin or meta['method'] == 'bellm')}) loads it")
 
 
+def bf16_note():
+    """--precision bf16 on this CPU: whether it has the instructions that make bf16 faster."""
+    has = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"),
+                          ("AMX", "_is_amx_tile_supported")) if getattr(torch.cpu, f)()]
+    return f"bf16 autocast; this CPU has {' and '.join(has)}" if has else \
+        "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than fp32"
+
+
 def main():
     a = common.parse(p)
     if a.export_st:
@@ -443,8 +454,8 @@ def main():
     for t in probing_tasks:  # SentEval's probing files are a separate download: say so now
         probing_file(data, t)
     mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
-    if a.bf16:
-        print(f"note: --bf16: {common.bf16_note(torch.device('cpu'))}", file=sys.stderr)
+    if a.precision == "bf16" and common.pick_device().type == "cpu":
+        print(f"note: --precision bf16: {bf16_note()}", file=sys.stderr)
     # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
     models = [list(zip(a.model, poolers))] if a.ensemble else [[m] for m in zip(a.model, poolers)]
     points, short = {}, []  # model -> (uniformity, alignment), for --plot; its short name
@@ -474,7 +485,7 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=()
                            compile=a.compile)
     name = " + ".join(names)
     out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+    with torch.no_grad(), common.autocast(common.pick_device(), a.precision):
         if sts_tasks:
             t0 = time.perf_counter()
             out["results"] = common.evaluate(encode, data, sts_tasks, a.split, a.batch_size,

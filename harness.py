@@ -170,15 +170,13 @@ class Run:
             common.die(f"--resume: {path} is damaged ({bad[0]} of the wrong type): {RECOPY}")
         if lost := [k for k in now if k not in old and k not in resumable]:
             common.die(f"--resume: {path} holds no --{lost[0].replace('_', '-')} among the run's "
-                       f"flags (damaged, or written by another version of {self.method}.py): "
-                       f"{RECOPY}")
+                       f"flags (damaged, or another version of {self.method}.py's): {RECOPY}")
         if state["save"]:  # best/: the model this checkpoint records
             check_description(committed(self.dir, self.method, state), state)
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
-                       f"{state['world']} (1: without torchrun), so that its steps keep their "
-                       "global batch")
+                       f"{state['world']} (1: without torchrun) to keep its global batch")
         if changed := [k for k in old if k not in resumable and old[k] != now.get(k)
                        and (k in now or old[k])]:  # a flag now gone: ignored where it was off
             said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
@@ -194,13 +192,14 @@ class Run:
                      "pass a larger --max-steps or --epochs with --resume to train on")
         return done
 
-    def resume(self, model, optimizer, scheduler, lr, meta, **generators):
-        """What every save holds: the model's trained weights, optimiser, schedule, rate lr, meta
-        (best/sentemb.json), generators (JTCSE's R); --resume: each as saved, RNG states too, the
-        rate over this command's schedule (as HF Trainer), a new --lr from that step on. Signals
-        stop training from here. -> the first step (0: as loaded)"""
-        self.parts = model, optimizer, scheduler, lr, meta, generators
-        self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): step, loss
+    def resume(self, model, optimizer, scheduler, lr, meta, scaler, **generators):
+        """What every save holds: the model's trained weights, optimiser (and fp16's gradient
+        scaler), schedule, rate lr, meta (sentemb.json), generators (JTCSE's R); --resume: each as
+        saved, RNG states too, the rate over this command's schedule (as HF Trainer), a new --lr
+        from that step on. Signals stop training from here. -> the first step (0: as loaded)"""
+        self.parts, self.scaler = (model, optimizer, scheduler, lr, meta, generators), scaler
+        optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
+        self.nonfinite, self.skipped = torch.tensor([-1.0, 0.0], device=self.device), 0  # watch()
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if (state := self.state) is None:
             return 0
@@ -218,6 +217,7 @@ class Run:
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["opt"])
             scheduler.load_state_dict(state["sched"])
+            scaler.load_state_dict(state["opt"].get("scaler") or scaler.state_dict())  # fp16's
             for k, g in generators.items():
                 g.set_state(state[k].cpu())
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
@@ -245,24 +245,26 @@ class Run:
         self.nonfinite = torch.where(bad, first, self.nonfinite)
 
     def check_loss(self):
-        """A loss was not finite since the last check (before any save: the last is good): one
-        line. Called where the run reads the device: step lines, evaluations, saves."""
+        """A loss not finite since the last check (before any save: the last is good): one line,
+        exit; fp16: more steps skipped by the gradient scaler: one line. At the device's reads."""
         step, loss = self.nonfinite.tolist()
         if step >= 0:
             common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
                        f"{self.parts[3]:g}; --resume --lr ...) or check the data; the run in "
                        f"{self.dir} is kept")
+        took = self.scaler.is_enabled() and [s["step"] for s in self.parts[1].state.values()]
+        if took and (n := self.parts[2].last_epoch - int(torch.stack(took).max())) > self.skipped:
+            self.skipped = n  # the steps run (the schedule's count) less those AdamW took
+            self.log(f"fp16: {n} of {self.parts[2].last_epoch} steps skipped (inf/NaN gradients)")
 
     def stop_requested(self, agree=True):
         """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
         signal to one rank stops all of them there)."""
-        if self.world > 1 and not agree:
-            return False
-        if self.world > 1:
+        if self.world > 1 and agree:
             t = torch.tensor(STOP["signum"], device=self.device)
             collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
             STOP["signum"] = int(t)
-        return bool(STOP["signum"])
+        return bool(STOP["signum"]) and (agree or self.world == 1)
 
     def save(self, step, metric, dev, write):
         """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
@@ -286,10 +288,9 @@ class Run:
     @contextlib.contextmanager
     def finish(self, step):
         """Training ended: peak memory; stopped by a signal: exit 128 + its number. Inside: now."""
-        if self.device.type == "cuda":
-            gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
-        else:
-            gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"
+        gib, how = (torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated") \
+            if self.device.type == "cuda" else \
+            (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss")
         self.log(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
         try:
             if signum := STOP["signum"]:
@@ -303,7 +304,7 @@ class Run:
             for s, h in self.handlers.items():
                 signal.signal(s, h)
 
-    def final_table(self, load_encoder, data, tasks, bf16):
+    def final_table(self, load_encoder, data, tasks, precision):
         """The best model on the test sets, loaded as eval_sts.py loads it."""
         folder = os.path.join(self.dir, BEST)
         meta = read_meta(folder, self.method, self.check_run,
@@ -311,11 +312,11 @@ class Run:
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
         print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
-        with common.autocast(self.device, bf16):
+        with common.autocast(self.device, precision):
             table = common.format_table(common.evaluate(encode, data, tasks))
         print(table)
         write_card(folder, meta, {**self.flags, "lr": self.parts[3]},
-                          self.record["curve"][-1]["metric"], table)  # rewritten whole
+                   self.record["curve"][-1]["metric"], table)  # rewritten whole
 
 
 PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",
@@ -634,9 +635,9 @@ class Meter:
     line(): no wait inside a step). FLOPs: the first step's a padded token slot (common.FlopCount)
     times another step's slots (step_model.slots, the padded token slots it ran)."""
 
-    def __init__(self, device, per_step, unit):
+    def __init__(self, device, per_step, unit, precision="fp32"):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
-        self.spans, self.flops, self.tokens = [], 0, 0
+        self.spans, self.flops, self.tokens, self.precision = [], 0, 0, precision
 
     def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
         if self.device.type != "cuda":
@@ -664,10 +665,9 @@ class Meter:
             text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
         flops = summed(self.flops, self.device) / dt
         text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
-        name = torch.cuda.get_device_name(self.device) if cuda else ""
-        if peak := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
+        name = torch.cuda.get_device_name(self.device) if cuda and self.precision != "fp32" else ""
+        if top := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):  # MFU
+            text += f"  MFU {flops / summed(top[1], self.device):.1%} of {top[0]} {self.precision}"
         self.spans, self.flops, self.tokens = [], 0, 0
         return text
 

@@ -65,7 +65,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=64, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -90,7 +92,8 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
 common.show_ranges(p)
 METHOD = "jtcse"  # the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping"}  # --resume
+             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
+             "bf16"}  # --resume may change these (bf16: an earlier version's flag)
 
 
 # ---------------------------------------------------------------- the model patch: CAEL -----------
@@ -228,20 +231,22 @@ class Twin(torch.nn.Module):
 
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, objective="paper",
-               skip=(), tmc_on_h=False, bf16=False, teacher=None, world=1, accum=1,
-               gather=lambda z: z):
+               skip=(), tmc_on_h=False, autocast=None, teacher=None, world=1, accum=1,
+               gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
     accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
     model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H); either
     may run in length groups (the same outputs). R: eq. 12's direction; objective "authors": their
     code's losses (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h:
-    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); bf16: autocast; teacher: encode(list[str])
-    -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H);
-    the gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step)."""
+    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16,
+    fp16; None: fp32); teacher: encode(list[str]) -> (B, H), without gradients. torchrun:
+    gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP
+    averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
+    scaler's)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
                       return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     B, terms = len(sentences), {}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
             loss = F.mse_loss(gather(model(batch).float()), gather(target))
@@ -253,7 +258,7 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
                         for zs in outs)
             loss, terms = jtcse_loss(h, h if tmc_on_h else hP, c, R, temp, objective, skip)
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
-    (loss * world / accum).backward()
+    scale(loss * world / accum).backward()
     return loss, terms
 
 
@@ -314,9 +319,8 @@ def main():
     step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
         torch.compile(student, dynamic=True) if a.compile else student,  # same outputs)
         a.length_grouping, raw_model)
-    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
-    encode = make_encode(towers, tokenizer, eval_len, device, a.compile)
+    encode = make_encode(towers, tokenizer, eval_len, device, a.compile, a.precision)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
                 objective=None if a.distill else a.objective,
                 num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
@@ -326,13 +330,15 @@ def main():
     params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=a.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta, r_gen=r_gen)  # each save's
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
+    scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler, r_gen=r_gen)
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
-        f"of {per_step} sentences, lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+        f"of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}, {a.precision}")
 
-    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
+    meter = harness.Meter(device, per_step, "sent", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
@@ -344,13 +350,16 @@ def main():
                         loss, terms = train_step(
                             step_model, tokenizer, [sentences[i] for i in rows], R, device,
                             temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
-                            tmc_on_h=a.drop_layernorm > 0, bf16=bf16, teacher=teacher,
-                            world=world, accum=a.grad_accum, gather=harness.gather)
+                            tmc_on_h=a.drop_layernorm > 0, autocast=autocast, teacher=teacher,
+                            world=world, accum=a.grad_accum, gather=harness.gather,
+                            scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
+                scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
                     params, a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
+                scaler.step(optimizer)  # fp16: skipped where a gradient is inf or NaN
+                scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
+                scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
         evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
         if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
@@ -372,16 +381,16 @@ def main():
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
         if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, common.TASKS, a.bf16)
+            run.final_table(load_encoder, data, common.TASKS, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of JTCSE is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
-def make_encode(towers, tokenizer, max_len, device, compiled=False):
+def make_encode(towers, tokenizer, max_len, device, compiled=False, precision=None):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
     twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.compiled_encode(common.encoder(lambda batch: sum(cls(t, batch) for t in towers),
-                                                 tokenizer, max_len, device), compiled)
+    return common.compiled_encode(common.encoder(lambda b: sum(cls(t, b) for t in towers),
+                                                 tokenizer, max_len, device, precision), compiled)
 
 
 def save_model(towers, names, tokenizer, max_len, folder):

@@ -134,7 +134,8 @@ def sts_average(name, data, device):
     truncation); an ensemble's, of the sum of its members' embeddings."""
     from eval_sts import load_ensemble
     encode = load_ensemble(members(name), device=device)
-    return float(np.mean(list(common.evaluate(encode, data).values())))
+    with common.autocast(device, common.pick_precision(device)):  # eval_sts.py's default
+        return float(np.mean(list(common.evaluate(encode, data).values())))
 
 
 # ---------------------------------------------------------------- E_CLS (eq. 6) -----------------
@@ -200,8 +201,9 @@ def twin(a, device):
     for j in range(n):
         print(f"{j + 1:5d} " + " ".join(f"{E[col][j]:8.4f}" for col in E))
     # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, by gold score
-    e1, e2 = (make_encode([t], tokenizer, a.max_len, device)(sents)  # (N, H) each
-              for t in towers)
+    precision = common.pick_precision(device)  # eval_sts.py's default
+    e1, e2 = (make_encode([t], tokenizer, a.max_len, device, precision=precision)(sents)
+              for t in towers)  # (N, H) each
     # the twin's embedding: CLS(I) + CLS(II)
     emb = {"tower I": e1, "tower II": e2, "twin (I + II)": e1 + e2}
     at = {s: i for i, s in enumerate(sents)}

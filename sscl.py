@@ -64,7 +64,9 @@ p.add_argument("--max-len", type=common.POS_INT, default=32, help="training toke
 p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every N steps")
 p.add_argument("--seed", type=common.SEED, default=42)
 p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on CUDA)")
+p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
+               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
+p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
@@ -91,7 +93,8 @@ p.add_argument("--objective", default="paper", choices=["paper", "authors"],
 common.show_ranges(p)
 METHOD = "sscl"  # the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping"}  # --resume
+             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
+             "bf16"}  # --resume may change these (bf16: an earlier version's flag)
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -143,20 +146,22 @@ class SentenceEncoder(torch.nn.Module):
 
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=32,
-               objective="paper", no_aug=False, bf16=False, world=1, accum=1, gather=lambda z: z):
+               objective="paper", no_aug=False, autocast=None, world=1, accum=1,
+               gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
     global batch, its gradients accumulated. -> the loss.
     model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
     SentenceEncoder, or one run in length groups (the same outputs); layers: the M of eq. 4 ([]:
     SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
-    SSCL-BERT, Table 2; bf16: autocast. torchrun: gather(z) = every rank's rows (B, D) ->
-    (world·B, D); the gradients × world / accum (DDP averages them over the ranks; accum
-    micro-batches a step)."""
+    SSCL-BERT, Table 2; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun:
+    gather(z) = every rank's rows (B, D) -> (world·B, D); the gradients × world / accum (DDP
+    averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
+    scaler's, × its scale)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
                       return_tensors="pt").to(device, non_blocking=True)  # (B, L)
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with no_aug; per M: the same
     B = len(sentences)  # the loss in fp32, outside autocast
     h, h_pos = z[:B].float(), (z if no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
@@ -170,7 +175,7 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
         loss = sscl_loss_authors(h, h_pos, negs, temp)
     # DDP averages gradients over ranks, each holding the global loss: × world (the authors'
     # Trainer does not scale by world, which AdamW cancels up to its eps)
-    (loss * world / accum).backward()
+    scale(loss * world / accum).backward()
     return loss
 
 
@@ -234,9 +239,8 @@ def main():
     step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
         torch.compile(model, dynamic=True) if a.compile else model,  # same outputs, cheaper)
         a.length_grouping, raw_model)
-    bf16 = a.bf16 or device.type == "cuda"  # the step's precision: bf16 autocast (always on CUDA)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
-    encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile)
+    encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile, a.precision)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
                 layers=layers, objective=a.objective, select_on=a.select_on,
                 num_layers=bert.config.num_hidden_layers)  # best/sentemb.json: how it encodes
@@ -246,12 +250,14 @@ def main():
     groups = common.decay_groups(raw_model, a.weight_decay)  # no decay: biases, LayerNorm
     optimizer = AdamW421(groups, lr=lr, eps=1e-8, fused=True)  # one kernel for all parameters
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta)  # what every save holds
+    autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
+    scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
+    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler)  # what every save holds
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
         f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
-        f"lr {lr:g}, {common.device_line(world, device, a.bf16)}")
+        f"lr {lr:g}, {world} process(es), device {device}, {a.precision}")
 
-    meter = harness.Meter(device, per_step, "sent")  # the step lines' speed
+    meter = harness.Meter(device, per_step, "sent", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
@@ -262,13 +268,15 @@ def main():
                         loss = train_step(
                             step_model, tokenizer, [sentences[i] for i in rows], layers, device,
                             temp=a.temp, max_len=a.max_len, objective=a.objective,
-                            no_aug=a.no_aug, bf16=bf16, world=world, accum=a.grad_accum,
-                            gather=harness.gather)
+                            no_aug=a.no_aug, autocast=autocast, world=world,
+                            accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
+                scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
                     raw_model.parameters(), a.max_grad_norm or math.inf)
-                optimizer.step()
-                scheduler.step()
+                scaler.step(optimizer)  # fp16: skipped where a gradient is inf or NaN
+                scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
+                scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
         evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
         if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
@@ -289,15 +297,15 @@ def main():
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
         if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
-            run.final_table(load_encoder, data, common.TASKS, a.bf16)
+            run.final_table(load_encoder, data, common.TASKS, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of SSCL is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
-def make_encode(encoder, tokenizer, max_len, device, compiled=False):
+def make_encode(encoder, tokenizer, max_len, device, compiled=False, precision=None):
     """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
     return common.compiled_encode(common.encoder(lambda batch: encoder(batch)[0], tokenizer,
-                                                 max_len, device), compiled)
+                                                 max_len, device, precision), compiled)
 
 
 def save_model(encoder, tokenizer, max_len, folder):

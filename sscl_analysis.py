@@ -55,7 +55,7 @@ def over_smoothing(name, a, sents, device):
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
         batch = tokenizer(sents[i:i + 128], padding=True, truncation=True, max_length=a.max_len,
                           return_tensors="pt").to(device)
-        with common.autocast(device):
+        with common.autocast(device, common.pick_precision(device)):
             hs = bert(**batch, output_hidden_states=True).hidden_states  # n+1 × (b, L, H)
         mask = batch["attention_mask"].float()  # (b, L)
         off_diagonal = 1 - torch.eye(mask.shape[1], device=device)

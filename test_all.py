@@ -3250,7 +3250,7 @@ def test_bellm_base_fingerprint_covers_every_base_weight(tok_dir, tmp_path):
     for dtype, lora in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
         _, dec = bellm.load_decoder(str(d), 1, "convert", bl_CPU, dtype)
         if lora:
-            bellm.add_lora(dec, 4, 4, 0.0, autocast=True)  # frozen Linears stored in bf16
+            bellm.add_lora(dec, 4, 4, 0.0, autocast=torch.bfloat16)  # frozen Linears in bf16
         prints.append(bellm.base_checksums(dec))
     for p in prints[1:]:
         assert p["base_fingerprint"] == pytest.approx(prints[0]["base_fingerprint"], rel=1e-9)
@@ -3454,7 +3454,7 @@ def test_bellm_frozen_linears_cast_once_give_what_autocast_computes(tok_dir, tmp
     out = []
     for m in (peft, cast):
         torch.manual_seed(1)  # the same LoRA dropout masks
-        with common.autocast(bl_CPU, True):
+        with common.autocast(bl_CPU, "bf16"):
             h = bellm.BeLLM(m.base_model.model, 1, "parallel",
                             "convert")(b["input_ids"], b["attention_mask"])
         loss = bellm.bellm_loss(*h.float().view(2, 3, -1).unbind(1), 0.05)
@@ -3722,7 +3722,8 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
     and the five within 3,250 lines. Each script's main() is a page (at most 100 lines) taking at
     most 15 names of common.py and harness.py; its training loop (the DDP wrap before it) reads at
     most 10 names from other files, harness.py's run folder and meter included, and calls the
-    update in plain torch: no_sync, clip_grad_norm_, optimizer.step, scheduler.step, eval/train."""
+    update in plain torch: no_sync, the gradient scaler's unscale_ before clip_grad_norm_, its
+    step and update, scheduler.step, eval/train."""
     import ast
     sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in SIZES}
     assert all(sizes[n] <= SIZES[n] for n in SIZES) and sum(sizes.values()) <= 3250, sizes
@@ -3735,10 +3736,16 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
         loop = next(n for n in main.body if isinstance(n, ast.For))
         assert len(names_of(loop, {"common", "harness", "run", "meter"})) <= 10, script
         code = ast.unparse(main)
-        for call in ("DDP(raw_model)", "model.no_sync()", "torch.nn.utils.clip_grad_norm_(",
-                     "optimizer.step()", "scheduler.step()", "raw_model.eval()",
-                     "raw_model.train()", "optimizer.zero_grad(set_to_none=True)"):
+        for call in ("DDP(raw_model)", "model.no_sync()", "torch.amp.GradScaler(",
+                     "scale=scaler.scale", "scaler.unscale_(optimizer)",
+                     "torch.nn.utils.clip_grad_norm_(", "scaler.step(optimizer)", "scaler.update()",
+                     "scheduler.step()", "raw_model.eval()", "raw_model.train()",
+                     "optimizer.zero_grad(set_to_none=True)"):
             assert call in code, (script, call)
+        # the gradient scaler's recipe: clipping on the unscaled gradients, then its step
+        order = ["scaler.unscale_(optimizer)", "clip_grad_norm_(", "scaler.step(optimizer)",
+                 "scaler.update()", "scheduler.step()", "optimizer.zero_grad("]
+        assert [code.index(c) for c in order] == sorted(code.index(c) for c in order), script
         # the order: the paper, train_step, the data loader, main(); then, past a banner, the
         # run folder's code (a reader of the paper may stop at main())
         top = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
@@ -3824,7 +3831,7 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
         for model in (net, enc):
             enc.zero_grad(set_to_none=True)
             loss = sscl.train_step(common.in_length_groups(model, True, enc), tok, sents, [1], cpu,
-                                   max_len=24, bf16=bf16)
+                                   max_len=24, autocast=torch.bfloat16 if bf16 else None)
             out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
         (lc, gc), (le, ge) = out
         tol = 1e-2 if bf16 else 1e-5  # bf16 keeps 8 significant bits, fp32 24
@@ -4150,10 +4157,11 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
     after clipping at half that norm each gradient is exactly half what it was."""
     tok = AutoTokenizer.from_pretrained(bert_dir)
     sentence_encoder = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").train()
-    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16, bf16=True)
+    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16,
+                    autocast=torch.bfloat16)
     ltok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU,
                                    torch.bfloat16)
-    bellm.add_lora(dec, 4, 4, 0.0, autocast=True)
+    bellm.add_lora(dec, 4, 4, 0.0, autocast=torch.bfloat16)
     model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
     with torch.no_grad():  # B != 0, so that every LoRA weight gets a gradient
         for n, q in model.named_parameters():
@@ -4161,7 +4169,7 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
                 q.normal_(0, 0.02)
     bellm.train_step(functools.partial(bellm.embed, model), ltok,
                      [tuple(SENTS[i:i + 3]) for i in range(4)], "nli", bellm.PROMPT, bl_CPU,
-                     bf16=True)
+                     autocast=torch.bfloat16)
     for net in (sentence_encoder, model):
         params = [q for q in net.parameters() if q.requires_grad]
         assert params and all(q.dtype == q.grad.dtype == torch.float32 for q in params)
@@ -5682,23 +5690,27 @@ def same_ranking(fp32, bf16, tol):
     return int(clear.sum())
 
 
-def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
-    """The method's model in fp32 on the CPU and in bellm.py's CUDA configuration on the GPU, the
-    same weights, dropout off: -> [(model, device, args)] * 2, step(model, device, args) -> the
-    loss of one train_step on 8 rows, encode(model, device) -> (N, H) embeddings of SENTS."""
+def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU,
+              precision="bf16"):
+    """The method's model in fp32 on the CPU and in precision on dev16 (bellm.py's configuration:
+    on CUDA a 16-bit base), the same weights, dropout off: -> [(model, device, args)] * 2,
+    step(model, device, args) -> the loss of one train_step on 8 rows (its gradients kept),
+    encode(model, device) -> (N, H) embeddings of SENTS."""
     from transformers import AutoTokenizer
     cpu, rows = torch.device("cpu"), [sentence(random.Random(i)) for i in range(8)]
     if method == "bellm":
         from peft import LoraConfig, get_peft_model
         path, models = str(bl_make_model(tok_dir, tmp)), []
-        for dev, dtype in ((cpu, torch.float32), (GPU, torch.bfloat16)):  # bellm.py's dtypes
+        dtype16 = common.PRECISIONS[precision]  # bellm.py's: the base in it on CUDA
+        for dev, dtype in ((cpu, torch.float32), (dev16, dev16.type == "cuda" and dtype16
+                                                  or torch.float32)):
             tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
             torch.manual_seed(0)  # B != 0: the LoRA path counts
             get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                            init_lora_weights=False,
                                            target_modules="all-linear")).train()
-            if dtype == torch.bfloat16:  # as bellm.py with autocast on
-                bellm.cast_frozen_linears(dec)
+            if dev is dev16 and dtype16:  # as bellm.py with autocast on
+                bellm.cast_frozen_linears(dec, dtype16)
             models.append(dec)
         for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
             q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
@@ -5710,20 +5722,22 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
             net = bellm.BeLLM(m, 1, "parallel", "convert")
             return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
                                     tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
-                                    bf16=a.bf16 or dev.type == "cuda")[0]
+                                    autocast=common.PRECISIONS[a.precision])[0]
 
         def encode(m, dev):
             return bellm.make_encode(m, tok, cfg, dev)(SENTS)
-        args = [bellm.p.parse_args(["--lora-dropout", "0", *x]) for x in ([], ["--bf16"])]
-        return list(zip(models, (cpu, GPU), args)), step, encode
+        args = [bellm.p.parse_args(["--lora-dropout", "0", "--precision", x])
+                for x in ("fp32", precision)]
+        return list(zip(models, (cpu, dev16), args)), step, encode
     tok = AutoTokenizer.from_pretrained(bert_wide_dir)
     if method == "sscl":  # bert_wide_dir: dropout off, [CLS] vectors that differ
         model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
-        args = [sscl.p.parse_args(["--max-len", "16", *x]) for x in ([], ["--bf16"])]
+        args = [sscl.p.parse_args(["--max-len", "16", "--precision", x])
+                for x in ("fp32", precision)]
 
         def step(m, dev, a):
             return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
-                                   max_len=a.max_len, bf16=a.bf16)
+                                   max_len=a.max_len, autocast=common.PRECISIONS[a.precision])
 
         def encode(m, dev):
             return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
@@ -5732,21 +5746,23 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir):
         towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
         model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
         extra = ["--distill", "T"] if method == "jtcse-distill" else []
-        args = [jtcse.p.parse_args(["--max-len", "16", *extra, *x]) for x in ([], ["--bf16"])]
+        args = [jtcse.p.parse_args(["--max-len", "16", *extra, "--precision", x])
+                for x in ("fp32", precision)]
 
         def step(m, dev, a):
+            dtype = common.PRECISIONS[a.precision]
             if method == "jtcse":
                 return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
-                                        max_len=a.max_len, bf16=a.bf16)[0]
+                                        max_len=a.max_len, autocast=dtype)[0]
             teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
             return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
-                                    tok, rows, 1, dev, max_len=a.max_len, bf16=a.bf16,
+                                    tok, rows, 1, dev, max_len=a.max_len, autocast=dtype,
                                     teacher=teacher)[0]
 
         def encode(m, dev):
             return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
                                      dev)(SENTS)
-    return [(model, cpu, args[0]), (copy.deepcopy(model).to(GPU), GPU, args[1])], step, encode
+    return [(model, cpu, args[0]), (copy.deepcopy(model).to(dev16), dev16, args[1])], step, encode
 
 
 @pytest.mark.cuda
@@ -5767,6 +5783,182 @@ def test_harness_cuda_bf16_train_step_is_the_fp32_step_within_bf16_rounding(
     sims = [F.normalize(e, dim=-1) @ F.normalize(e, dim=-1).T for e in (e32, e16)]
     n = len(SENTS)
     assert same_ranking(*sims, tol=0.02) >= n * n * (n - 1) // 2  # half the pairs, or more
+
+
+# --precision: each mode's step against fp32's, the same weights, dropout off. The loss within rel
+# 0.05, abs 0.02 in bf16 (8 significant bits, ~0.4 %, and the logits are cosines / τ = × 20), rel
+# 0.01 in fp16 (11 bits, ~0.05 %); the gradient as one vector within 10 % of its norm in bf16, 2 %
+# in fp16. Measured on the CPU (torch 2.13): loss 0.10-0.41 % (bf16), 0.01-0.08 % (fp16); gradient
+# 2.3-7.3 % (bf16: SSCL's the most), 0.24-0.46 % (fp16).
+PRECISION_TOL = {"bf16": (0.05, 0.02, 0.1), "fp16": (0.01, 0.0, 0.02)}  # loss rel, abs; gradient
+
+
+def precision_step_against_fp32(method, precision, dev, *dirs):
+    """One train_step of method in fp32 on the CPU and in precision on dev: -> the two losses, the
+    two gradients (as vectors, on the CPU)."""
+    [(m32, cpu, a32), (m16, dev16, a16)], step, _ = bf16_runs(method, *dirs, dev16=dev,
+                                                              precision=precision)
+    losses_, grads = [], []
+    for m, d, a in ((m32, cpu, a32), (m16, dev16, a16)):
+        losses_.append(step(m, d, a).item())
+        grads.append(torch.cat([q.grad.float().flatten().cpu() for q in m.parameters()
+                                if q.requires_grad and q.grad is not None]))
+    return losses_, grads
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "jtcse-distill", "bellm"])
+def test_harness_each_precision_s_step_is_the_fp32_step_within_its_rounding(
+        method, precision, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """--precision bf16 / fp16 on the CPU (autocast; PyTorch 2.13 autocasts fp16 on a CPU too):
+    one train_step of each script, its loss and gradients within the mode's rounding of the fp32
+    step's (PRECISION_TOL), and in the autocast dtype, not fp32 (else the test would compare fp32
+    with itself)."""
+    (l32, l16), (g32, g16) = precision_step_against_fp32(
+        method, precision, torch.device("cpu"), tmp_path, bert_wide_dir, bert_tokenizer_dir,
+        tok_dir)
+    rel, abs_, grad = PRECISION_TOL[precision]
+    assert math.isfinite(l16) and l16 == pytest.approx(l32, rel=rel, abs=abs_)
+    assert len(g16) == len(g32) > 0 and (g16 - g32).norm() <= grad * g32.norm()
+    assert l16 != l32 and not torch.equal(g16, g32)  # rounded: autocast ran
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "jtcse-distill", "bellm"])
+def test_harness_cuda_each_precision_s_step_is_the_fp32_step_within_its_rounding(
+        method, precision, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir):
+    """--precision bf16 / fp16 on CUDA (BeLLM: its base in that 16-bit type, as bellm.py loads
+    it) against the fp32 step on the CPU: loss and gradients within PRECISION_TOL."""
+    (l32, l16), (g32, g16) = precision_step_against_fp32(
+        method, precision, GPU, tmp_path, bert_wide_dir, bert_tokenizer_dir, tok_dir)
+    rel, abs_, grad = PRECISION_TOL[precision]
+    assert math.isfinite(l16) and l16 == pytest.approx(l32, rel=rel, abs=abs_)
+    assert len(g16) == len(g32) > 0 and (g16 - g32).norm() <= grad * g32.norm()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                                                       needs_cuda])])
+def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir):
+    """fp16, the scripts' update (GradScaler: unscale_, clip, step, update) with a scale that
+    overflows the fp16 backward: the step is skipped (every weight and AdamW's step count as they
+    were; the loss finite, so the run's non-finite-loss stop is not tripped), harness.Run's count
+    (AdamW's steps against the schedule's) says 1, and the next step, at the halved scale, trains.
+    """
+    from transformers import AutoTokenizer
+    dev, tok = torch.device(device), AutoTokenizer.from_pretrained(bert_dir)
+    model = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").to(dev).train()
+    optimizer = sscl.AdamW421(model.parameters(), lr=1e-3, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**40, backoff_factor=2.0**-30)
+    run = harness.Run.__new__(harness.Run)  # its check_loss() alone, on this update's parts
+    run.parts, run.scaler, run.skipped = (model, optimizer, scheduler, 1e-3, {}, {}), scaler, 0
+    run.nonfinite, said = torch.tensor([-1.0, 0.0], device=dev), []
+    run.log = said.append
+    for step in (1, 2):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss = sscl.train_step(model, tok, SENTS[:6], [2], dev, max_len=16,
+                               autocast=torch.float16, scale=scaler.scale)
+        run.watch(step, loss)
+        scaler.unscale_(optimizer)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.check_loss()  # the loss finite: no exit
+        same = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        assert math.isfinite(loss.item()) and same == (step == 1), step
+        assert (not math.isfinite(gnorm)) == (step == 1)  # the inf gradient, unscaled
+    assert scaler.get_scale() == 2.0**10 and len(said) == 1
+    assert "fp16: 1 of 1 steps skipped" in said[0]
+    assert all(int(s["step"]) == 1 for s in optimizer.state.values())
+
+
+@pytest.mark.slow
+def test_harness_fp16_run_skips_goes_on_and_resumes_with_the_scalers_state(
+        bert_nodrop_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """sscl.py --precision fp16 on the CPU, its GradScaler changing its scale at every step
+    (growth_interval 1) after a first step that overflows (init_scale 2^40): the run logs the
+    skipped step and goes on to its end (exit 0, finite losses); checkpoint.pt holds the scaler's
+    state; a run of 2 steps resumed to 4 ends on the uninterrupted run's weights and scaler state
+    (a resume with a fresh scaler would not: its scale would differ)."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(
+        real, init_scale=2.0**40, backoff_factor=2.0**-30, growth_interval=1))
+    args = lambda out, n: sscl_args(  # noqa: E731
+        bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval", "--warmup-steps", 2,
+        "--precision", "fp16", steps=n, eval_steps=2)
+    code, whole, err = main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole", 4))
+    assert code == 0, err[-2000:]
+    assert "fp16: 1 of 1 steps skipped (inf/NaN" in whole and ", fp16" in whole
+    assert len(losses(whole)) == 4 and all(math.isfinite(float(x)) for x in losses(whole))
+    state = weights(tmp_path / "whole", "opt")["scaler"]
+    assert state["scale"] == 2.0**10 * 2**3 and state["_growth_tracker"] == 0
+    out = tmp_path / "resumed"
+    assert main_of(sscl, capsys, monkeypatch, *args(out, 2))[0] == 0
+    code, resumed, err = main_of(sscl, capsys, monkeypatch, *args(out, 4), "--resume")
+    assert code == 0, err[-2000:]
+    assert losses(resumed) == losses(whole)[2:]
+    assert weights(out, "opt")["scaler"] == state
+    for key, a in weights(tmp_path / "whole", "model").items():
+        assert torch.equal(a, weights(out, "model")[key]), key
+
+
+def test_eval_sts_and_dev_evaluation_encode_in_the_precision_chosen(bert_dir, sts_dir, capsys,
+                                                                   monkeypatch):
+    """eval_sts.py --precision fp32 / bf16 / fp16 (--bf16: bf16) encodes under that autocast (none
+    in fp32), and the STS-B scores stay within the mode's rounding of fp32's; a training run's dev
+    encoder (make_encode with the run's precision) too, and one made without a precision (a run's
+    load_encoder) runs in its caller's, as harness.Run.final_table and eval_sts.py set it."""
+    seen, real = [], common.encode_in_batches
+
+    def spy(*args, **kwargs):  # the autocast state the batches are encoded in
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(common, "encode_in_batches", spy)
+    scores = {}
+    for flags, dtype in ((["--precision", "fp32"], None), (["--bf16"], torch.bfloat16),
+                         (["--precision", "fp16"], torch.float16)):
+        seen.clear()
+        code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                                 sts_dir, "--tasks", "STS-B", *flags)
+        assert code == 0, err[-2000:]
+        assert seen and set(seen) == {dtype}, (flags, seen)
+        scores[dtype] = float(re.search(r"STS-B\s+Avg\.\n\s*(\S+)", out).group(1))
+    assert scores[torch.bfloat16] == pytest.approx(scores[None], abs=1.0)
+    assert scores[torch.float16] == pytest.approx(scores[None], abs=0.2)
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").eval()
+    for precision, dtype in (("fp16", torch.float16), ("fp32", None)):
+        seen.clear()
+        sscl.make_encode(enc, tok, 16, torch.device("cpu"), precision=precision)(SENTS[:4])
+        with common.autocast(torch.device("cpu"), "bf16"):  # the caller's, kept
+            sscl.make_encode(enc, tok, 16, torch.device("cpu"))(SENTS[:4])
+        assert seen == [dtype, torch.bfloat16], (precision, seen)
+
+
+def test_bad_input_precision_lines(capsys, monkeypatch):
+    """--precision: --bf16 is its alias; bf16 on a GPU without bf16 (a V100, a T4): one line, exit
+    2; the default there: fp16, one line saying so; a CPU: fp32; a name not in the list: argparse's
+    one line, exit 2."""
+    assert sscl.p.parse_args(["--bf16"]).precision == "bf16"
+    assert common.pick_precision(torch.device("cpu")) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    gpu = torch.device("cuda")
+    capsys.readouterr()
+    assert common.pick_precision(gpu, None, say=True) == "fp16"
+    assert capsys.readouterr().err.count("\n") == 1
+    assert common.pick_precision(gpu, "fp32", say=True) == "fp32"
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        common.pick_precision(gpu, "bf16")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--precision fp16" in err
+    for module in (sscl, jtcse, bellm, eval_sts):
+        code, _, err = main_of(module, capsys, monkeypatch, "--precision", "fp8")
+        assert code == 2 and "invalid choice: 'fp8'" in err and "Traceback" not in err
 
 
 @pytest.mark.cuda

@@ -43,7 +43,7 @@ ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}
 for rep in range(6):
     for K in (0, 1):
         t = time.perf_counter()
-        with common.autocast(dev, bf16):
+        with common.autocast(dev, "bf16" if bf16 else common.pick_precision(dev)):
             h = bellm.BeLLM(dec, K, "parallel", "convert")(b["input_ids"],
                                                            b["attention_mask"]).float()
         bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()

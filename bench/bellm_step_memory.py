@@ -49,7 +49,7 @@ params = [q for q in model.parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-9)
 with open("/proc/self/status") as f:
     base = int(f.read().split("VmRSS:")[1].split()[0]) / 2**20  # GiB resident after loading
-with common.autocast(dev, bf16):
+with common.autocast(dev, "bf16" if bf16 else common.pick_precision(dev)):
     h = net(b["input_ids"], b["attention_mask"]).float()
 bellm.bellm_loss(h[0::3], h[1::3], h[2::3], 0.05).backward()
 opt.step()

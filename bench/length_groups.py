@@ -137,7 +137,7 @@ for rep in range(a.reps + 1):
         if at:
             models[f].base_model.model.set_attn_implementation(at)
         t = time.perf_counter()
-        with common.autocast(dev, a.bf16):
+        with common.autocast(dev, "bf16" if a.bf16 else common.pick_precision(dev)):
             out = forwards[f](batch) if c is None else common.by_length(
                 forwards[f], batch, c, lookups=lookups[f] * (w == "once"))
         loss_of(out).backward()

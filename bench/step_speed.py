@@ -76,22 +76,23 @@ def build(name, bf16, dev, steps, earlier=False):
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
                 common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
-                max_len=32, bf16=bf16)
+                max_len=32, autocast=torch.bfloat16 if bf16 else None)
         else:
             run = lambda i, m: jtcse.train_step(  # noqa: E731
                 common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], i % 2,
-                cpu, max_len=32, bf16=bf16)
+                cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
         rows = 64
     else:
         rows_ = env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
                                 lambda f: bellm.read_csv(f)[1])
         smollm = env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
-        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16).to(dev)  # as bellm.py: frozen bf16 Linears
+        bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16 and torch.bfloat16).to(dev)  # as bellm.py
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
         run = lambda i, m: bellm.train_step(  # noqa: E731
             common.in_length_groups(functools.partial(bellm.embed, m)), tok,
-            rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32, bf16=bf16)
+            rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32,
+            autocast=torch.bfloat16 if bf16 else None)
         rows = 16
     params = [q for q in model.parameters() if q.requires_grad]
     if earlier:  # the scripts' update before the authors': no norm, torch's weight decay 0.01
