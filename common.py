@@ -1,10 +1,8 @@
 """What the scripts (sscl.py, jtcse.py, bellm.py) and the tools (eval_sts.py, the analyses, bench/)
-share, and no equation of a paper: finding the data and reading training text; argument types;
-loading a model folder strictly (every file checked, one line naming a broken one); tokenisation by
-length groups, batched encoding, FLOP counts; the sentence-transformers files of a saved model; the
-STS data and evaluation (STS12-16 in SentEval's "all" setting, STS-B test, SICK-R test; Spearman x
-100) of any encode(list[str]) -> (N, H): each method passes its own, the one its training used. It
-imports no module of the project; the run folder and the training process are harness.py's.
+share, and no equation of a paper: the data, argument types, strict loading of model folders (one
+line naming a broken file), length groups, batched encoding, FLOP counts, sentence-transformers
+files, and the STS evaluation (SentEval's "all" setting; Spearman x 100) of any encode(list[str]) ->
+(N, H). It imports no module of the project; the run folder and training process are harness.py's.
 """
 import argparse
 import codecs
@@ -531,7 +529,7 @@ ST_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "st_module.
 
 def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
     """Beside a plain HF model folder, the files of a sentence-transformers folder (Transformer ->
-    Pooling, cls or avg [-> Dense: a torch.nn.Linear, sscl.py --proj-dim]): SentenceTransformer(
+    Pooling, cls or avg [-> Dense of dense outputs, sscl.py --proj-dim]): SentenceTransformer(
     folder) encodes as our scripts evaluate (no normalisation: cosine needs none). pooler a class
     of st_module.py (JTCSETwin, BeLLM): one module of ours, st_module.py copied in, which reads
     sentemb.json (SentenceTransformer(folder, trust_remote_code=True))."""
@@ -550,15 +548,10 @@ def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
                                        "pooling_mode_mean_tokens": pooler == "avg",
                                        "pooling_mode_max_tokens": False,
                                        "pooling_mode_mean_sqrt_len_tokens": False}}
-    if dense is not None:
-        from safetensors.torch import save_file
-        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": dense.out_features,
+    if dense is not None:  # its weights: 2_Dense/model.safetensors (sscl.save_model)
+        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": dense,
                                         "bias": True, "activation_function":
                                         "torch.nn.modules.linear.Identity"}
-        os.makedirs(os.path.join(folder, "2_Dense"))
-        save_file({f"linear.{k}": v.detach().contiguous().cpu()
-                   for k, v in dense.state_dict().items()},
-                  os.path.join(folder, "2_Dense", "model.safetensors"))
     for name, content in files.items():
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "w") as f:
@@ -574,8 +567,7 @@ def length_groups(lengths, cost=GROUP_COST):
     cost), padded token slots plus a fixed cost a forward pass (dynamic programming, O(n²)).
     lengths: real tokens a row -> groups of row indices, shortest first."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    # best[j]: cheapest split of order[:j]
-    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: order[:j]'s cost
     for j in range(1, len(order) + 1):
         for i in range(j):  # last group = order[i:j], padded to its longest, lengths[order[j-1]]
             c = best[i] + (j - i) * lengths[order[j - 1]] + cost
@@ -750,8 +742,7 @@ def compiled_encode(encode, on=True, backend="inductor"):
 
 
 def encode_once(encode, sentences, device="cpu"):
-    """Every distinct sentence encoded once, in one call -> embed(list[str]) -> (n, H) float32 on
-    device, looked up."""
+    """Each distinct sentence encoded once, in one call -> embed(list[str]) -> (n, H) on device."""
     distinct = sorted(set(sentences))
     cache = dict(zip(distinct, encode(distinct).float().to(device)))
     return lambda sents: torch.stack([cache[s] for s in sents])
@@ -763,8 +754,7 @@ def _lines(path):
         die(f"missing {path}: the STS data folder is incomplete; unpack senteval.tar again or fix "
             "--data-dir")
     lines = read_text(path).split("\n")
-    # as iterating over the file: no line after the last \n
-    return lines[:-1] if lines[-1] == "" else lines
+    return lines[:-1] if lines[-1] == "" else lines  # as a file iterates: none after the last \n
 
 
 def _row(path, i, s1, s2, gold):

@@ -314,10 +314,15 @@ def save_model(encoder, tokenizer, max_len, folder):
     mean; then the projection)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if encoder.proj is not None:
-        torch.save(encoder.proj.state_dict(), os.path.join(folder, "proj.pt"))
+    proj = encoder.proj
+    if proj is not None:  # ours, and sentence-transformers' Dense
+        from safetensors.torch import save_file
+        torch.save(proj.state_dict(), os.path.join(folder, "proj.pt"))
+        os.makedirs(os.path.join(folder, "2_Dense"))
+        save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in
+                   proj.state_dict().items()}, os.path.join(folder, "2_Dense", "model.safetensors"))
     common.write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler,
-                          encoder.proj)
+                          proj and proj.out_features)
 
 
 META_TYPES = {  # sentemb.json: the keys (those of older runs may lack are optional) and their types
