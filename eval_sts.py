@@ -97,14 +97,16 @@ def model_folder(name):
         return folder
 
 
-def read_curve(name):
+def read_curve(name, file=harness.CURVE):
     """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
     format in the three scripts; a view of the run's checkpoint, settled first); [] without one. A
-    folder without a checkpoint (one of the earlier layout) is read as it is."""
+    folder without a checkpoint (one of the earlier layout) is read as it is. file
+    harness.METRICS: its curves (metrics.jsonl: {"step", NAME: number, ...} per step line or dev
+    score; docs/operations.md), read alike."""
     script, run_dir, _ = run_folder(name) or (None, None, None)
     with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
             contextlib.nullcontext():
-        path = os.path.join(run_dir or name, harness.CURVE)
+        path = os.path.join(run_dir or name, file)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
     curve, good = [], {  # an entry as harness.py writes it: each key, what it holds
         "step": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
@@ -117,9 +119,11 @@ def read_curve(name):
             common.die(f"{path}, line {i}, is damaged ({common.first_line(e)}): delete the file, "
                        "or copy the run again")
         entry = entry if isinstance(entry, dict) else {}  # a line of another shape: keys missing
-        if bad := next((k for k, (_, ok) in good.items() if not ok(entry.get(k))), None):
+        keys = good if file == harness.CURVE else {  # metrics.jsonl: each value a number
+            "step": good["step"], **{k: good["score"] for k in entry if k != "step"}}
+        if bad := next((k for k, (_, ok) in keys.items() if not ok(entry.get(k))), None):
             said = json.dumps(entry[bad]) if bad in entry else "missing"
-            common.die(f"{path}, line {i}: {bad} is {said}, not {good[bad][0]} as a run writes it: "
+            common.die(f"{path}, line {i}: {bad} is {said}, not {keys[bad][0]} as a run writes it: "
                        "delete the file, or copy the run again")
         curve.append(entry)
     return curve

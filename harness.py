@@ -8,6 +8,7 @@ reader of a paper may skip this file: each main()'s step is plain torch, and it 
   run.resume(model, opt, ...)   what every save holds; --resume: each loaded as saved
   run.watch(step, loss)         a loss not finite, noted on the device (no wait inside a step)
   run.check_loss()              ... read where the run reads anyway: one line, the last save good
+  run.log(step, meter, **nums)  a step line: printed, kept (metrics.jsonl), sent to --report-to
   run.stop_requested(read)      a signal (SIGINT, SIGTERM) on any rank: stop here, saved
   run.save(step, metric, ...)   checkpoint.pt, the one commit point; a new best model into best/
   run.finish(step)              peak memory; a stopped run exits 128 + the signal's number
@@ -22,6 +23,7 @@ import atexit
 import contextlib
 import errno
 import functools
+import importlib
 import json
 import math
 import os
@@ -42,13 +44,16 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None
 
-CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", ".best.old", \
-    "dev.jsonl", ".lock"
-OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
+CKPT, BEST, NEW, OLD, CURVE, METRICS, LOCK = "checkpoint.pt", common.BEST, ".best.new", \
+    ".best.old", "dev.jsonl", "metrics.jsonl", ".lock"
+OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp", METRICS + ".tmp"}  # a save under way's
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "trackio": "trackio"}
+SHOWN = {"gnorm": ".3g", "lr": ".2e"}  # a step line's numbers: these, integers as they are, .4f
 RECOPY = "copy the whole run folder again, or train again"
 MOVABLE = {"base_model", "teacher"}  # sentemb.json: where a model it reads lives (checked apart)
-RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None}  # a new run's record:
-# the best dev score, its save's id and sentemb.json, the dev curve (save_step carries it on)
+RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log": [], "id": None}
+# a new run's record (save_step carries it on): the best dev score, its save's id and sentemb.json,
+# the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -111,12 +116,18 @@ class Run:
         self.dir, self.method, self.check_run, self.device = a.output_dir, method, check_run, device
         self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for k, v in vars(a).items()}  # the command's flags, its paths absolute
-        self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        self.say = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        try:  # --report-to's packages (rank 0), before anything is written
+            self.packages = {n: importlib.import_module(TRACKERS[n]) for n in a.report_to
+                             if n != "none" and self.rank == 0}
+        except Exception as e:  # ImportError; a package of another version: any
+            common.die(f"--report-to: {common.first_line(e)}; pip install it, or leave it out")
         self.lock = self.open(a.resume, inputs) if self.rank == 0 else None  # held till exit
         if self.world > 1:
             dist.barrier()
         self.state = self.read_resume(resumable) if a.resume else None
-        self.record = {k: self.state[k] for k in RECORD} if self.state else RECORD
+        self.record = {**RECORD, **({k: self.state[k] for k in RECORD} if self.state else {})}
+        self.record["id"], self.trackers = self.record["id"] or os.urandom(4).hex(), []
 
     def open(self, resume, inputs):
         """Rank 0: not an input model, new or ours (--resume: a run), locked and settled. -> lock"""
@@ -125,14 +136,13 @@ class Run:
             if os.path.isdir(name) and os.path.isdir(out) and os.path.samefile(name, out):
                 common.die(f"--output-dir '{out}' is the input model '{name}': training would "
                            "overwrite its weights; pass another --output-dir")
-        found = sorted(set(os.listdir(out)) - OURS) if os.path.isdir(out) else []
+        found = sorted(set(os.listdir(out)) - OURS - set(TRACKERS)) if os.path.isdir(out) else []
         if not resume and found:  # before .lock is made: a folder of the user's stays as it is
-            method = (run_of(out) or [None])[0]
-            common.die(f"'{out}' holds {', '.join(found[:3])}, which {self.method}.py did not "
-                       "write: pass a new or empty --output-dir" if not method else
-                       f"'{out}' already holds a run of {method}.py: pass "
-                       f"{'--resume to continue it, or ' * (method == self.method)}another "
-                       "--output-dir")
+            method, again = (run_of(out) or [None])[0], "--resume to continue it, or "
+            common.die(f"'{out}' already holds a run of {method}.py: pass "
+                       f"{again * (method == self.method)}another --output-dir" if method else
+                       f"'{out}' holds {', '.join(found[:3])}, which {self.method}.py did not "
+                       "write: pass a new or empty --output-dir")
         self.made, up = [path] * (not os.path.lexists(path)), os.path.abspath(out)  # for undo():
         while not os.path.lexists(up):  # the folders this run makes, outermost first, and .lock
             self.made, up = [up, *self.made], os.path.dirname(up)
@@ -147,8 +157,7 @@ class Run:
                        f"{open(path).read().strip() or '?'}): wait for it to end, or pass another "
                        "--output-dir")
         lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
+        print(os.getpid(), file=lock, flush=True)
         if settle(out, self.method, self.check_run) is None and resume:
             common.die(f"--resume: no {os.path.join(out, CKPT)}; drop --resume to start a new run")
         return lock
@@ -177,8 +186,7 @@ class Run:
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
-                       f"{state['world']} (1: without torchrun), so that its steps keep their "
-                       "global batch")
+                       f"{state['world']} (1: without torchrun), for its steps' global batch")
         if changed := [k for k in old if k not in resumable and old[k] != now.get(k)
                        and (k in now or old[k])]:  # a flag now gone: ignored where it was off
             said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
@@ -189,7 +197,7 @@ class Run:
     def complete(self, steps):
         """Whether a resumed run has no step left to train (then it says what to do)."""
         if done := self.state is not None and self.state["step"] >= steps:
-            self.log(f"the run is complete (step {self.state['step']} of {steps}): nothing to "
+            self.say(f"the run is complete (step {self.state['step']} of {steps}): nothing to "
                      f"train in '{self.dir}'; evaluate it with eval_sts.py --model {self.dir}, or "
                      "pass a larger --max-steps or --epochs with --resume to train on")
         return done
@@ -202,6 +210,8 @@ class Run:
         self.parts = model, optimizer, scheduler, lr, meta, generators
         self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): step, loss
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.trackers = [self.track(n, m) for n, m in self.packages.items()]  # (rank 0)
+        self.reported = len(self.record["log"])  # sent by the runs before (each save's)
         if (state := self.state) is None:
             return 0
         if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
@@ -233,7 +243,7 @@ class Run:
             g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler.base_lrs = [lr] * len(optimizer.param_groups)
         if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            self.log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
+            self.say(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
                      f"{state['step']} on")
         self.state = {k: v for k, v in state.items() if k not in ("model", "opt")}  # (in use)
         return state["step"] + 1
@@ -243,6 +253,27 @@ class Run:
         first = torch.stack([torch.full_like(loss, step), loss]).detach().float()  # (2,)
         bad = ~torch.isfinite(loss) & (self.nonfinite[0] < 0)
         self.nonfinite = torch.where(bad, first, self.nonfinite)
+
+    def log(self, step, meter, **values):
+        """A step line: values (numbers, 0-d tensors: loss, terms, gnorm, rate), the meter's speeds
+        (every rank's), printed and kept for the next save to commit (metrics.jsonl) and report."""
+        v = {k: x.item() if torch.is_tensor(x) else x for k, x in values.items()}
+        self.say(f"step {step:>5}" + "".join(f"  {k} {x:{SHOWN.get(k, '.4f') * (type(x) is float)}}"
+                                         for k, x in v.items()) + f"  {meter.line()}")
+        self.record["log"] = [*self.record["log"], {"step": step, **v, **meter.values}]  # (a copy)
+
+    def track(self, name, module):
+        """--report-to NAME's run (rank 0) -> log(values, step); each ends with the process.
+        TensorBoard: events in RUN/tensorboard. W&B (RUN/wandb; offline unless logged in: never a
+        prompt) and trackio: the run's own, resumed by its id (the record's), named after it."""
+        if name == "tensorboard":
+            w = module.SummaryWriter(os.path.join(self.dir, name))
+            return lambda v, s: [w.add_scalar(k, x, s) for k, x in v.items()] + [w.flush()]
+        wandb = dict(id=self.record["id"], dir=self.dir, mode=os.environ.get("WANDB_MODE") or (
+            None if module.login(prompt=False, verify=False) else "offline"))
+        return module.init(project=self.method, config=self.flags, resume="allow", name=(
+            f"{os.path.basename(os.path.abspath(self.dir))}-{self.record['id']}"),
+            **wandb if name == "wandb" else {}).log
 
     def check_loss(self):
         """A loss was not finite since the last check (before any save: the last is good): one
@@ -256,13 +287,11 @@ class Run:
     def stop_requested(self, agree=True):
         """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
         signal to one rank stops all of them there)."""
-        if self.world > 1 and not agree:
-            return False
-        if self.world > 1:
+        if self.world > 1 and agree:
             t = torch.tensor(STOP["signum"], device=self.device)
             collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
             STOP["signum"] = int(t)
-        return bool(STOP["signum"])
+        return bool(STOP["signum"]) and (agree or self.world == 1)
 
     def save(self, step, metric, dev, write):
         """Rank 0 saves the state (dev: the score, None at a stop), a new best by write(folder)."""
@@ -278,22 +307,26 @@ class Run:
                      "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state(),
                              *([torch.cuda.get_rng_state(self.device)] if cuda else [])),
                      **{k: g.get_state() for k, g in generators.items()}}
-            self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
-                                    metric, dev, state, write, self.log, self.undo)
+            log = self.record["log"] + [{"step": step, metric: dev}] * (dev is not None)
+            self.record = save_step(self.dir, self.method, self.check_run, {
+                **self.record, "log": log}, step, metric, dev, state, write, self.say, self.undo)
+            for e in log[self.reported:]:  # what this save committed
+                for send in self.trackers:
+                    send({k: v for k, v in e.items() if k != "step"}, e["step"])
+            self.reported = len(log)
         if self.world > 1:
             torch.distributed.barrier()
 
     @contextlib.contextmanager
     def finish(self, step):
         """Training ended: peak memory; stopped by a signal: exit 128 + its number. Inside: now."""
-        if self.device.type == "cuda":
-            gib, how = torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated"
-        else:
-            gib, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss"
-        self.log(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
+        gib, how = (torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated") \
+            if self.device.type == "cuda" else (resource.getrusage(  # (Linux: KiB)
+                resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss")
+        self.say(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
         try:
             if signum := STOP["signum"]:
-                self.log(f"stopped at step {step} ({signal.Signals(signum).name}): the training "
+                self.say(f"stopped at step {step} ({signal.Signals(signum).name}): the training "
                          f"state is in {os.path.join(self.dir, CKPT)}; run the same command with "
                          "--resume to continue")
                 sys.exit(128 + signum)
@@ -369,7 +402,7 @@ def settle(run_dir, method, check_run, state=None):
     """What a kill left, by the save ids (lock held): the save checkpoint.pt names, checked, into
     best/; another .best.new goes, as do .best.old and .tmp files; dev.jsonl rewritten. -> state"""
     at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
-    for name in OURS - {LOCK} | {CKPT, CURVE, BEST}:  # our names, of the kind we write
+    for name in OURS - {LOCK} | {CKPT, CURVE, METRICS, BEST}:  # our names, of the kind we write
         if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (folder := name in (
                 NEW, OLD, BEST)):
             common.die(f"'{at(name)}' is not the {'folder' if folder else 'file'} "
@@ -392,12 +425,13 @@ def settle(run_dir, method, check_run, state=None):
         for name in (NEW, OLD):  # a save never committed; the best model replaced
             if os.path.isdir(at(name)):
                 shutil.rmtree(at(name))
-        for name in (CKPT + ".tmp", CURVE + ".tmp"):
+        for name in OURS - {LOCK, NEW, OLD}:  # the .tmp files
             with contextlib.suppress(FileNotFoundError):
                 os.remove(at(name))
-        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
-        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
-            common.write_whole(at(CURVE), lambda f: f.write(view), pause)
+        for name, view in ((CURVE, state["curve"]), (METRICS, state["log"])) if state else ():
+            view = "".join(json.dumps(e) + "\n" for e in view).encode()
+            if not os.path.isfile(at(name)) or open(at(name), "rb").read() != view:
+                common.write_whole(at(name), lambda f: f.write(view), pause)  # noqa: B023
     except OSError as e:
         fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
         common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): "
@@ -475,6 +509,8 @@ def read_checkpoint(run_dir, method, device="cpu"):
         common.die(f"{path} predates best/ (an earlier {method}.py's run): eval_sts.py reads it, "
                    f"the {method}.py that wrote it resumes it")
     number = lambda v: isinstance(v, (int, float))  # noqa: E731
+    rows = lambda v, *keys: isinstance(v, list) and all(isinstance(e, dict) and type(e.get(  # noqa
+        "step")) is int and all(number(e.get(k)) for k in keys) for e in v)  # curve, log
     ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
           "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
           "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
@@ -485,9 +521,8 @@ def read_checkpoint(run_dir, method, device="cpu"):
           "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
           "best": number, "save": lambda v: v is None or isinstance(v, str),
           "described": lambda v: v is None or isinstance(v, dict),
-          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
-              e.get("score")) and type(e.get("step")) is int for e in v)}
-    state.setdefault("described", None)  # an earlier version's records no sentemb.json
+          "curve": lambda v: rows(v, "score"), "log": rows, "id": lambda v: v in (None, str(v))}
+    state = {"described": None, "log": [], "id": None, **state}  # an earlier version's lacks them
     if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
         common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
     return state
@@ -577,13 +612,10 @@ def sync_tree(folder):
 def flock(f, *how):
     """An advisory lock on an open file or folder, dropped when it is closed or the process ends;
     how: "EX" or "SH", and "NB" not to wait. -> False when NB and another process holds it."""
-    if fcntl is None:  # Windows
-        return True
-    try:
-        fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
+    try:  # (Windows: no advisory locks)
+        return not fcntl or fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how)) or True
     except BlockingIOError:
         return False
-    return True
 
 
 @contextlib.contextmanager
@@ -625,21 +657,23 @@ class Meter:
         self.spans.append((start, self.now()))
 
     def line(self):
-        cuda = self.device.type == "cuda"
+        """The speeds since the last line, as the step line prints them; .values: as numbers."""
+        cuda, unit = self.device.type == "cuda", f"{self.unit}/s"
         if cuda:  # the steps' kernels done: their events read
             torch.cuda.synchronize(self.device)
         dt = sum(a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in self.spans)
-        text = f"{self.unit}/s {self.per_step * len(self.spans) / dt:.2f}"
+        v = {unit: self.per_step * len(self.spans) / dt}
         if self.tokens:
-            text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
+            v["tok/s"] = summed(self.tokens, self.device) / dt
         flops = summed(self.flops, self.device) / dt
-        text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
+        v["TFLOP/s" if cuda else "GFLOP/s"] = flops / (1e12 if cuda else 1e9)
         name = torch.cuda.get_device_name(self.device) if cuda else ""
-        if peak := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):
+        if peak := next(((k, p) for k, p in common.GPU_PEAKS.items() if k in name), None):
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            text += f"  MFU {100 * flops / (world * peak[1]):.1f}% of {peak[0]} bf16"
-        self.spans, self.flops, self.tokens = [], 0, 0
-        return text
+            v["MFU"] = 100 * flops / (world * peak[1])
+        self.spans, self.flops, self.tokens, self.values = [], 0, 0, v
+        return "  ".join(f"{k} {x:.{2 if k == unit else 0 if k == 'tok/s' else 1}f}"
+                         for k, x in v.items()) + (f"% of {peak[0]} bf16" if peak else "")
 
 
 def summed(x, device):

@@ -69,6 +69,8 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (al
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *harness.TRACKERS],
+               help="also send the step lines and dev scores there (docs/operations.md)")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="the 7 STS tasks of the best checkpoint at the end")
 # --- JTCSE ---
@@ -90,7 +92,8 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
 common.show_ranges(p)
 METHOD = "jtcse"  # the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping"}  # --resume
+             "data_dir", "output_dir", "bf16", "compile", "quiet", "length_grouping",
+             "report_to"}  # --resume may change
 
 
 # ---------------------------------------------------------------- the model patch: CAEL -----------
@@ -356,9 +359,7 @@ def main():
         if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
             run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
-                parts = "".join(f"  {n} {v:.4f}" for n, v in terms.items())
-                log(f"step {step:>5}  loss {loss.item():.4f}{parts}" + ("" if a.distill else
-                    f"  R {R}") + f"  {meter.line()}")
+                run.log(step, meter, loss=loss, **terms, **({} if a.distill else {"R": R}))
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
         if evaluate and rank == 0:  # the dev score, without dropout
             raw_model.eval()
