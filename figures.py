@@ -148,8 +148,8 @@ def curves(runs):
                 pn["series"][label] = list(zip(*points))
         names |= {k for _, k, _ in dev}
         best = max(dev, key=lambda d: d[2], default=None)
-        print(f"{label}: {sum('loss' in e for e in rows)} step lines to step {rows[-1]['step']}"
-              + (f", best {best[1]} {best[2]:.2f} at step {best[0]}" if best else ""))
+        print(f"{label}: {sum('loss' in e for e in rows)} step line(s), to step {rows[-1]['step']}"
+              + (f"; best {best[1]} {best[2]:.2f} at step {best[0]}" if best else ""))
     panels[2]["ylabel"] = ", ".join(sorted(names)) or "score"
     return [pn for pn in panels if pn["series"]]
 
