@@ -1,15 +1,9 @@
-"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given, and the
-training curves of runs:
-
-  python figures.py --curves runs/sscl [runs/sscl2 ...] --plot curves.png
-
-(each run's training loss, gradient norm and dev score against the step, from RUN/metrics.jsonl).
-matplotlib (headless, Agg) is imported here and only when a figure is drawn, so the scripts run
-without it. A figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)},
-optional marks [(x, y, text)]), "boxes" (groups {label: values}), "heat" (a matrix with its
-row/column labels; colorbar=False: none) or "scatter" (points {label: (x, y)}, each point named in
-the legend); every panel has a title and axis labels."""
-import argparse
+"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given, and runs'
+training curves (eval_sts.py --curves). matplotlib (headless, Agg) is imported here and only when a
+figure is drawn, so the scripts run without it. A figure is a list of panels, each a dict: kind
+"lines" (series {label: (xs, ys)}, optional marks [(x, y, text)]), "boxes" (groups {label:
+values}), "heat" (a matrix with its row/column labels; colorbar=False: none) or "scatter" (points
+{label: (x, y)}, each point named in the legend); every panel has a title and axis labels."""
 import errno
 import io
 import os
@@ -128,18 +122,13 @@ def draw(path, panels, title, ncols=2, size=(5.4, 4.2)):
 
 
 def curves(runs):
-    """Panels of the runs' curves against the step, one line a run: the training loss and the
-    gradient norm (before clipping) of the step lines, and the dev score; each run in one line."""
-    import eval_sts  # (a tool that imports this module, and the scripts whose runs it reads)
+    """The panels of runs' curves against the step ({label: its metrics.jsonl's rows}), a line a
+    run: the step lines' training loss and gradient norm (before clipping), and the dev score."""
     panels = [{"kind": "lines", "title": t, "xlabel": "step", "ylabel": y, "series": {}}
               for t, y in (("training loss", "loss"), ("gradient norm before clipping", "gnorm"),
                            ("dev score", "score"))]
     names = set()  # the dev scores' names
-    for run, label in labels(runs).items():
-        if not os.path.isdir(run) or not (rows := eval_sts.read_curve(run, harness.METRICS)):
-            common.die(f"'{run}' holds no curves (RUN/{harness.METRICS}, which the scripts write "
-                       "since they keep their step lines): pass a run folder of sscl.py, "
-                       "jtcse.py or bellm.py")
+    for label, rows in runs.items():
         dev = [(e["step"], k, v) for e in rows if "loss" not in e for k, v in e.items()
                if k != "step"]
         for pn, key in zip(panels, ("loss", "gnorm", None)):
@@ -147,23 +136,10 @@ def curves(runs):
                     [(s, v) for s, _, v in dev]:
                 pn["series"][label] = list(zip(*points))
         names |= {k for _, k, _ in dev}
-        best = max(dev, key=lambda d: d[2], default=None)
-        print(f"{label}: {sum('loss' in e for e in rows)} step line(s), to step {rows[-1]['step']}"
-              + (f"; best {best[1]} {best[2]:.2f} at step {best[0]}" if best else ""))
     panels[2]["ylabel"] = ", ".join(sorted(names)) or "score"
     return [pn for pn in panels if pn["series"]]
 
 
-def main():
-    p = argparse.ArgumentParser(description="The training curves of runs of sscl.py, jtcse.py "
-                                "and bellm.py as a PNG (the papers' figures: the analyses' and "
-                                "eval_sts.py's --plot; docs: the experiment map in README.md)")
-    p.add_argument("--curves", nargs="+", required=True, metavar="RUN", help="run folders")
-    p.add_argument("--plot", required=True, metavar="FILE.png", help="the figure to write")
-    a = p.parse_args()
-    check(a.plot)
-    draw(a.plot, curves(a.curves), "training curves (RUN/metrics.jsonl)", ncols=3)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone
+    common.die("figures.py is a module: the figures are drawn by the analyses and eval_sts.py with "
+               "--plot FILE.png (docs: the experiment map in README.md)")

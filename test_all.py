@@ -624,7 +624,7 @@ def test_eval_sts_on_plain_model_json(bert_dir, sts_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module,words", [("transfer.py", "--tasks transfer"),
-                                          ("eval_more.py", "--mteb")])
+                                          ("eval_more.py", "--mteb"), ("figures.py", "--plot")])
 def test_tools_a_module_run_alone_names_the_command_to_use(module, words):
     assert_bad_input(run(module, "--help"), f"{module} is a module", words)
 
@@ -1711,11 +1711,12 @@ def test_figures_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
 
 @pytest.mark.slow
 def test_figures_curves_of_runs_are_drawn_from_their_metrics_jsonl(run_templates, tmp_path):
-    """figures.py --curves RUN ... --plot FILE.png: the runs' training loss, gradient norm and dev
-    score against the step (three panels, a line a run, from RUN/metrics.jsonl), each run summed
-    up in one line; a folder without curves: one line, no figure."""
+    """eval_sts.py --model RUN ... --curves --plot FILE.png: the runs' training loss, gradient norm
+    and dev score against the step (figures.curves: three panels, a line a run, from
+    RUN/metrics.jsonl), each run summed up in one line; a folder without curves: one line, no
+    figure."""
     png = tmp_path / "curves.png"
-    proc = run("figures.py", "--curves", *run_templates.values(), "--plot", png)
+    proc = run("eval_sts.py", "--model", *run_templates.values(), "--curves", "--plot", png)
     assert proc.returncode == 0, proc.stderr
     assert png_size(png) == (2430, 630) and 5_000 < png.stat().st_size < 200_000
     for method, folder in run_templates.items():
@@ -1726,11 +1727,10 @@ def test_figures_curves_of_runs_are_drawn_from_their_metrics_jsonl(run_templates
         assert f"{method}: {lines} step line(s), to step {rows[-1]['step']}; best {dev[1]} " \
             f"{dev[0]:.2f} at step {dev[2]}" in proc.stdout, proc.stdout
     (tmp_path / "plain").mkdir()
-    assert_bad_input(run("figures.py", "--curves", tmp_path / "plain", "--plot",
+    assert_bad_input(run("eval_sts.py", "--model", tmp_path / "plain", "--curves", "--plot",
                          tmp_path / "no.png"), "holds no curves", "metrics.jsonl")
     assert not (tmp_path / "no.png").exists()
-    help = run("figures.py", "--help")
-    assert help.returncode == 0 and "--curves" in help.stdout, help.stderr
+    assert_bad_input(run("eval_sts.py", "--model", run_templates["sscl"], "--curves"), "--plot")
 
 
 @pytest.mark.slow
