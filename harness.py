@@ -255,12 +255,12 @@ class Run:
         self.record["log"] = [*self.record["log"], {"step": step, **v, **meter.values}]  # (a copy)
 
     def track(self, name, module):
-        """--report-to NAME's run (rank 0; docs/operations.md) -> log(values, step)"""
+        """--report-to NAME's run (rank 0; never prompting; docs/operations.md) -> log(values, s)"""
         if name == "tensorboard":  # events in RUN/tensorboard
             w = module.SummaryWriter(os.path.join(self.dir, name))
             return lambda v, s: [w.add_scalar(k, x, s) for k, x in v.items()] + [w.flush()]
-        wandb = dict(id=self.record["id"], dir=self.dir, mode=None if module.login(  # no prompt:
-            prompt=False, verify=False) else "offline") if name == "wandb" else {}  # (RUN/wandb)
+        wandb = dict(id=self.record["id"], dir=self.dir, mode=None if module.login(  # offline
+            prompt=False, verify=False) else "offline") if name == "wandb" else {}  # not logged in
         return module.init(project=self.method, config=self.flags, resume="allow", name=(  # its own
             f"{os.path.basename(os.path.abspath(self.dir))}-{self.record['id']}"), **wandb).log
 
