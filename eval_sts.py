@@ -15,6 +15,8 @@ the alignment and uniformity of Wang & Isola (2020) on STS-B.
   python eval_sts.py --model runs/sscl --tasks all --align-uniform --json out.json
   # several models in turn; alignment against uniformity in one figure (JTCSE Fig. 7)
   python eval_sts.py --model runs/sscl runs/jtcse --tasks STS-B --align-uniform --plot fig7.png
+  # runs' training curves (loss, gradient norm, dev score against the step), nothing evaluated
+  python eval_sts.py --model runs/sscl runs/sscl_2 --curves --plot curves.png
   # an ensemble: the sum of the embeddings (JTCSE's +UC: a twin plus another encoder)
   python eval_sts.py --model runs/jtcse princeton-nlp/unsup-simcse-bert-base-uncased --ensemble
   # MTEB tasks, zero-shot (JTCSE Tables II-VI; pip install -r requirements-mteb.txt; the data
@@ -98,14 +100,16 @@ def model_folder(name):
         return folder
 
 
-def read_curve(name):
+def read_curve(name, file=harness.CURVE):
     """A run folder's dev curve (dev.jsonl: {"step", "metric", "score"} per dev evaluation, one
     format in the three scripts; a view of the run's checkpoint, settled first); [] without one. A
-    folder without a checkpoint (one of the earlier layout) is read as it is."""
+    folder without a checkpoint (one of the earlier layout) is read as it is. file
+    harness.METRICS: its curves (metrics.jsonl: {"step", NAME: number, ...} per step line or dev
+    score; docs/operations.md), read alike."""
     script, run_dir, _ = run_folder(name) or (None, None, None)
     with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
             contextlib.nullcontext():
-        path = os.path.join(run_dir or name, harness.CURVE)
+        path = os.path.join(run_dir or name, file)
         lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
     curve, good = [], {  # an entry as harness.py writes it: each key, what it holds
         "step": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
@@ -118,9 +122,11 @@ def read_curve(name):
             common.die(f"{path}, line {i}, is damaged ({common.first_line(e)}): delete the file, "
                        "or copy the run again")
         entry = entry if isinstance(entry, dict) else {}  # a line of another shape: keys missing
-        if bad := next((k for k, (_, ok) in good.items() if not ok(entry.get(k))), None):
+        keys = good if file == harness.CURVE else {  # metrics.jsonl: each value a number
+            "step": good["step"], **{k: good["score"] for k in entry if k != "step"}}
+        if bad := next((k for k, (_, ok) in keys.items() if not ok(entry.get(k))), None):
             said = json.dumps(entry[bad]) if bad in entry else "missing"
-            common.die(f"{path}, line {i}: {bad} is {said}, not {good[bad][0]} as a run writes it: "
+            common.die(f"{path}, line {i}: {bad} is {said}, not {keys[bad][0]} as a run writes it: "
                        "delete the file, or copy the run again")
         curve.append(entry)
     return curve
@@ -221,7 +227,11 @@ p.add_argument("--align-uniform", action="store_true",
                     "them) on STS-B")
 p.add_argument("--plot", metavar="FILE.png",
                help="with --align-uniform: draw alignment against uniformity, one labelled point "
-                    "per --model (JTCSE Fig. 7)")
+                    "per --model (JTCSE Fig. 7); with --curves: the runs' curves")
+p.add_argument("--curves", action="store_true",
+               help="instead of evaluating: each --model run's training curves (RUN/metrics.jsonl: "
+                    "the loss, gradient norm and dev score against the step), a line each, into "
+                    "--plot; one line a run on the terminal")
 p.add_argument("--retrieval", metavar="FILE",
                help="also the caption retrieval of BeLLM Table 5: FILE holds group_id<TAB>caption "
                     "lines (flickr30k test: image id, caption); each group's first caption "
@@ -419,10 +429,31 @@ def bf16_note():
         "bf16 autocast, but this CPU has no AVX512-BF16 or AMX: expect it to be slower than fp32"
 
 
+def draw_curves(names, path):
+    """--curves: each run's RUN/metrics.jsonl drawn into path (figures.curves), and summed up in a
+    line: its step lines, its last step, its best dev score."""
+    if not path:
+        common.die("--curves draws into --plot FILE.png: pass one")
+    figures.check(path)
+    runs = {}
+    for name, label in figures.labels(names).items():
+        if not (rows := read_curve(name, harness.METRICS) if os.path.isdir(name) else []):
+            common.die(f"'{name}' holds no curves (RUN/{harness.METRICS}, which sscl.py, jtcse.py "
+                       "and bellm.py write from their first save on): pass a run folder of ours")
+        best = max(((v, k, e["step"]) for e in rows if "loss" not in e for k, v in e.items()
+                    if k != "step"), key=lambda d: d[0], default=None)  # the first best
+        print(f"{label}: {sum('loss' in e for e in rows)} step line(s), to step {rows[-1]['step']}"
+              + (f"; best {best[1]} {best[0]:.2f} at step {best[2]}" if best else ""))
+        runs[label] = rows
+    figures.draw(path, figures.curves(runs), "training curves (RUN/metrics.jsonl)", ncols=3)
+
+
 def main():
     a = common.parse(p)
     if a.export_st:
         return export_st(a.model, a.export_st)
+    if a.curves:
+        return draw_curves(a.model, a.plot)
     no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for
     sts_tasks, transfer_tasks, probing_tasks = ([], [], []) if no_tasks else parse_tasks(
         "sts" if a.tasks is None else a.tasks)

@@ -1,9 +1,9 @@
-"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given. matplotlib
-(headless, Agg) is imported here and only when a figure is drawn, so the scripts run without it. A
-figure is a list of panels, each a dict: kind "lines" (series {label: (xs, ys)}, optional marks
-[(x, y, text)]), "boxes" (groups {label: values}), "heat" (a matrix with its row/column labels;
-colorbar=False: none) or "scatter" (points {label: (x, y)}, each point named in the legend); every
-panel has a title and axis labels."""
+"""The papers' figures, drawn by the scripts' analyses when --plot FILE.png is given, and runs'
+training curves (eval_sts.py --curves). matplotlib (headless, Agg) is imported here and only when a
+figure is drawn, so the scripts run without it. A figure is a list of panels, each a dict: kind
+"lines" (series {label: (xs, ys)}, optional marks [(x, y, text)]), "boxes" (groups {label:
+values}), "heat" (a matrix with its row/column labels; colorbar=False: none) or "scatter" (points
+{label: (x, y)}, each point named in the legend); every panel has a title and axis labels."""
 import errno
 import io
 import os
@@ -119,6 +119,25 @@ def draw(path, panels, title, ncols=2, size=(5.4, 4.2)):
                    "pass a path in a writable folder")
     plt.close(fig)
     print(f"figure written: {path}")
+
+
+def curves(runs):
+    """The panels of runs' curves against the step ({label: its metrics.jsonl's rows}), a line a
+    run: the step lines' training loss and gradient norm (before clipping), and the dev score."""
+    panels = [{"kind": "lines", "title": t, "xlabel": "step", "ylabel": y, "series": {}}
+              for t, y in (("training loss", "loss"), ("gradient norm before clipping", "gnorm"),
+                           ("dev score", "score"))]
+    names = set()  # the dev scores' names
+    for label, rows in runs.items():
+        dev = [(e["step"], k, v) for e in rows if "loss" not in e for k, v in e.items()
+               if k != "step"]
+        for pn, key in zip(panels, ("loss", "gnorm", None)):
+            if points := [(e["step"], e[key]) for e in rows if key in e] if key else \
+                    [(s, v) for s, _, v in dev]:
+                pn["series"][label] = list(zip(*points))
+        names |= {k for _, k, _ in dev}
+    panels[2]["ylabel"] = ", ".join(sorted(names)) or "score"
+    return [pn for pn in panels if pn["series"]]
 
 
 if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone

@@ -1,6 +1,5 @@
 """The run folder and the training process, written once for sscl.py, jtcse.py and bellm.py. A
 reader of a paper may skip this file: each main()'s step is plain torch, and it calls here only
-
   start()                       this process, or one of torchrun's: rank, world, device, log
   gather(z)                     a step's (B, D) rows of every rank, in order (in-batch negatives)
   Run(a, method, ...)           the run folder opened, locked and settled; --resume: .state
@@ -8,12 +7,12 @@ reader of a paper may skip this file: each main()'s step is plain torch, and it 
   run.resume(model, opt, ...)   what every save holds; --resume: each loaded as saved
   run.watch(step, loss)         a loss not finite, noted on the device (no wait inside a step)
   run.check_loss()              ... read where the run reads anyway: one line, the last save good
+  run.log(step, meter, **nums)  a step line: printed, kept (metrics.jsonl), sent to --report-to
   run.stop_requested(read)      a signal (SIGINT, SIGTERM) on any rank: stop here, saved
   run.save(step, metric, ...)   checkpoint.pt, the one commit point; a new best model into best/
   run.finish(step)              peak memory; a stopped run exits 128 + the signal's number
   run.final_table(...)          the best model on the test sets, loaded as eval_sts.py loads it
   Meter(...): meter.step(...)   the step lines' speed and FLOP/s; meter.line(): the line
-
 Readers (eval_sts.py, the analyses, --distill) use run_of and reading. What all this guarantees
 (a kill at any instant, readers during saves, a full disk, --resume as the uninterrupted run) and
 how it is tested: docs/operations.md, "Run folders" and "Failure and recovery".
@@ -22,6 +21,7 @@ import atexit
 import contextlib
 import errno
 import functools
+import importlib
 import json
 import math
 import os
@@ -29,7 +29,6 @@ import random
 import resource
 import shutil
 import signal
-import sys
 import time
 
 import numpy as np
@@ -37,18 +36,18 @@ import torch
 
 import common
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks
-    fcntl = None
+fcntl = importlib.import_module("fcntl") if os.name == "posix" else None  # Windows: no locks
 
-CKPT, BEST, NEW, OLD, CURVE, LOCK = "checkpoint.pt", common.BEST, ".best.new", ".best.old", \
-    "dev.jsonl", ".lock"
-OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp"}  # a run folder's names, a save under way's
+CKPT, BEST, NEW, OLD, CURVE, METRICS, LOCK = "checkpoint.pt", common.BEST, ".best.new", \
+    ".best.old", "dev.jsonl", "metrics.jsonl", ".lock"
+OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp", METRICS + ".tmp"}  # a save under way's
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "trackio": "trackio"}
+SHOWN = {"gnorm": ".3g", "lr": ".2e"}  # a step line's numbers: these, integers as they are, .4f
 RECOPY = "copy the whole run folder again, or train again"
 MOVABLE = {"base_model", "teacher"}  # sentemb.json: where a model it reads lives (checked apart)
-RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None}  # a new run's record:
-# the best dev score, its save's id and sentemb.json, the dev curve (save_step carries it on)
+RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log": [], "id": None}
+# a new run's record (save_step carries it on): the best dev score, its save's id and sentemb.json,
+# the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 
 
@@ -111,12 +110,18 @@ class Run:
         self.dir, self.method, self.check_run, self.device = a.output_dir, method, check_run, device
         self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for k, v in vars(a).items()}  # the command's flags, its paths absolute
-        self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        self.say = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        try:  # --report-to's packages (rank 0), before anything is written
+            self.packages = {n: importlib.import_module(TRACKERS[n]) for n in a.report_to
+                             if n != "none" and self.rank == 0}
+        except Exception as e:  # ImportError; a package of another version: any
+            common.die(f"--report-to: {common.first_line(e)}; pip install it, or leave it out")
         self.lock = self.open(a.resume, inputs) if self.rank == 0 else None  # held till exit
         if self.world > 1:
             dist.barrier()
         self.state = self.read_resume(resumable) if a.resume else None
-        self.record = {k: self.state[k] for k in RECORD} if self.state else RECORD
+        self.record = {**RECORD, **({k: self.state[k] for k in RECORD} if self.state else {})}
+        self.record["id"], self.trackers = self.record["id"] or os.urandom(4).hex(), []
 
     def open(self, resume, inputs):
         """Rank 0: not an input model, new or ours (--resume: a run), locked and settled. -> lock"""
@@ -125,14 +130,13 @@ class Run:
             if os.path.isdir(name) and os.path.isdir(out) and os.path.samefile(name, out):
                 common.die(f"--output-dir '{out}' is the input model '{name}': training would "
                            "overwrite its weights; pass another --output-dir")
-        found = sorted(set(os.listdir(out)) - OURS) if os.path.isdir(out) else []
+        found = sorted(set(os.listdir(out)) - OURS - set(TRACKERS)) if os.path.isdir(out) else []
         if not resume and found:  # before .lock is made: a folder of the user's stays as it is
-            method = (run_of(out) or [None])[0]
-            common.die(f"'{out}' holds {', '.join(found[:3])}, which {self.method}.py did not "
-                       "write: pass a new or empty --output-dir" if not method else
-                       f"'{out}' already holds a run of {method}.py: pass "
-                       f"{'--resume to continue it, or ' * (method == self.method)}another "
-                       "--output-dir")
+            method, again = (run_of(out) or [None])[0], "--resume to continue it, or "
+            common.die(f"'{out}' already holds a run of {method}.py: pass "
+                       f"{again * (method == self.method)}another --output-dir" if method else
+                       f"'{out}' holds {', '.join(found[:3])}, which {self.method}.py did not "
+                       "write: pass a new or empty --output-dir")
         self.made, up = [path] * (not os.path.lexists(path)), os.path.abspath(out)  # for undo():
         while not os.path.lexists(up):  # the folders this run makes, outermost first, and .lock
             self.made, up = [up, *self.made], os.path.dirname(up)
@@ -147,8 +151,7 @@ class Run:
                        f"{open(path).read().strip() or '?'}): wait for it to end, or pass another "
                        "--output-dir")
         lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
+        print(os.getpid(), file=lock, flush=True)
         if settle(out, self.method, self.check_run) is None and resume:
             common.die(f"--resume: no {os.path.join(out, CKPT)}; drop --resume to start a new run")
         return lock
@@ -170,13 +173,13 @@ class Run:
             common.die(f"--resume: {path} is damaged ({bad[0]} of the wrong type): {RECOPY}")
         if lost := [k for k in now if k not in old and k not in resumable]:
             common.die(f"--resume: {path} holds no --{lost[0].replace('_', '-')} among the run's "
-                       f"flags (damaged, or another version of {self.method}.py's): {RECOPY}")
+                       f"flags (damaged, or of another version of {self.method}.py): {RECOPY}")
         if state["save"]:  # best/: the model this checkpoint records
-            check_description(committed(self.dir, self.method, state), state)
+            read_meta(committed(self.dir, self.method, state), self.method, lambda *_: None, state)
         if state["world"] != self.world:
             common.die(f"--resume: the run was trained by {state['world']} process(es), this "
                        f"command runs {self.world}: resume it with torchrun --nproc_per_node "
-                       f"{state['world']} (1: without torchrun) to keep its global batch")
+                       f"{state['world']} (1: without torchrun), for its steps' global batch")
         if changed := [k for k in old if k not in resumable and old[k] != now.get(k)
                        and (k in now or old[k])]:  # a flag now gone: ignored where it was off
             said = lambda v: ", ".join(f"--{k.replace('_', '-')} {v(k)}" for k in changed)  # noqa
@@ -187,7 +190,7 @@ class Run:
     def complete(self, steps):
         """Whether a resumed run has no step left to train (then it says what to do)."""
         if done := self.state is not None and self.state["step"] >= steps:
-            self.log(f"the run is complete (step {self.state['step']} of {steps}): nothing to "
+            self.say(f"the run is complete (step {self.state['step']} of {steps}): nothing to "
                      f"train in '{self.dir}'; evaluate it with eval_sts.py --model {self.dir}, or "
                      "pass a larger --max-steps or --epochs with --resume to train on")
         return done
@@ -201,6 +204,8 @@ class Run:
         optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
         self.nonfinite, self.skipped = torch.tensor([-1.0, 0.0], device=self.device), 0  # watch()
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.trackers = [self.track(n, m) for n, m in self.packages.items()]  # (rank 0)
+        self.reported = len(self.record["log"])  # sent by the runs before (each save's)
         if (state := self.state) is None:
             return 0
         if bad := [k for k in generators if not torch.is_tensor(state.get(k))]:
@@ -233,7 +238,7 @@ class Run:
             g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler.base_lrs = [lr] * len(optimizer.param_groups)
         if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            self.log(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
+            self.say(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
                      f"{state['step']} on")
         self.state = {k: v for k, v in state.items() if k not in ("model", "opt")}  # (in use)
         return state["step"] + 1
@@ -243,6 +248,23 @@ class Run:
         first = torch.stack([torch.full_like(loss, step), loss]).detach().float()  # (2,)
         bad = ~torch.isfinite(loss) & (self.nonfinite[0] < 0)
         self.nonfinite = torch.where(bad, first, self.nonfinite)
+
+    def log(self, step, meter, **values):
+        """A step line: values (loss, terms, gnorm, rate) and the meter's speeds, printed, kept."""
+        v = {k: x.item() if torch.is_tensor(x) else x for k, x in values.items()}
+        self.say(f"step {step:>5}" + "".join(f"  {k} {x:{SHOWN.get(k, '.4f') * (type(x) is float)}}"
+                                         for k, x in v.items()) + f"  {meter.line()}")
+        self.record["log"] = [*self.record["log"], {"step": step, **v, **meter.values}]  # (a copy)
+
+    def track(self, name, module):
+        """--report-to NAME's run (rank 0; never prompting; docs/operations.md) -> log(values, s)"""
+        if name == "tensorboard":  # events in RUN/tensorboard
+            w = module.SummaryWriter(os.path.join(self.dir, name))
+            return lambda v, s: [w.add_scalar(k, x, s) for k, x in v.items()] + [w.flush()]
+        wandb = dict(id=self.record["id"], dir=self.dir, mode=None if module.login(  # offline
+            prompt=False, verify=False) else "offline") if name == "wandb" else {}  # not logged in
+        return module.init(project=self.method, config=self.flags, resume="allow", name=(  # its own
+            f"{os.path.basename(os.path.abspath(self.dir))}-{self.record['id']}"), **wandb).log
 
     def check_loss(self):
         """A loss not finite since the last check (before any save: the last is good): one line,
@@ -255,7 +277,7 @@ class Run:
         took = self.scaler.is_enabled() and [s["step"] for s in self.parts[1].state.values()]
         if took and (n := self.parts[2].last_epoch - int(torch.stack(took).max())) > self.skipped:
             self.skipped = n  # the steps run (the schedule's count) less those AdamW took
-            self.log(f"fp16: {n} of {self.parts[2].last_epoch} steps skipped (inf/NaN gradients)")
+            self.say(f"fp16: {n} of {self.parts[2].last_epoch} steps skipped (inf/NaN gradients)")
 
     def stop_requested(self, agree=True):
         """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
@@ -274,14 +296,17 @@ class Run:
             cuda = self.device.type == "cuda"  # its generator too: a resumed run's dropout
             state = {"model": {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
                                if v.requires_grad},
-                     "opt": optimizer.state_dict(), "sched": scheduler.state_dict(),
+                     "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "step": step,
                      "method": self.method, "meta": meta, "args": {**self.flags, "lr": lr},
-                     "step": step, "world": self.world,
                      "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state(),
                              *([torch.cuda.get_rng_state(self.device)] if cuda else [])),
-                     **{k: g.get_state() for k, g in generators.items()}}
+                     **{k: g.get_state() for k, g in generators.items()}, "world": self.world}
             self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
-                                    metric, dev, state, write, self.log, self.undo)
+                                    metric, dev, state, write, self.say, self.undo)
+            for e in self.record["log"][self.reported:]:  # what this save committed, reported
+                for send in self.trackers:
+                    send({k: v for k, v in e.items() if k != "step"}, e["step"])
+            self.reported = len(self.record["log"])
         if self.world > 1:
             torch.distributed.barrier()
 
@@ -289,15 +314,15 @@ class Run:
     def finish(self, step):
         """Training ended: peak memory; stopped by a signal: exit 128 + its number. Inside: now."""
         gib, how = (torch.cuda.max_memory_allocated(self.device) / 2**30, "max_memory_allocated") \
-            if self.device.type == "cuda" else \
-            (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss")
-        self.log(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
+            if self.device.type == "cuda" else (resource.getrusage(  # (Linux: KiB)
+                resource.RUSAGE_SELF).ru_maxrss / 2**20, "ru_maxrss")
+        self.say(f"peak memory {gib:.2f} GiB ({how}{', rank 0' if self.world > 1 else ''})")
         try:
             if signum := STOP["signum"]:
-                self.log(f"stopped at step {step} ({signal.Signals(signum).name}): the training "
+                self.say(f"stopped at step {step} ({signal.Signals(signum).name}): the training "
                          f"state is in {os.path.join(self.dir, CKPT)}; run the same command with "
                          "--resume to continue")
-                sys.exit(128 + signum)
+                raise SystemExit(128 + signum)
             STOP["now"] = True
             yield
         finally:
@@ -359,8 +384,9 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
         common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
                    "step: resume from it with a lower --lr (--resume --lr ...)")
     new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
-    if dev is not None:
-        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}]}
+    if dev is not None:  # the dev curve; metrics.jsonl's lines
+        run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}],
+               "log": run["log"] + [{"step": step, metric: dev}]}
     try:
         if new_best:
             save = f"{step}-{os.urandom(4).hex()}"
@@ -398,12 +424,11 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
 
 def settle(run_dir, method, check_run, state=None):
     """What a kill left, by the save ids (lock held): the save checkpoint.pt names, checked, into
-    best/; another .best.new goes, as do .best.old and .tmp files; dev.jsonl rewritten. -> state"""
+    best/; other .best.new, .best.old, .tmp files go; the views (*.jsonl) rewritten. -> state"""
     at, ours = functools.partial(os.path.join, run_dir), state is not None  # ours: just written
-    for name in OURS - {LOCK} | {CKPT, CURVE, BEST}:  # our names, of the kind we write
-        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (folder := name in (
-                NEW, OLD, BEST)):
-            common.die(f"'{at(name)}' is not the {'folder' if folder else 'file'} "
+    for name in OURS - {LOCK} | {CKPT, CURVE, METRICS, BEST}:  # our names, of the kind we write
+        if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (d := name in (NEW, OLD, BEST)):
+            common.die(f"'{at(name)}' is not the {'folder' if d else 'file'} "
                        f"{method}.py writes there: delete it, then run again")
     if state is None and os.path.lexists(at(CKPT)):
         state = read_checkpoint(run_dir, method)
@@ -420,15 +445,14 @@ def settle(run_dir, method, check_run, state=None):
                 os.replace(at(NEW), at(BEST))
                 common.fsync(run_dir)
                 pause()
-        for name in (NEW, OLD):  # a save never committed; the best model replaced
-            if os.path.isdir(at(name)):
-                shutil.rmtree(at(name))
-        for name in (CKPT + ".tmp", CURVE + ".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(at(name))
-        view = "".join(json.dumps(e) + "\n" for e in state["curve"]).encode() if state else b""
-        if state and (not os.path.isfile(at(CURVE)) or open(at(CURVE), "rb").read() != view):
-            common.write_whole(at(CURVE), lambda f: f.write(view), pause)
+        for name in OURS - {LOCK}:  # a save never committed, the best model replaced, .tmp files
+            if os.path.lexists(at(name)):
+                (shutil.rmtree if name in (NEW, OLD) else os.remove)(at(name))
+        for name, view in ((CURVE, state["curve"]), (METRICS, state["log"])) if state else ():
+            view = "".join(json.dumps(e) + "\n" for e in view).encode()
+            old = open(at(name), "rb").read() if os.path.isfile(at(name)) else None
+            if view != old and (view or old or name == CURVE):  # an older run's: no metrics.jsonl
+                common.write_whole(at(name), lambda f: f.write(view), pause)  # noqa: B023
     except OSError as e:
         fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
         common.die(f"cannot settle the run folder '{run_dir}' ({e.strerror}: {e.filename}): "
@@ -450,17 +474,6 @@ def committed(run_dir, method, state=None):
     common.die(f"{at(NEW if os.path.isdir(at(NEW)) else BEST, common.META)} does not name the save "
                f"{save} that {at(CKPT)} names (missing, damaged or another save's); nothing was "
                f"changed: {RECOPY}")
-
-
-def check_description(folder, state):
-    """The sentemb.json of the save checkpoint.pt names is the one it records for that save (one
-    of an earlier version, which records none: the model's description), or one line."""
-    path, ckpt = os.path.join(folder, common.META), os.path.join(os.path.dirname(folder), CKPT)
-    said = common.read_json(path, f"cannot load '{folder}'", RECOPY)
-    if bad := differs(said, state["described"] or state["meta"], state["described"] is not None,
-                      skip=MOVABLE):
-        common.die(f"{path}: {bad[0]} {bad[1]} disagrees with {ckpt}, whose save {state['save']} "
-                   f"has {bad[0]} {bad[2]}: the file was edited or is another save's; {RECOPY}")
 
 
 def differs(found, want, whole=True, skip=()):
@@ -506,6 +519,8 @@ def read_checkpoint(run_dir, method, device="cpu"):
         common.die(f"{path} predates best/ (an earlier {method}.py's run): eval_sts.py reads it, "
                    f"the {method}.py that wrote it resumes it")
     number = lambda v: isinstance(v, (int, float))  # noqa: E731
+    rows = lambda v, *keys: isinstance(v, list) and all(isinstance(e, dict) and type(e.get(  # noqa
+        "step")) is int and all(number(e.get(k)) for k in keys) for e in v)  # curve, log
     ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
           "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
           "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
@@ -514,11 +529,10 @@ def read_checkpoint(run_dir, method, device="cpu"):
               map(torch.is_tensor, v[3:])),  # (CPU, Python, NumPy[, CUDA: saved on a GPU])
           "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
           "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
-          "best": number, "save": lambda v: v is None or isinstance(v, str),
+          "best": number, "save": lambda v: v is None or isinstance(v, str), "log": rows,
           "described": lambda v: v is None or isinstance(v, dict),
-          "curve": lambda v: isinstance(v, list) and all(isinstance(e, dict) and number(
-              e.get("score")) and type(e.get("step")) is int for e in v)}
-    state.setdefault("described", None)  # an earlier version's records no sentemb.json
+          "curve": lambda v: rows(v, "score"), "id": lambda v: v is None or isinstance(v, str)}
+    state = {"described": None, "log": [], "id": None, **state}  # an earlier version's lacks them
     if bad := [k for k, good in ok.items() if k not in state or not good(state[k])]:
         common.die(f"{path} is damaged ({bad[0]} missing or of the wrong type): {RECOPY}")
     return state
@@ -526,15 +540,18 @@ def read_checkpoint(run_dir, method, device="cpu"):
 
 def read_meta(folder, method, check_run, state=None):
     """The sentemb.json of a model method's script saved, checked by check_run, and (state: the
-    checkpoint that names its save) against the one it records; or one line."""
-    path = os.path.join(folder, common.META)
+    checkpoint that names its save) the one it records for that save (one of an earlier version,
+    which records none: the model's description); or one line."""
+    path, ckpt = os.path.join(folder, common.META), os.path.join(os.path.dirname(folder), CKPT)
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
         common.die(f"{path} is not a run description of {method}.py (method "
                    f"{meta.get('method')!r}): {RECOPY}")
     check_run(folder, meta)
-    if state is not None:
-        check_description(folder, state)
+    if state and (bad := differs(meta, state["described"] or state["meta"], state["described"]
+                                 is not None, skip=MOVABLE)):
+        common.die(f"{path}: {bad[0]} {bad[1]} disagrees with {ckpt}, whose save {state['save']} "
+                   f"has {bad[0]} {bad[2]}: the file was edited or is another save's; {RECOPY}")
     return meta
 
 
@@ -561,16 +578,14 @@ def run_of(name):
         common.die(f"'{run}' is a run folder with no committed save yet (killed in its first save):"
                    " run the command that made it again, without --resume: it starts over")
     if os.path.isdir(at(BEST)) or os.path.isfile(at(CKPT)) and not os.path.isfile(at(common.META)):
-        try:
-            with open(at(BEST, common.META)) as f:
-                return json.load(f)["method"], run, at(BEST)
-        except Exception:  # no best model yet (or a damaged one): the checkpoint names it
-            try:
-                return torch.load(at(CKPT), map_location="cpu", mmap=True,
-                                  weights_only=False)["method"], run, at(BEST)
-            except Exception as e:
-                common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
-                           f"{CKPT} ({type(e).__name__}): {RECOPY}")
+        with contextlib.suppress(Exception), open(at(BEST, common.META)) as f:
+            return json.load(f)["method"], run, at(BEST)
+        try:  # no best model yet (or a damaged one): the checkpoint names it
+            return torch.load(at(CKPT), map_location="cpu", mmap=True,
+                              weights_only=False)["method"], run, at(BEST)
+        except Exception as e:
+            common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
+                       f"{CKPT} ({type(e).__name__}): {RECOPY}")
     if os.path.isfile(os.path.join(name, common.META)):
         with contextlib.suppress(Exception):
             return json.loads(common.read_text(os.path.join(name, common.META)))["method"], \
@@ -608,13 +623,10 @@ def sync_tree(folder):
 def flock(f, *how):
     """An advisory lock on an open file or folder, dropped when it is closed or the process ends;
     how: "EX" or "SH", and "NB" not to wait. -> False when NB and another process holds it."""
-    if fcntl is None:  # Windows
-        return True
-    try:
-        fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how))
+    try:  # (Windows: no advisory locks)
+        return not fcntl or fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how)) or True
     except BlockingIOError:
         return False
-    return True
 
 
 @contextlib.contextmanager
@@ -630,10 +642,10 @@ def folder_lock(folder, how):
 # ---------------------------------------------------------------- the step lines' meter -----------
 class Meter:
     """The step lines' speed: `with meter.step(step_model):` around each step; line(): rows (unit)
-    and real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks.
-    A step's time runs from its start to its end on the device's own clock (CUDA events, read at
-    line(): no wait inside a step). FLOPs: the first step's a padded token slot (common.FlopCount)
-    times another step's slots (step_model.slots, the padded token slots it ran)."""
+    and real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks
+    (.values: as numbers). A step's time runs from its start to its end on the device's clock (CUDA
+    events, read at line(): no wait inside a step). FLOPs: the first step's a padded token slot
+    (common.FlopCount) times another step's (step_model.slots: the padded token slots it ran)."""
 
     def __init__(self, device, per_step, unit, precision="fp32"):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
@@ -642,8 +654,7 @@ class Meter:
     def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
         if self.device.type != "cuda":
             return time.perf_counter()
-        (event := torch.cuda.Event(enable_timing=True)).record()
-        return event
+        return (event := torch.cuda.Event(enable_timing=True)).record() or event
 
     @contextlib.contextmanager
     def step(self, step_model):
@@ -656,25 +667,20 @@ class Meter:
         self.spans.append((start, self.now()))
 
     def line(self):
-        cuda = self.device.type == "cuda"
+        cuda, unit = self.device.type == "cuda", f"{self.unit}/s"
         if cuda:  # the steps' kernels done: their events read
             torch.cuda.synchronize(self.device)
         dt = sum(a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in self.spans)
-        text = f"{self.unit}/s {self.per_step * len(self.spans) / dt:.2f}"
-        if self.tokens:
-            text += f"  tok/s {summed(self.tokens, self.device) / dt:.0f}"
-        flops = summed(self.flops, self.device) / dt
-        text += f"  TFLOP/s {flops / 1e12:.1f}" if cuda else f"  GFLOP/s {flops / 1e9:.1f}"
+        both = torch.tensor([float(self.tokens), float(self.flops)], device=self.device)
+        if torch.distributed.is_initialized():  # all ranks'
+            collective(torch.distributed.all_reduce, both)
+        tokens, flops = (both / dt).tolist()
+        v = {unit: self.per_step * len(self.spans) / dt, **({"tok/s": tokens} if tokens else {}),
+             ("TFLOP/s" if cuda else "GFLOP/s"): flops / (1e12 if cuda else 1e9)}
         name = torch.cuda.get_device_name(self.device) if cuda and self.precision != "fp32" else ""
-        if top := next(((k, v) for k, v in common.GPU_PEAKS.items() if k in name), None):  # MFU
-            text += f"  MFU {flops / summed(top[1], self.device):.1%} of {top[0]} {self.precision}"
-        self.spans, self.flops, self.tokens = [], 0, 0
-        return text
-
-
-def summed(x, device):
-    """A number summed over the ranks (torchrun), as a float."""
-    t = torch.tensor(float(x), device=device)
-    if torch.distributed.is_initialized():
-        collective(torch.distributed.all_reduce, t)
-    return t.item()
+        if peak := next(((k, p) for k, p in common.GPU_PEAKS.items() if k in name), None):
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            v["MFU"] = 100 * flops / (world * peak[1])
+        self.spans, self.flops, self.tokens, self.values = [], 0, 0, v
+        return "  ".join(f"{k} {x:.{2 if k == unit else 0 if k == 'tok/s' else 1}f}"
+                         for k, x in v.items()) + (f"% of {peak[0]} {self.precision}" if peak else "")

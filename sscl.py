@@ -70,6 +70,8 @@ p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", h
 p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *harness.TRACKERS],
+               help="also send the step lines and dev scores there (docs/operations.md)")
 p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                help="the 7 STS tasks of the best checkpoint at the end")
 # --- SSCL ---
@@ -94,7 +96,7 @@ common.show_ranges(p)
 METHOD = "sscl"  # the "method" of its sentemb.json and checkpoint.pt
 RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
              "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
-             "bf16"}  # --resume may change these (bf16: an earlier version's flag)
+             "report_to", "bf16"}  # --resume may change these (bf16: an earlier version's flag)
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -282,8 +284,7 @@ def main():
         if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
             run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
-                log(f"step {step:>5}  loss {loss.item():.4f}  gnorm {gnorm:.3g}  lr "
-                    f"{scheduler.get_last_lr()[0]:.2e}  {meter.line()}")
+                run.log(step, meter, loss=loss, gnorm=gnorm, lr=scheduler.get_last_lr()[0])
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
         if evaluate and rank == 0:  # the dev score, without dropout
             raw_model.eval()

@@ -1710,6 +1710,30 @@ def test_figures_plots_are_written(bert_dir, tok_dir, jt_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_figures_curves_of_runs_are_drawn_from_their_metrics_jsonl(run_templates, tmp_path):
+    """eval_sts.py --model RUN ... --curves --plot FILE.png: the runs' training loss, gradient norm
+    and dev score against the step (figures.curves: three panels, a line a run, from
+    RUN/metrics.jsonl), each run summed up in one line; a folder without curves: one line, no
+    figure."""
+    png = tmp_path / "curves.png"
+    proc = run("eval_sts.py", "--model", *run_templates.values(), "--curves", "--plot", png)
+    assert proc.returncode == 0, proc.stderr
+    assert png_size(png) == (2430, 630) and 5_000 < png.stat().st_size < 200_000
+    for method, folder in run_templates.items():
+        rows = metrics_of(folder)
+        dev = max(((v, k, e["step"]) for e in rows if "loss" not in e for k, v in e.items()
+                   if k != "step"), key=lambda d: d[0])  # the first best, as the run keeps it
+        lines = sum("loss" in e and "gnorm" in e for e in rows)
+        assert f"{method}: {lines} step line(s), to step {rows[-1]['step']}; best {dev[1]} " \
+            f"{dev[0]:.2f} at step {dev[2]}" in proc.stdout, proc.stdout
+    (tmp_path / "plain").mkdir()
+    assert_bad_input(run("eval_sts.py", "--model", tmp_path / "plain", "--curves", "--plot",
+                         tmp_path / "no.png"), "holds no curves", "metrics.jsonl")
+    assert not (tmp_path / "no.png").exists()
+    assert_bad_input(run("eval_sts.py", "--model", run_templates["sscl"], "--curves"), "--plot")
+
+
+@pytest.mark.slow
 def test_seeds_seed_summary_equals_numpy_and_scipy(tmp_path):
     from scipy.stats import ttest_rel
     import seeds
@@ -4401,6 +4425,168 @@ def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_lose
     assert curve_of(out) == curve_of(tmp_path / "whole")
 
 
+def metrics_of(out):
+    """RUN/metrics.jsonl, each line an object."""
+    return [json.loads(line) for line in (out / harness.METRICS).read_text().splitlines()]
+
+
+SPEEDS = ("sent/s", "rows/s", "tok/s", "GFLOP/s", "TFLOP/s", "MFU")  # the machine's, not the run's
+
+
+def without_speeds(metrics):
+    return [{k: v for k, v in e.items() if k not in SPEEDS} for e in metrics]
+
+
+def series(metrics):
+    """metrics.jsonl's entries as curves: {name: [(step, value)]}."""
+    curves = collections.defaultdict(list)
+    for e in metrics:
+        for k, v in e.items():
+            if k != "step":
+                curves[k].append((e["step"], v))
+    return dict(curves)
+
+
+def needs_tensorboard():
+    """tensorboard (requirements-report.txt), or a skip giving the reason; in CI a failure."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        why = "tensorboard is not installed (pip install -r requirements-report.txt)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+
+
+def tensorboard_curves(out):
+    """RUN/tensorboard read by TensorBoard's own reader: {tag: [(step, value)]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+
+
+def assert_same_curves(events, metrics):
+    """TensorBoard's curves are metrics.jsonl's: the same names, steps and values (float32)."""
+    want = series(metrics)
+    assert sorted(events) == sorted(want)
+    for name, points in want.items():
+        assert [s for s, _ in events[name]] == [s for s, _ in points], name
+        assert [v for _, v in events[name]] == pytest.approx([v for _, v in points], rel=1e-6)
+
+
+def test_harness_metrics_jsonl_keeps_each_step_line_and_dev_score_and_tensorboard_reads_them(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """RUN/metrics.jsonl holds each step line's numbers ({"step", "loss", "gnorm", "lr", the
+    meter's speeds}) and each dev score ({"step", "stsb_dev"}), by step, the numbers the log
+    prints (its step lines as before); eval_sts.read_curve reads it back; --report-to tensorboard
+    writes RUN/tensorboard, whose events TensorBoard's own reader reads back as the same curves."""
+    needs_tensorboard()
+    out = tmp_path / "r"
+    code, log, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+        bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--report-to", "tensorboard"))
+    assert code == 0, err
+    metrics = metrics_of(out)
+    steps = [(e["step"], "loss" in e) for e in metrics]
+    assert steps == [(0, False), (1, True), (2, True), (2, False), (3, True), (4, True),
+                     (4, False)], steps
+    for e in metrics:
+        if "loss" in e:
+            assert list(e) == ["step", "loss", "gnorm", "lr", "sent/s", "GFLOP/s"], e
+            line = (f"step {e['step']:>5}  loss {e['loss']:.4f}  gnorm {e['gnorm']:.3g}  lr "
+                    f"{e['lr']:.2e}  sent/s {e['sent/s']:.2f}  GFLOP/s {e['GFLOP/s']:.1f}")
+        else:
+            assert list(e) == ["step", "stsb_dev"], e
+            line = f"step {e['step']:>5}  stsb_dev {e['stsb_dev']:.2f}"
+        assert line in log.splitlines() or any(l.startswith(line + "  (best") for l in
+                                                log.splitlines()), (line, log)
+    assert eval_sts.read_curve(out, harness.METRICS) == metrics
+    assert_same_curves(tensorboard_curves(out), metrics)
+
+
+def fake_tracker(name, calls, logged_in=False):
+    """A stand-in for the wandb or trackio package (neither is installed for the tests): init()
+    records its arguments and returns a run whose log(values, step) records each call."""
+    def init(**kw):
+        calls.append(("init", kw))
+        return Namespace(log=lambda values, step=None: calls.append(("log", step, values)))
+    return Namespace(__name__=name, init=init, **({"login": lambda **kw: logged_in}
+                                                  if name == "wandb" else {}))  # wandb's only
+
+
+@pytest.mark.parametrize("name", ["wandb", "trackio"])
+def test_harness_report_to_wandb_and_trackio_resume_the_runs_own_run_and_send_each_line_once(
+        name, bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """--report-to wandb (trackio alike; each package stands in): the run's tracker run is started
+    with the run's id and resume="allow", W&B offline when not logged in (never a prompt), in
+    RUN/wandb; a --resume continues the same run (the id kept in checkpoint.pt), and what each
+    save committed is sent once: the two processes together send metrics.jsonl's lines."""
+    calls, out = [], tmp_path / "r"
+    monkeypatch.setitem(sys.modules, name, fake_tracker(name, calls))
+    for steps, extra in ((2, []), (4, ["--resume"])):
+        code, _, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+            bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--report-to", name, *extra,
+            steps=steps))
+        assert code == 0, err
+    inits = [{k: v for k, v in c[1].items() if k != "config"} for c in calls if c[0] == "init"]
+    assert len(inits) == 2 and inits[0] == inits[1] and inits[0]["resume"] == "allow", inits
+    assert inits[0]["project"] == "sscl" and inits[0]["name"].startswith("r-")
+    if name == "wandb":
+        assert inits[0]["mode"] == "offline" and inits[0]["dir"] == str(out)
+        assert inits[0]["id"] == weights(out, "id") and inits[0]["name"] == f"r-{inits[0]['id']}"
+    sent = [(c[1], c[2]) for c in calls if c[0] == "log"]
+    assert sent == [(e["step"], {k: v for k, v in e.items() if k != "step"})
+                    for e in metrics_of(out)]
+    assert [s for s, v in sent if "loss" in v] == [1, 2, 3, 4]
+
+
+def test_harness_report_to_a_package_not_installed_is_one_line_before_anything(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """--report-to NAME whose package does not import (a None in sys.modules stands for one not
+    installed): one line naming it, exit 2, before the run folder is made or a model is read;
+    a name not in the list: argparse's one line."""
+    out = tmp_path / "r"
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    for names in (["wandb"], ["tensorboard"], ["none", "tensorboard"], ["mlflow"]):
+        code, stdout, err = main_of(sscl, capsys, monkeypatch, *sscl_args(
+            bert_dir, train_txt, sts_dir, out, "--report-to", *names))
+        if names == ["mlflow"]:  # argparse's line
+            assert code == 2 and "--report-to: invalid choice: 'mlflow'" in err, err
+            assert len([l for l in err.splitlines() if "error:" in l]) == 1, err
+        else:
+            one_line(code, err, "--report-to", names[-1], "pip install")
+        assert stdout == "" and not out.exists(), stdout
+
+
+@pytest.mark.slow
+def test_harness_metrics_jsonl_after_a_sigkill_and_resume_has_each_step_once(
+        bert_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
+    """SIGKILL in the save of step 6 (its checkpoint.pt.tmp written, SENTEMB_SAVE_PAUSE holding
+    it), the step lines of steps 4-6 printed: metrics.jsonl is the view of checkpoint.pt (step 3).
+    --resume trains, logs and keeps steps 4-6 again, once: metrics.jsonl is then the uninterrupted
+    run's (but the speeds), and TensorBoard's events (--report-to tensorboard: what each save
+    committed) read back as its curves, each step once."""
+    needs_tensorboard()
+    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa
+                                 "--report-to", "tensorboard", steps=6, eval_steps=3)
+    assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
+    out = tmp_path / "killed"
+    proc, log = popen("sscl.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.2"})
+    assert kill_when(proc, out, lambda: "step     6  loss" in text(log) and (
+        out / (harness.CKPT + ".tmp")).exists())
+    assert weights(out, "step") == 3 and "step     5  loss" in text(log)
+    assert [e["step"] for e in metrics_of(out)] == [0, 1, 2, 3, 3]  # the view of step 3's save
+    code, again, err = main_of(sscl, capsys, monkeypatch, *args(out), "--resume")
+    assert code == 0, err
+    assert re.findall(r"^step +(\d+)  loss", again, re.M) == ["4", "5", "6"]
+    metrics = metrics_of(out)
+    assert [(e["step"], "loss" in e) for e in metrics] == [
+        (0, False), (1, True), (2, True), (3, True), (3, False), (4, True), (5, True), (6, True),
+        (6, False)]
+    assert without_speeds(metrics) == without_speeds(metrics_of(tmp_path / "whole"))
+    assert_same_curves(tensorboard_curves(out), metrics)
+
+
 SCRIPTS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
 
 
@@ -4476,7 +4662,8 @@ def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_p
         os.close(r)
         inside += any((out / n).exists() for n in (h.NEW, h.OLD, h.CKPT + ".tmp"))
         state = h.settle(str(out), m, no_check)
-        assert sorted(p.name for p in out.iterdir()) in ([], [h.BEST, h.CKPT, h.CURVE])
+        assert sorted(p.name for p in out.iterdir()) in ([], [h.BEST, h.CKPT, h.CURVE,
+                                                               h.METRICS])
         if state:
             best = json.loads((out / h.BEST / common.META).read_text())  # of one save, whole
             assert best["save"] == state["save"] and best["v"] == state["best"]
@@ -4564,6 +4751,7 @@ KILL_STATES = {  # what a kill leaves in a run folder (left_by_kill)
     "old": "in the swap (best/ moved aside)",
     "ckpt": "in the write of checkpoint.pt (the commit)",
     "curve": "in the write of the dev curve's view",
+    "metrics": "in the write of metrics.jsonl, the view of the step lines and dev scores",
     "": "between two writes (every file whole and in place)"}
 
 
@@ -4573,7 +4761,8 @@ def left_by_kill(out):
         committed = (out / harness.CKPT).exists() and harness.save_id(out / harness.NEW) == \
             torch.load(out / harness.CKPT, weights_only=False, mmap=True)["save"]
         return "committed" if committed else "new"
-    names = {"old": harness.OLD, "ckpt": harness.CKPT + ".tmp", "curve": harness.CURVE + ".tmp"}
+    names = {"old": harness.OLD, "ckpt": harness.CKPT + ".tmp", "curve": harness.CURVE + ".tmp",
+             "metrics": harness.METRICS + ".tmp"}
     return next((k for k, n in names.items() if (out / n).exists()), "")
 
 
@@ -4655,6 +4844,7 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         assert without_save(json.loads((out / harness.BEST / common.META).read_text())) == \
             ref_meta, k
         assert curve_of(out) == curve_of(tmp_path / "whole"), k
+        assert without_speeds(metrics_of(out)) == without_speeds(metrics_of(tmp_path / "whole")), k
         saved = weights(out, key)
         for name in ref_weights:
             assert torch.equal(saved[name], ref_weights[name]), (k, name)
