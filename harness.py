@@ -336,37 +336,33 @@ class Run:
                          {**self.record, "meta": self.parts[4]})  # as its checkpoint records it
         encode = load_encoder(folder, meta, self.device)
         check_prints(folder, meta)
-        print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:")
         with common.autocast(self.device, precision):
             table = common.format_table(common.evaluate(encode, data, tasks))
-        print(table)
+        print(f"the best checkpoint (dev {self.record['best']:.2f}) on the test sets:\n{table}")
         write_card(folder, meta, {**self.flags, "lr": self.parts[3]},
                    self.record["curve"][-1]["metric"], table)  # rewritten whole
 
 
-PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",
+PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",  # the model cards'
           "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
           "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
-CARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card.md")
 
 
 def write_card(folder, meta, flags, metric, table=None):
-    """folder/README.md, the model card (card.md filled in, written whole): the paper, this save's
-    step and dev score, the test table once the final evaluation ran, how to load it, the flags
-    that trained it; no path of this machine (a path by its file name; a local base left out)."""
-    bases = list(dict.fromkeys(v for k, v in flags.items() if k in ("model", "model_a", "model_b")
-                               and v and not os.path.isabs(v) and not os.path.exists(v)))
-    shown = {k: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v
-             for k, v in sorted(flags.items()) if k not in ("output_dir", "resume")}
+    """folder/README.md, the model card (card.md filled in, written whole), with no path of this
+    machine: a path flag by its file name, a base model by its hub name (a local one left out)."""
+    base = [v for k, v in flags.items() if k in ("model", "model_a") and v and not os.path.isabs(v)
+            and not os.path.exists(v)][:1]
+    shown = lambda v: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v  # noqa
     trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
-    text = common.read_text(CARD).format(
-        method=meta["method"], paper=PAPERS[meta["method"]], step=meta["step"], metric=metric,
-        score=meta[metric], base_model="".join(f"base_model: {b}\n" for b in bases[:1]),
-        title=f"{meta['method'].upper()} sentence encoder" + f" ({' + '.join(bases)})" * any(bases),
-        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "",
-        trust=", trust_remote_code=True" * trust, trust_note="The folder's `st_module.py` "
-        "computes the embedding: hence `trust_remote_code=True`.\n" * trust,
-        flags="\n".join(f"| `--{k.replace('_', '-')}` | `{v}` |" for k, v in shown.items()))
+    text = common.read_text(os.path.join(os.path.dirname(__file__), "card.md")).format(
+        **meta, paper=PAPERS[meta["method"]], score=meta[metric], metric=metric, name=meta[
+            "method"].upper(), base="".join(f" ({b})" for b in base), base_model="".join(
+            f"base_model: {b}\n" for b in base), trust=", trust_remote_code=True" * trust,
+        trust_note="Its `st_module.py` computes the embedding (`trust_remote_code`).\n" * trust,
+        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "", flags="\n".join(
+            f"| `--{k.replace('_', '-')}` | `{shown(v)}` |" for k, v in sorted(flags.items())
+            if k != "output_dir"))
     common.write_whole(os.path.join(folder, "README.md"), lambda f: f.write(text.encode()))
 
 
@@ -682,5 +678,5 @@ class Meter:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             v["MFU"] = 100 * flops / (world * peak[1])
         self.spans, self.flops, self.tokens, self.values = [], 0, 0, v
-        return "  ".join(f"{k} {x:.{2 if k == unit else 0 if k == 'tok/s' else 1}f}"
-                         for k, x in v.items()) + (f"% of {peak[0]} {self.precision}" if peak else "")
+        return "  ".join(f"{k} {x:.{2 if k == unit else 0 if k == 'tok/s' else 1}f}" for k, x in
+                         v.items()) + (f"% of {peak[0]} {self.precision}" if peak else "")
