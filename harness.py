@@ -356,9 +356,10 @@ def write_card(folder, meta, flags, metric, table=None):
     shown = lambda v: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v  # noqa
     trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
     text = common.read_text(os.path.join(os.path.dirname(__file__), "card.md")).format(
-        **meta, paper=PAPERS[meta["method"]], score=meta[metric], metric=metric, name=meta[
-            "method"].upper(), base="".join(f" ({b})" for b in base), base_model="".join(
-            f"base_model: {b}\n" for b in base), trust=", trust_remote_code=True" * trust,
+        method=meta["method"], step=meta["step"], paper=PAPERS[meta["method"]], metric=metric,
+        score=meta[metric], name=PAPERS[meta["method"]].split()[0], base="".join(f" ({b})" for b in base),
+        base_model="".join(f"base_model: {b}\n" for b in base),
+        trust=", trust_remote_code=True" * trust,
         trust_note="Its `st_module.py` computes the embedding (`trust_remote_code`).\n" * trust,
         results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "", flags="\n".join(
             f"| `--{k.replace('_', '-')}` | `{shown(v)}` |" for k, v in sorted(flags.items())
