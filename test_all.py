@@ -6049,7 +6049,7 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     run = harness.Run.__new__(harness.Run)  # its check_loss() alone, on this update's parts
     run.parts, run.scaler, run.skipped = (model, optimizer, scheduler, 1e-3, {}, {}), scaler, 0
     run.nonfinite, said = torch.tensor([-1.0, 0.0], device=dev), []
-    run.log = said.append
+    run.say = said.append
     for step in (1, 2):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         loss = sscl.train_step(model, tok, SENTS[:6], [2], dev, max_len=16,
