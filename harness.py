@@ -49,6 +49,7 @@ RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log"
 # a new run's record (save_step carries it on): the best dev score, its save's id and sentemb.json,
 # the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+CARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card.md")  # best/'s README.md
 
 
 # ---------------------------------------------------------------- the process ---------------------
@@ -111,6 +112,9 @@ class Run:
         self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for k, v in vars(a).items()}  # the command's flags, its paths absolute
         self.say = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        if missing := [f for f in (CARD, common.ST_MODULE) if not os.path.exists(f)]:
+            common.die(f"{' and '.join(map(os.path.basename, missing))} must lie beside harness.py"
+                       " (a run writes them into best/): copy them from the repository")
         try:  # --report-to's packages (rank 0), before anything is written
             self.packages = {n: importlib.import_module(TRACKERS[n]) for n in a.report_to
                              if n != "none" and self.rank == 0}
@@ -355,9 +359,10 @@ def write_card(folder, meta, flags, metric, table=None):
             and not os.path.exists(v)][:1]
     shown = lambda v: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v  # noqa
     trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
-    text = common.read_text(os.path.join(os.path.dirname(__file__), "card.md")).format(
+    text = common.read_text(CARD).format(
         method=meta["method"], step=meta["step"], paper=PAPERS[meta["method"]], metric=metric,
-        score=meta[metric], name=PAPERS[meta["method"]].split()[0], base="".join(f" ({b})" for b in base),
+        score=meta[metric], name=PAPERS[meta["method"]].split()[0],
+        base="".join(f" ({b})" for b in base),
         base_model="".join(f"base_model: {b}\n" for b in base),
         trust=", trust_remote_code=True" * trust,
         trust_note="Its `st_module.py` computes the embedding (`trust_remote_code`).\n" * trust,

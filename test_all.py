@@ -3998,6 +3998,27 @@ def copied_section(script):
     return module
 
 
+@pytest.mark.parametrize("script", COPY_FIRST)
+def test_tools_a_method_page_reads_its_script_by_whole_sections(script):
+    """docs/<script>.md's "Top to bottom" paragraph: each range of lines it gives begins at line 1
+    or a banner and ends where the next banner (or the file) begins; the ranges in order."""
+    page = " ".join((ROOT / "docs" / f"{script}.md").read_text().split())
+    text = page[page.index("Top to bottom"):page.index("**What to copy.**")]
+    lines = (ROOT / f"{script}.py").read_text().splitlines()
+    starts = {1, len(lines) + 1} | {i for i, line in enumerate(lines, 1)
+                                    if line.startswith(("# " + "-" * 64, "# ========"))}
+    ranges = [tuple(map(int, r)) for r in re.findall(r"(\d+)–(\d+)", text)]
+    assert len(ranges) >= 8 and ranges[0][0] == 1 and ranges[-1][1] == len(lines), ranges
+    assert all(a in starts and b + 1 in starts and a <= b for a, b in ranges), (script, ranges)
+    assert ranges == sorted(ranges), ranges
+
+
+def test_tools_every_line_of_code_fits_in_100_characters():
+    long = [f"{p.relative_to(ROOT)}:{i}" for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py")]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, long
+
+
 def equal_steps(step_a, step_b, models):
     """Two training steps on two copies of a model: the same loss and gradients."""
     losses = [step(m) for step, m in zip((step_a, step_b), models)]
@@ -4038,9 +4059,10 @@ def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_di
 
 
 def copy_run(script, cmd, tmp_path):
-    """script.py, common.py and harness.py copied into an empty folder: --help; a run of 2 steps (a
-    dev evaluation each), killed inside its second save; --resume finishes and prints the final
-    table, with no other file of the project. -> the resumed run's stdout."""
+    """script.py, common.py and harness.py copied into an empty folder: --help; a run stops in one
+    line naming the two files a best/ carries (card.md, st_module.py), before it writes anything.
+    With them: a run of 2 steps (a dev evaluation each), killed inside its second save; --resume
+    finishes and prints the final table, with no other file of the project. -> its stdout."""
     d = tmp_path / "copy"
     d.mkdir()
     for f in (f"{script}.py", "common.py", "harness.py"):
@@ -4049,6 +4071,11 @@ def copy_run(script, cmd, tmp_path):
     cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
     assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
                           cwd=d).returncode == 0
+    bare = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=d)
+    one_line(bare.returncode, bare.stderr, "card.md and st_module.py", "beside harness.py")
+    assert not (d / "run").exists()
+    for f in ("card.md", "st_module.py"):
+        shutil.copy(ROOT / f, d)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
                             env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
     saving = (harness.NEW, harness.OLD, harness.CKPT + ".tmp")  # step 1's save, under way
@@ -4057,8 +4084,8 @@ def copy_run(script, cmd, tmp_path):
     done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
     assert done.returncode == 0, done.stderr
     assert re.search(r"STS-B .*Avg\.\n( +-?\d+\.\d+){2,8}\n", done.stdout), done.stdout
-    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {"common.py", "harness.py", "run",
-                                                                f"{script}.py"}
+    assert {p.name for p in d.iterdir()} - {"__pycache__"} == {
+        "common.py", "harness.py", "run", f"{script}.py", "card.md", "st_module.py"}
     return done.stdout
 
 
@@ -5277,7 +5304,8 @@ def another_save(folder, rel=None):
     from safetensors.torch import load_file, save_file
     meta = json.loads((folder / common.META).read_text())
     torch.manual_seed(0)
-    for f in [rel] if rel else meta["fingerprints"]:
+    for f in [rel] if rel else [f for f in meta["fingerprints"]
+                                if f.endswith((".safetensors", ".pt", ".bin"))]:  # not the code
         path = folder / f
         tensors = load_file(path) if f.endswith(".safetensors") else torch.load(path)
         tensors = {k: v + 0.5 * v.float().std().nan_to_num() * torch.randn_like(v.float())
@@ -7217,7 +7245,7 @@ def test_seeds_a_bad_entry_of_each_kind_is_one_line_naming_file_and_key(
     assert out == ""
 
 
-# ---------------------------------------------------------------- sentence-transformers: st_module.py
+# ---- sentence-transformers: st_module.py ----
 ST_KINDS = {"jtcse": "JTCSETwin", "bellm": "BeLLM"}  # st_module's class for a run's best/
 
 
