@@ -5736,13 +5736,17 @@ def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, tra
                                                             tmp_path):
     """In-batch negatives gathered across ranks: 2 × B gives the loss, the gradient norm (clipped
     at 0.1, below it: the all-reduced gradient's) and the updated weights of 1 × 2B (with 2
-    accumulated micro-batches, so the no_sync path is covered too)."""
+    accumulated micro-batches, so the no_sync path is covered too). --report-to tensorboard: rank
+    0 alone writes events, the curves metrics.jsonl keeps."""
+    needs_tensorboard()
     args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
                                      "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
                                      "--max-grad-norm", 0.1, steps=3, eval_steps=100, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
-    two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4))
+    two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4), "--report-to", "tensorboard")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
+    assert len(list((tmp_path / "two" / "tensorboard").rglob("events.out.tfevents.*"))) == 1
+    assert_same_curves(tensorboard_curves(tmp_path / "two"), metrics_of(tmp_path / "two"))
     assert len(losses(one.stdout)) == 3
     for x, y in zip(losses(one.stdout), losses(two.stdout), strict=True):
         assert float(x) == pytest.approx(float(y), abs=2e-4)
