@@ -15,8 +15,7 @@ reader of a paper may skip this file: each main()'s step is plain torch, and it 
   Meter(...): meter.step(...)   the step lines' speed and FLOP/s; meter.line(): the line
 Readers (eval_sts.py, the analyses, --distill) use run_of and reading. What all this guarantees
 (a kill at any instant, readers during saves, a full disk, --resume as the uninterrupted run) and
-how it is tested: docs/operations.md, "Run folders" and "Failure and recovery".
-"""
+how it is tested: docs/operations.md, "Run folders" and "Failure and recovery"."""
 import atexit
 import contextlib
 import errno
@@ -37,7 +36,6 @@ import torch
 import common
 
 fcntl = importlib.import_module("fcntl") if os.name == "posix" else None  # Windows: no locks
-
 CKPT, BEST, NEW, OLD, CURVE, METRICS, LOCK = "checkpoint.pt", common.BEST, ".best.new", \
     ".best.old", "dev.jsonl", "metrics.jsonl", ".lock"
 OURS = {LOCK, NEW, OLD, CKPT + ".tmp", CURVE + ".tmp", METRICS + ".tmp"}  # a save under way's
@@ -50,6 +48,9 @@ RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log"
 # the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
 CARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card.md")  # best/'s README.md
+PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",  # the model cards'
+          "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
+          "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
 
 
 # ---------------------------------------------------------------- the process ---------------------
@@ -62,8 +63,7 @@ def start():
         atexit.register(torch.distributed.destroy_process_group)  # before the interpreter goes
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     log = functools.partial(print, flush=True) if rank == 0 else lambda *_, **__: None
     return rank, world, device, log
 
@@ -73,9 +73,8 @@ def collective(call, /, *tensors, **options):
     of the tensors (one it frees at exit aborts the process); NCCL's watchdog holds its own."""
     call(*tensors, **options)
     held = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
-    if held and held[0].device.type == "cpu":
-        while any(t._use_count() > 1 for t in held):  # 1: its Python object's reference alone
-            time.sleep(1e-4)
+    while held and held[0].device.type == "cpu" and any(t._use_count() > 1 for t in held):
+        time.sleep(1e-4)  # a use count of 1: its Python object's reference alone
 
 
 def gather(z):
@@ -167,8 +166,7 @@ class Run:
                 (os.rmdir if os.path.isdir(path) else os.remove)(path)
 
     def read_resume(self, resumable):
-        """checkpoint.pt, trained with this command's flags but the resumable ones (each of its
-        type) by as many processes (the global batch), or one line naming what differs."""
+        """checkpoint.pt, if its run had these flags (but resumable ones) and world; or one line."""
         state, now = read_checkpoint(self.dir, self.method, self.device), self.flags
         old, path = state["args"], os.path.join(self.dir, CKPT)
         kind = lambda v: "number" if type(v) in (int, float) else type(v)  # noqa: E731
@@ -202,8 +200,7 @@ class Run:
     def resume(self, model, optimizer, scheduler, lr, meta, scaler, **generators):
         """What every save holds: the model's trained weights, optimiser (and fp16's gradient
         scaler), schedule, rate lr, meta (sentemb.json), generators (JTCSE's R); --resume: each as
-        saved, RNG states too, the rate over this command's schedule (as HF Trainer), a new --lr
-        from that step on. Signals stop training from here. -> the first step (0: as loaded)"""
+        saved, RNG states too. Signals stop training from here. -> the first step (0: as loaded)"""
         self.parts, self.scaler = (model, optimizer, scheduler, lr, meta, generators), scaler
         optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
         self.nonfinite, self.skipped = torch.tensor([-1.0, 0.0], device=self.device), 0  # watch()
@@ -238,12 +235,11 @@ class Run:
         np.random.set_state(state["rng"][2])
         if len(state["rng"]) == 4 and self.device.type == "cuda":  # saved on a GPU
             torch.cuda.set_rng_state(state["rng"][3].cpu(), self.device)
-        for g in optimizer.param_groups:  # the rate over this command's schedule
+        for g in optimizer.param_groups:  # the rate over this command's schedule (as HF Trainer)
             g["initial_lr"], g["lr"] = lr, lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-        if lr != state["args"]["lr"]:  # a new --lr from the resumed step on
-            self.say(f"--lr {lr:g} replaces the run's {state['args']['lr']:g} from step "
-                     f"{state['step']} on")
+        if lr != (old := state["args"]["lr"]):  # a new --lr from the resumed step on
+            self.say(f"--lr {lr:g} replaces the run's {old:g} from step {state['step']} on")
         self.state = {k: v for k, v in state.items() if k not in ("model", "opt")}  # (in use)
         return state["step"] + 1
 
@@ -271,8 +267,7 @@ class Run:
             f"{os.path.basename(os.path.abspath(self.dir))}-{self.record['id']}"), **wandb).log
 
     def check_loss(self):
-        """A loss not finite since the last check (before any save: the last is good): one line,
-        exit; fp16: more steps skipped by the gradient scaler: one line. At the device's reads."""
+        """A non-finite loss since the last check: exit, one line; fp16: new skips: one line."""
         step, loss = self.nonfinite.tolist()
         if step >= 0:
             common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
@@ -284,8 +279,7 @@ class Run:
             self.say(f"fp16: {n} of {self.parts[2].last_epoch} steps skipped (inf/NaN gradients)")
 
     def stop_requested(self, agree=True):
-        """Whether a signal asked training to stop; torchrun: where agree, agreed by all ranks (a
-        signal to one rank stops all of them there)."""
+        """Whether a signal asked training to stop; torchrun, where agree: by any rank, all stop."""
         if self.world > 1 and agree:
             t = torch.tensor(STOP["signum"], device=self.device)
             collective(torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
@@ -347,24 +341,17 @@ class Run:
                    self.record["curve"][-1]["metric"], table)  # rewritten whole
 
 
-PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",  # the model cards'
-          "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
-          "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
-
-
 def write_card(folder, meta, flags, metric, table=None):
-    """folder/README.md, the model card (card.md filled in, written whole), with no path of this
-    machine: a path flag by its file name, a base model by its hub name (a local one left out)."""
-    base = [v for k, v in flags.items() if k in ("model", "model_a") and v and not os.path.isabs(v)
-            and not os.path.exists(v)][:1]
+    """folder/README.md, the model card: card.md filled in, written whole, with no local path."""
+    base = next((v for k, v in flags.items() if k in ("model", "model_a") and v
+                 and not os.path.isabs(v) and not os.path.exists(v)), "")  # a hub name, not a path
     shown = lambda v: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v  # noqa
     trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
+    paper = PAPERS[meta["method"]]
     text = common.read_text(CARD).format(
-        method=meta["method"], step=meta["step"], paper=PAPERS[meta["method"]], metric=metric,
-        score=meta[metric], name=PAPERS[meta["method"]].split()[0],
-        base="".join(f" ({b})" for b in base),
-        base_model="".join(f"base_model: {b}\n" for b in base),
-        trust=", trust_remote_code=True" * trust,
+        method=meta["method"], step=meta["step"], metric=metric, score=meta[metric], paper=paper,
+        name=paper.split()[0], base=f" ({base})" * bool(base),
+        base_model=f"base_model: {base}\n" * bool(base), trust=", trust_remote_code=True" * trust,
         trust_note="Its `st_module.py` computes the embedding (`trust_remote_code`).\n" * trust,
         results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "", flags="\n".join(
             f"| `--{k.replace('_', '-')}` | `{shown(v)}` |" for k, v in sorted(flags.items())
@@ -372,20 +359,17 @@ def write_card(folder, meta, flags, metric, table=None):
     common.write_whole(os.path.join(folder, "README.md"), lambda f: f.write(text.encode()))
 
 
-def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, log,
-              undo=lambda: None):
-    """The training state and the run's record (RECORD; dev None at a stop) replace checkpoint.pt,
-    the commit; a new best is first written whole into .best.new (write(folder), sentemb.json with
-    its weights' fingerprints), renamed after (settle). A first save that fails: undo(). -> the
-    record"""
+def save_step(out, method, check_run, run, step, metric, dev, state, write, log, undo=lambda: None):
+    """The training state and record (RECORD; dev None at a stop) replace checkpoint.pt, the commit;
+    a new best goes whole into .best.new first (write(folder), sentemb.json). -> the record"""
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
-        save_step(out_dir, method, check_run, run, step, metric, None, state, write, log, undo)
+        save_step(out, method, check_run, run, step, metric, None, state, write, log, undo)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
-                   f"(all alike?); the training state is saved in {out_dir}")
+                   f"(all alike?); the training state is saved in {out}")
     if not all(bool(torch.isfinite(v).all()) for v in state["model"].values()):
-        common.die(f"the weights are no longer finite: not saved; {out_dir} holds the last good "
+        common.die(f"the weights are no longer finite: not saved; {out} holds the last good "
                    "step: resume from it with a lower --lr (--resume --lr ...)")
-    new, new_best = os.path.join(out_dir, NEW), dev is not None and dev > run["best"]
+    new, new_best = os.path.join(out, NEW), dev is not None and dev > run["best"]
     if dev is not None:  # the dev curve; metrics.jsonl's lines
         run = {**run, "curve": run["curve"] + [{"step": step, "metric": metric, "score": dev}],
                "log": run["log"] + [{"step": step, metric: dev}]}
@@ -402,23 +386,26 @@ def save_step(out_dir, method, check_run, run, step, metric, dev, state, write, 
             with open(os.path.join(new, common.META), "w") as f:
                 json.dump(described, f, indent=2)
             write_card(new, described, state["args"], metric)  # README.md
-            sync_tree(new)  # on disk before the commit names it
+            for root, _, files in os.walk(new):  # on disk before the commit names it: each
+                for name in files:  # file, then the folders' entries (pause() between)
+                    common.fsync(os.path.join(root, name))
+                    pause()
+                common.fsync(root)
             run = {**run, "best": dev, "save": save, "described": described}
-        state = {**state, **run}
-        common.write_whole(os.path.join(out_dir, CKPT), lambda f: torch.save(state, f),
-                           pause)  # the commit
+        state = {**state, **run}  # the commit:
+        common.write_whole(os.path.join(out, CKPT), lambda f: torch.save(state, f), pause)
     except Exception as e:  # OSError; torch's and safetensors' writers on a full disk
         shutil.rmtree(new, ignore_errors=True)
         full = getattr(e, "errno", None) == 28 or any(s in str(e) for s in (
             "unexpected pos", "file write failed", "os error 28", "No space left"))  # torch, Rust
         reason = "No space left on device" if full else getattr(e, "strerror", None) or str(e)
-        if first := not os.path.lexists(os.path.join(out_dir, CKPT)):
+        if first := not os.path.lexists(os.path.join(out, CKPT)):
             undo()  # the folder as it was before the run began
         fix = "nothing of this run was saved: run the same command again, without --resume" \
             if first else "what was saved before is kept, and --resume continues from it"
-        common.die(f"cannot save in {out_dir} ({reason}): free disk space or pass another "
+        common.die(f"cannot save in {out} ({reason}): free disk space or pass another "
                    f"--output-dir; {fix}")
-    settle(out_dir, method, check_run, state)
+    settle(out, method, check_run, state)  # .best.new renamed to best/
     if dev is not None:
         log(f"step {step:>5}  {metric} {dev:.2f}  (best {run['best']:.2f})")
     return run
@@ -432,11 +419,9 @@ def settle(run_dir, method, check_run, state=None):
         if os.path.lexists(at(name)) and os.path.isdir(at(name)) != (d := name in (NEW, OLD, BEST)):
             common.die(f"'{at(name)}' is not the {'folder' if d else 'file'} "
                        f"{method}.py writes there: delete it, then run again")
-    if state is None and os.path.lexists(at(CKPT)):
-        state = read_checkpoint(run_dir, method)
-    save = state and state["save"]
+    state = state or (read_checkpoint(run_dir, method) if os.path.lexists(at(CKPT)) else None)
     try:  # the committed save never goes: in best/, else in .best.new (rolled forward), else stop
-        if save and committed(run_dir, method, state) == at(NEW):
+        if state and state["save"] and committed(run_dir, method, state) == at(NEW):
             if not ours:  # a leftover: checked before it is used
                 check_prints(at(NEW), read_meta(at(NEW), method, check_run, state))
             with folder_lock(run_dir, "EX"):  # a reader of best/ is never inside a swap
@@ -463,8 +448,7 @@ def settle(run_dir, method, check_run, state=None):
 
 
 def committed(run_dir, method, state=None):
-    """The folder of the save checkpoint.pt names (best/ without one): best/, or .best.new when it
-    is committed and not yet in place (whole on disk); else one line, nothing changed."""
+    """The committed save's folder: best/, or .best.new (whole, not yet in place); or one line."""
     at = functools.partial(os.path.join, run_dir)
     if state is None and not os.path.lexists(at(CKPT)):
         return at(BEST)
@@ -479,10 +463,9 @@ def committed(run_dir, method, state=None):
 
 
 def differs(found, want, whole=True, skip=()):
-    """The first key of want (whole: or of found), not in skip, whose value found lacks or holds
-    otherwise, as JSON keeps them (numbers within 1e-6: a checksum computed on another device):
-    (key, found's, want's as JSON, "none" where missing); None."""
-    def same(a, b):
+    """The first key of want (whole: or of found), not in skip, that found lacks or holds otherwise
+    as JSON (numbers within 1e-6): (key, found's, want's as JSON, "none" where missing); None."""
+    def same(a, b):  # numbers within 1e-6: a checksum computed on another device
         return a == b or {type(a), type(b)} <= {int, float} and math.isclose(a, b, rel_tol=1e-6)
     found, want = (json.loads(json.dumps(d, default=str)) for d in (found, want))
     for k in {**want, **(found if whole else {})}:
@@ -491,20 +474,17 @@ def differs(found, want, whole=True, skip=()):
 
 
 @contextlib.contextmanager
-def reading(run_dir, method, check_run, folder=None):
-    """A reader of a run folder, settled if it can be: -> the committed save's folder and its
-    sentemb.json, checked, the one checkpoint.pt records for that save, under the readers' lock (no
-    swap inside). run_dir None: folder (a copy of best/), checked on its own."""
-    if run_dir is None:
+def reading(run, method, check_run, folder=None):
+    """A reader: -> the committed save's folder, sentemb.json checked (run None: folder alone)."""
+    if run is None:
         yield folder, read_meta(folder, method, check_run)
         return
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, LOCK), "a+") as lock:
+    with contextlib.suppress(OSError), open(os.path.join(run, LOCK), "a+") as lock:
         if flock(lock, "EX", "NB"):
-            settle(run_dir, method, check_run)
-    with folder_lock(run_dir, "SH"):  # one checkpoint read: a commit may follow while inside
-        state = read_checkpoint(run_dir, method) if os.path.lexists(os.path.join(
-            run_dir, CKPT)) else None
-        folder = committed(run_dir, method, state)
+            settle(run, method, check_run)
+    with folder_lock(run, "SH"):  # one checkpoint read: a commit may follow while inside
+        state = read_checkpoint(run, method) if os.path.lexists(os.path.join(run, CKPT)) else None
+        folder = committed(run, method, state)
         yield folder, read_meta(folder, method, check_run, state)
 
 
@@ -541,9 +521,8 @@ def read_checkpoint(run_dir, method, device="cpu"):
 
 
 def read_meta(folder, method, check_run, state=None):
-    """The sentemb.json of a model method's script saved, checked by check_run, and (state: the
-    checkpoint that names its save) the one it records for that save (one of an earlier version,
-    which records none: the model's description); or one line."""
+    """The sentemb.json of a model method's script saved, checked by check_run and (state: the
+    checkpoint naming its save) against the one it records (older runs': its meta); or one line."""
     path, ckpt = os.path.join(folder, common.META), os.path.join(os.path.dirname(folder), CKPT)
     meta = common.read_json(path, f"cannot load '{folder}'", RECOPY)
     if meta.get("method") != method:
@@ -571,9 +550,8 @@ def check_prints(folder, meta):
 def run_of(name):
     """NAME to a reader: (method, run folder, model folder) for a run folder of ours or its best/;
     (method, None, NAME) for a copy of best/ (or a run of the layout before it); None: a model."""
-    up = os.path.dirname(os.path.abspath(name))
-    run = up if os.path.basename(os.path.abspath(name)) == BEST and \
-        os.path.isfile(os.path.join(up, CKPT)) else name
+    up, base = os.path.split(os.path.abspath(name))
+    run = up if base == BEST and os.path.isfile(os.path.join(up, CKPT)) else name
     at = functools.partial(os.path.join, run)
     if not os.path.lexists(at(CKPT)) and not os.path.isdir(at(BEST)) and \
             any(os.path.lexists(at(n)) for n in (NEW, CKPT + ".tmp")):
@@ -588,12 +566,10 @@ def run_of(name):
         except Exception as e:
             common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
                        f"{CKPT} ({type(e).__name__}): {RECOPY}")
-    if os.path.isfile(os.path.join(name, common.META)):
+    if os.path.isfile(meta := os.path.join(name, common.META)):
         with contextlib.suppress(Exception):
-            return json.loads(common.read_text(os.path.join(name, common.META)))["method"], \
-                None, name
+            return json.loads(common.read_text(meta))["method"], None, name
         return "?", None, name  # the reader names the damaged file
-    return None
 
 
 def save_id(folder):
@@ -605,26 +581,15 @@ def save_id(folder):
 
 # ---------------------------------------------------------------- the file system -----------------
 def pause():
-    """Each instant between two writes of a save, where tests aim kills: SENTEMB_SAVE_PAUSE=seconds
-    sleeps; SENTEMB_KILL_AT=N sends SIGKILL to this process at its N-th such instant."""
+    """Each instant between two writes of a save: where tests aim kills (SENTEMB_KILL_AT=N)."""
     STOP["writes"] += 1
     if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("SENTEMB_SAVE_PAUSE", 0)))
 
 
-def sync_tree(folder):
-    """Every file of a folder written, then the folders' entries, on the disk (pause() between)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            common.fsync(os.path.join(root, name))
-            pause()
-        common.fsync(root)
-
-
 def flock(f, *how):
-    """An advisory lock on an open file or folder, dropped when it is closed or the process ends;
-    how: "EX" or "SH", and "NB" not to wait. -> False when NB and another process holds it."""
+    """An advisory lock on an open file or folder till closed or exit; -> False: "NB" and held."""
     try:  # (Windows: no advisory locks)
         return not fcntl or fcntl.flock(f, sum(getattr(fcntl, "LOCK_" + h) for h in how)) or True
     except BlockingIOError:
@@ -643,20 +608,17 @@ def folder_lock(folder, how):
 
 # ---------------------------------------------------------------- the step lines' meter -----------
 class Meter:
-    """The step lines' speed: `with meter.step(step_model):` around each step; line(): rows (unit)
-    and real tokens (.tokens) a second, FLOP/s, MFU (GPUs of known peak), since the last, all ranks
-    (.values: as numbers). A step's time runs from its start to its end on the device's clock (CUDA
-    events, read at line(): no wait inside a step). FLOPs: the first step's a padded token slot
-    (common.FlopCount) times another step's (step_model.slots: the padded token slots it ran)."""
+    """The step lines' speed: `with meter.step(step_model):` around each step; line(): rows (unit),
+    tokens (.tokens), FLOPs (the first step's per padded slot, times .slots) a second, MFU (known
+    GPUs), since the last, all ranks (.values); timed on the device (CUDA events read in line())."""
 
     def __init__(self, device, per_step, unit, precision="fp32"):
         self.device, self.per_step, self.unit, self.per_slot = device, per_step, unit, None
         self.spans, self.flops, self.tokens, self.precision = [], 0, 0, precision
 
     def now(self):  # an instant on the device's clock: a recorded CUDA event, or the host's time
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        return (event := torch.cuda.Event(enable_timing=True)).record() or event
+        return time.perf_counter() if self.device.type != "cuda" else \
+            (event := torch.cuda.Event(enable_timing=True)).record() or event
 
     @contextlib.contextmanager
     def step(self, step_model):
