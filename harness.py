@@ -387,10 +387,10 @@ def save_step(out, method, check_run, run, step, metric, dev, state, write, log,
                 json.dump(described, f, indent=2)
             write_card(new, described, state["args"], metric)  # README.md
             for root, _, files in os.walk(new):  # on disk before the commit names it: each
-                for name in files:  # file, then the folders' entries (pause() between)
+                for name in files:  # file, then the folders' entries
                     common.fsync(os.path.join(root, name))
-                    pause()
                 common.fsync(root)
+            pause()  # killed before the commit: .best.new is no save (settle removes it)
             run = {**run, "best": dev, "save": save, "described": described}
         state = {**state, **run}  # the commit:
         common.write_whole(os.path.join(out, CKPT), lambda f: torch.save(state, f), pause)
@@ -581,7 +581,7 @@ def save_id(folder):
 
 # ---------------------------------------------------------------- the file system -----------------
 def pause():
-    """Each instant between two writes of a save: where tests aim kills (SENTEMB_KILL_AT=N)."""
+    """An instant between a save's writes: SENTEMB_KILL_AT=N kills, SENTEMB_SAVE_PAUSE=s waits."""
     STOP["writes"] += 1
     if STOP["writes"] == int(os.environ.get("SENTEMB_KILL_AT", 0)):
         os.kill(os.getpid(), signal.SIGKILL)
