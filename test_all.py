@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from argparse import Namespace
 from pathlib import Path
 
@@ -641,17 +642,18 @@ def test_eval_malformed_sts_line_names_file_and_line(bert_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_missing_data_folder(bert_dir, tmp_path):
-    proc = run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "nowhere")
-    assert_bad_input(proc, "--data-dir", "SENTEMB_DATA")
+def test_eval_missing_data_folder(bert_dir, tmp_path, capsys, monkeypatch):
+    def refused(data, *words):
+        code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", bert_dir, "--data-dir",
+                               data)
+        one_line(code, err, *words)
+    refused(tmp_path / "nowhere", "--data-dir", "SENTEMB_DATA")
     write_sts(tmp_path / "partial")
     shutil.rmtree(tmp_path / "partial" / "downstream" / "SICK")  # incomplete
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "partial"),
-                     "--data-dir")
+    refused(tmp_path / "partial", "--data-dir")
     write_sts(tmp_path / "gap")
     (tmp_path / "gap" / "downstream" / "STS" / "STS16-en-test" / "STS.gs.plagiarism.txt").unlink()
-    assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path / "gap"),
-                     "STS.gs.plagiarism.txt")
+    refused(tmp_path / "gap", "STS.gs.plagiarism.txt")
 
 
 @pytest.mark.slow
@@ -1060,11 +1062,11 @@ SENTEVAL_TRANSFER = {
 @pytest.mark.slow
 def test_eval_senteval_transfer_parity_minilm_avg(tmp_path):
     """SentEval's fasttest accuracies for all-MiniLM-L6-v2 with avg pooling, each within 0.25, on
-    four of the seven tasks: k-fold on one split (CR, MPQA), on train then test (TREC), pair
-    features (MRPC). MR and SUBJ repeat CR's protocol; SST-2 (train/dev/test) is two thirds of the
-    encoding (70k phrases) and its protocol is checked against SentEval's code above; all seven: the
-    README's command."""
-    minilm, tasks = MODELS / "minilm", ["CR", "MPQA", "TREC", "MRPC"]
+    three of the seven tasks, one a protocol: k-fold on one split (CR), on train then test (TREC),
+    pair features (MRPC). MR, SUBJ and MPQA repeat CR's protocol; SST-2 (train/dev/test) is two
+    thirds of the encoding (70k phrases) and its protocol is checked against SentEval's code above;
+    all seven: the README's command."""
+    minilm, tasks = MODELS / "minilm", ["CR", "TREC", "MRPC"]
     need(minilm / "model.safetensors", REAL_STS / "downstream" / "MR")
     out = tmp_path / "r.json"
     proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
@@ -1839,6 +1841,30 @@ BENCH_BAD = [
 ]
 
 
+def bench_main(script, args, monkeypatch, env=None):
+    """bench/script run as __main__ in this process (its imports already loaded), with args and
+    env; the global settings a script may change (threads, RNG, transformers' logging, warnings
+    filters) restored after. -> its exit code (an exception reaches the caller)."""
+    import runpy
+    from transformers.utils import logging as hf_logging
+    path = str(ROOT / "bench" / script)
+    threads, verbosity, bars = (torch.get_num_threads(), hf_logging.get_verbosity(),
+                                hf_logging.is_progress_bar_enabled())
+    try:
+        with monkeypatch.context() as mp, torch.random.fork_rng(), warnings.catch_warnings():
+            mp.setattr(sys, "argv", [path, *map(str, args)])
+            mp.setattr(sys, "path", [str(ROOT / "bench"), *sys.path])  # as python puts it
+            for k, v in (env or {}).items():
+                mp.setenv(k, v)
+            with pytest.raises(SystemExit) as exit_:
+                runpy.run_path(path, run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()
+    return exit_.value.code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,args,words", BENCH_BAD,
                          ids=[f"{s}-{'_'.join(a)}" for s, a, _ in BENCH_BAD])
@@ -1846,14 +1872,9 @@ def test_bench_scripts_refuse_a_bad_value_when_parsed(script, args, words, capsy
     """A bad number or word on a bench script's command line: exit code 2, argparse's usage and
     one `PROG: error: ...` line naming the argument and what it takes, no traceback, no output.
     Run as __main__ in this process (its imports already loaded): the refusal comes first."""
-    import runpy
-    path = str(ROOT / "bench" / script)
-    monkeypatch.setattr(sys, "argv", [path, *map(str, args)])
-    monkeypatch.setattr(sys, "path", [str(ROOT / "bench"), *sys.path])  # as python puts it
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(path, run_name="__main__")
+    code = bench_main(script, args, monkeypatch)
     out, err = capsys.readouterr()
-    assert exit_.value.code == 2, out + err
+    assert code == 2, out + err
     assert "Traceback" not in err and out == "", out + err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1, err
@@ -1906,21 +1927,23 @@ def bench_inputs(tmp, bert_dir, nli, sts):
 
 
 @pytest.mark.slow
-def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, sts_dir, tmp_path):
+def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, sts_dir, tmp_path,
+                                                                    capsys, monkeypatch):
     """Every bench/ script, given a model folder or data file that is missing, broken, short or of
     the wrong kind (by its argument or its environment variable), or --device cuda without CUDA:
-    exit code 2 and one `error:` line naming the input and the fix, no traceback."""
+    exit code 2 and one `error:` line naming the input and the fix, no traceback (an exception
+    would reach pytest). Each run as __main__ in this process, its global settings restored."""
     (tmp_path / "wiki256.txt").write_text("".join(f"sentence number {i}\n" for i in range(256)))
     cases = bench_inputs(tmp_path, bert_dir, nli_csv(tmp_path), sts_dir)
     if not torch.cuda.is_available():
         cases.append(("step_speed.py", ["sscl", "--device", "cuda"], {},
                       ["--device cuda", "no CUDA device", "drop --device cuda"]))
     for script, args, env, words in cases:
-        proc = run(f"bench/{script}", *args, env={"HF_HUB_OFFLINE": "1", **env}, timeout=300)
-        assert proc.returncode == 2, (script, args, env, proc.stdout + proc.stderr[-3000:])
-        assert "Traceback" not in proc.stderr, (script, args, proc.stderr[-3000:])
-        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-        assert len(errors) == 1, (script, args, proc.stderr[-3000:])
+        code = bench_main(script, args, monkeypatch, {"HF_HUB_OFFLINE": "1", **env})
+        out, err = capsys.readouterr()
+        assert code == 2, (script, args, env, out + err[-3000:])
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1, (script, args, err[-3000:])
         assert all(w in errors[0] for w in words), (script, args, env, errors[0])
 
 
@@ -2073,14 +2096,15 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py")))
-def test_bench_scripts_print_their_help(script):
+def test_bench_scripts_print_their_help(script, capsys, monkeypatch):
     """--help of each bench script exits 0 with its usage; paper_scale.py's shows each typed
     flag's range and keeps its child-process flags (--measure, --rows) hidden."""
-    proc = run(f"bench/{script}", "--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+    code = bench_main(script, ["--help"], monkeypatch)
+    out, err = capsys.readouterr()
+    assert code in (0, None) and out.startswith("usage:"), out + err
     if script == "paper_scale.py":  # (argparse wraps the help to the terminal's width)
-        assert " ".join(proc.stdout.split()).count("[a fraction in (0, 1]]") == 2, proc.stdout
-        assert "--measure" not in proc.stdout and "--rows" not in proc.stdout, proc.stdout
+        assert " ".join(out.split()).count("[a fraction in (0, 1]]") == 2, out
+        assert "--measure" not in out and "--rows" not in out, out
 
 
 # ---------------------------------------------------------------- SSCL ----------------------------
@@ -7476,9 +7500,8 @@ def test_harness_the_code_a_best_carries_is_checked_like_its_weights(method, run
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["jtcse", "bellm"])
-def test_st_module_an_older_best_is_exported_as_a_sentence_transformers_folder(method,
-                                                                               run_templates,
-                                                                               tmp_path):
+def test_st_module_an_older_best_is_exported_as_a_sentence_transformers_folder(
+        method, run_templates, tmp_path, capsys, monkeypatch):
     """eval_sts.py --export-st DIR: a best/ saved before runs carried st_module.py (no
     modules.json, no tower CLS files, no card) copied to DIR with them; DIR loads in
     sentence-transformers as eval_sts.py scores it, and our readers check its new files."""
@@ -7489,13 +7512,18 @@ def test_st_module_an_older_best_is_exported_as_a_sentence_transformers_folder(m
     prints = json.loads((old / common.META).read_text())["fingerprints"]
     edit_json(old / common.META, fingerprints={k: v for k, v in prints.items()
                                                if not k.endswith(("st_module.py", "modules.json"))})
-    r = run("eval_sts.py", "--model", old, "--export-st", tmp_path / "new")
-    assert r.returncode == 0 and "trust_remote_code=True" in r.stdout, r.stderr[-2000:]
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", old, "--export-st",
+                             tmp_path / "new")
+    assert code == 0 and "trust_remote_code=True" in out, err[-2000:]
     assert "[More Information Needed]" not in (tmp_path / "new" / "README.md").read_text()
     got = st_remote([tmp_path / "new"])
     assert got[str(tmp_path / "new")][0] <= 1e-5
-    assert_bad_input(run("eval_sts.py", "--model", old, "--export-st", tmp_path / "new"), "exists")
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", old, "--export-st",
+                           tmp_path / "new")
+    one_line(code, err, "exists")
     with open(tmp_path / "new" / "st_module.py", "a") as f:
         f.write("\n")
-    assert_bad_input(run("eval_sts.py", "--model", tmp_path / "new", "--tasks", "STS-B",
-                         env={"SENTEMB_DATA": str(JT_DATA["sts"])}), "st_module.py is not the file")
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "new", "--tasks",
+                           "STS-B")
+    one_line(code, err, "st_module.py is not the file")
