@@ -1843,13 +1843,15 @@ BENCH_BAD = [
 
 def bench_main(script, args, monkeypatch, env=None):
     """bench/script run as __main__ in this process (its imports already loaded), with args and
-    env; the global settings a script may change (threads, RNG, transformers' logging, warnings
-    filters) restored after. -> its exit code (an exception reaches the caller)."""
+    env; the global settings a script may change (threads, autograd, the default dtype, RNG,
+    transformers' logging, warnings filters) restored after. -> its exit code (an exception
+    reaches the caller)."""
     import runpy
     from transformers.utils import logging as hf_logging
     path = str(ROOT / "bench" / script)
-    threads, verbosity, bars = (torch.get_num_threads(), hf_logging.get_verbosity(),
-                                hf_logging.is_progress_bar_enabled())
+    threads, grad, dtype, verbosity, bars = (  # (jtcse_baselines.py turns autograd off)
+        torch.get_num_threads(), torch.is_grad_enabled(), torch.get_default_dtype(),
+        hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
     try:
         with monkeypatch.context() as mp, torch.random.fork_rng(), warnings.catch_warnings():
             mp.setattr(sys, "argv", [path, *map(str, args)])
@@ -1860,6 +1862,8 @@ def bench_main(script, args, monkeypatch, env=None):
                 runpy.run_path(path, run_name="__main__")
     finally:
         torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(dtype)
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()
     return exit_.value.code
