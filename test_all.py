@@ -1930,22 +1930,50 @@ def bench_inputs(tmp, bert_dir, nli, sts):
     ]
 
 
+BENCH_CASES = """
+import contextlib, io, json, os, runpy, sys, traceback
+import torch
+results = []
+for path, args, env in json.load(sys.stdin):  # each bench case as python runs its script
+    saved, err = dict(os.environ), io.StringIO()
+    os.environ.update(env)
+    sys.argv, sys.path = [path, *args], [os.path.dirname(path), *sys.path]
+    code = None
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            traceback.print_exc()
+    os.environ.clear()
+    os.environ.update(saved)
+    sys.path = sys.path[1:]
+    torch.set_grad_enabled(True)  # (jtcse_baselines.py turns autograd off at import)
+    results.append((code, err.getvalue()))
+print(json.dumps(results))
+"""
+
+
 @pytest.mark.slow
-def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, sts_dir, tmp_path,
-                                                                    capsys, monkeypatch):
+def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, sts_dir, tmp_path):
     """Every bench/ script, given a model folder or data file that is missing, broken, short or of
     the wrong kind (by its argument or its environment variable), or --device cuda without CUDA:
-    exit code 2 and one `error:` line naming the input and the fix, no traceback (an exception
-    would reach pytest). Each run as __main__ in this process, its global settings restored."""
+    exit code 2 and one `error:` line naming the input and the fix, no traceback. Each case run
+    as __main__ in turn by one child process (BENCH_CASES), which pays for the imports once."""
     (tmp_path / "wiki256.txt").write_text("".join(f"sentence number {i}\n" for i in range(256)))
     cases = bench_inputs(tmp_path, bert_dir, nli_csv(tmp_path), sts_dir)
     if not torch.cuda.is_available():
         cases.append(("step_speed.py", ["sscl", "--device", "cuda"], {},
                       ["--device cuda", "no CUDA device", "drop --device cuda"]))
-    for script, args, env, words in cases:
-        code = bench_main(script, args, monkeypatch, {"HF_HUB_OFFLINE": "1", **env})
-        out, err = capsys.readouterr()
-        assert code == 2, (script, args, env, out + err[-3000:])
+    child = subprocess.run([sys.executable, "-c", BENCH_CASES], input=json.dumps(
+        [(str(ROOT / "bench" / s), list(map(str, a)), e) for s, a, e, _ in cases]),
+        capture_output=True, text=True, env={**ENV, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, timeout=900)
+    assert child.returncode == 0, child.stderr[-3000:]
+    for (script, args, env, words), (code, err) in zip(cases, json.loads(child.stdout),
+                                                       strict=True):
+        assert code == 2, (script, args, env, err[-3000:])
+        assert "Traceback" not in err, (script, args, err[-3000:])
         errors = [line for line in err.splitlines() if "error:" in line]
         assert len(errors) == 1, (script, args, err[-3000:])
         assert all(w in errors[0] for w in words), (script, args, env, errors[0])
