@@ -223,7 +223,8 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     accumulated. kind "nli": rows (anchor, entailment, contradiction), eq. 6; "csts": rows
     (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
     condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
-    through embed), or that run in length groups (the same outputs); prompt: with {sentence} (and
+    through embed) run by common.in_length_groups, which copies the host batch to the device (in
+    length groups: the same outputs); prompt: with {sentence} (and
     {condition}); max_len: the tokens of a sentence; autocast: the forward's dtype (bf16, fp16;
     None: fp32). torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients ×
     world / accum (DDP averages them over the ranks; accum micro-batches a step), of scale(loss)
@@ -231,9 +232,9 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
     texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit,
+                      return_tensors="pt")  # on the host: model copies it to the device
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
-    batch = batch.to(device, non_blocking=True)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
     h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
@@ -332,9 +333,9 @@ def main():
     lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, autocast)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups;
-        functools.partial(embed, common.compiled_layers(model, a.compile)),  # --compile: each
-        a.length_grouping)  # decoder layer, in place (training, eval)
+    step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
+        functools.partial(embed, common.compiled_layers(model, a.compile)),  # copied in length
+        a.length_grouping, device=device)  # groups; --compile: each decoder layer, in place
     meta = dict(method=METHOD, base_model=a.model, bi_mode=a.bi_mode, bi_layers=a.bi_layers,
                 bi_strategy=a.bi_strategy, prompt=a.prompt, dtype=str(dtype).removeprefix("torch."),
                 max_len=dec.config.max_position_embeddings,  # evaluation does not cut sentences

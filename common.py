@@ -488,9 +488,8 @@ def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=
     if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
                          and not (fresh and k.startswith(fresh))):
         weights = "model.safetensors" if local else "its weights"
-        more = ", ..." * (len(missing) > 1)
         die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
-                   f"{more}): it is damaged or another model's; {REFETCH}")
+            f"{', ...' * (len(missing) > 1)}): it is damaged or another model's; {REFETCH}")
     return model
 
 
@@ -564,15 +563,15 @@ GROUP_COST = 64  # a forward pass's fixed cost, in token slots (bench/length_gro
 
 def length_groups(lengths, cost=GROUP_COST):
     """Rows sorted by length, cut where cutting pays: the cuts minimise Σ_groups (rows x longest +
-    cost), padded token slots plus a fixed cost a forward pass (dynamic programming, O(n²)).
-    lengths: real tokens a row -> groups of row indices, shortest first."""
+    cost), padded token slots plus a fixed cost a forward pass (dynamic programming over the d
+    distinct lengths, O(d²)). lengths: real tokens a row -> groups of row indices, shortest
+    first."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: order[:j]'s cost
-    for j in range(1, len(order) + 1):
-        for i in range(j):  # last group = order[i:j], padded to its longest, lengths[order[j-1]]
-            c = best[i] + (j - i) * lengths[order[j - 1]] + cost
-            if c < best[j]:
-                best[j], cut[j] = c, i
+    best, cut = {0: 0}, {}  # best[j]: order[:j]'s least cost, its last group order[cut[j]:j]
+    for j in range(1, len(order) + 1):  # a cut between two rows of one length never pays
+        if j == len(order) or lengths[order[j]] > lengths[order[j - 1]]:
+            best[j], cut[j] = min((best[i] + (j - i) * lengths[order[j - 1]] + cost, i)
+                                  for i in best)  # last group order[i:j], padded to its longest
     groups, j = [], len(order)
     while j:
         groups.append(order[cut[j]:j])
@@ -580,62 +579,69 @@ def length_groups(lengths, cost=GROUP_COST):
     return groups[::-1]
 
 
-def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=()):
+def on_device(v, device):
+    """A host tensor copied to device: on CUDA from pinned memory, the host not waiting for it."""
+    pin = device.type == "cuda" and v.is_cpu  # a copy from pageable memory waits for the GPU
+    return (v.pin_memory() if pin else v).to(device, non_blocking=True)
+
+
+def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=(), device=None):
     """forward(batch) computed on length groups of the rows, each padded to its own longest, put
     back in row order: forward(batch)'s result (up to float rounding) for the real tokens' cost.
-    batch: dict of (N, L) tensors with an attention_mask, padded on either side; outputs: (N, ...)
+    batch: dict of (N, L) tensors with an attention_mask, padded on either side, on the host (the
+    lengths read there), each group copied to device (default: the batch's); outputs: (N, ...)
     tensors, or nested tuples / lists of them (None kept). slots: a list that receives the padded
     token slots computed. lookups: trained word embeddings that forward applies: each looks the
     whole batch up once, every group reads its rows (one vocabulary-sized gradient a batch)."""
-    mask = batch["attention_mask"]  # (N, L)
-    lengths = mask.sum(1).tolist()
+    mask = batch["attention_mask"]  # (N, L), on the host: a GPU is not waited for
+    lengths, device = mask.sum(1).tolist(), device or mask.device
     groups = length_groups(lengths, cost)
     if slots is not None:
         slots.append(sum(len(g) * max(lengths[i] for i in g) for g in groups))
     if len(groups) == 1:
-        return forward(batch)
+        return forward({k: on_device(v, device) for k, v in batch.items()})
     left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
     cut = lambda v, idx, L: v[idx, -L:] if left else v[idx, :L]  # noqa: E731  (n_g, L_g, ...)
-    group = {}  # the group being computed: its rows and length
+    group = {}  # the group being computed: its rows (on device) and length
 
     def reader(whole):  # a forward hook: the group's rows of the whole batch's lookup (N, L, H)
         return lambda e, args, out: cut(whole, group["idx"], group["L"])
-    hooks = [e.register_forward_hook(reader(e(batch["input_ids"]))) for e in lookups]
+    hooks = [e.register_forward_hook(reader(e(on_device(batch["input_ids"], device))))
+             for e in lookups]
     parts = []
     try:
         for g in groups:
-            group.update(idx=torch.tensor(g, device=mask.device), L=max(lengths[i] for i in g))
-            parts.append(forward({k: cut(v, group["idx"], group["L"])
+            idx = torch.tensor(g)
+            group.update(idx=on_device(idx, device), L=max(lengths[i] for i in g))
+            parts.append(forward({k: on_device(cut(v, idx, group["L"]), device)
                                   for k, v in batch.items()}))  # (n_g, L_g)
     finally:
         for h in hooks:
             h.remove()
     # grouped row -> row
-    inv = torch.tensor([i for g in groups for i in g], device=mask.device).argsort()
+    inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), device)
 
     def merge(outs):  # the groups' outputs -> one output in row order
-        if outs[0] is None:
-            return None
-        if isinstance(outs[0], torch.Tensor):
-            return torch.cat(outs)[inv]
+        if outs[0] is None or isinstance(outs[0], torch.Tensor):
+            return None if outs[0] is None else torch.cat(outs)[inv]
         return type(outs[0])(merge(list(o)) for o in zip(*outs))
     return merge(parts)
 
 
-def in_length_groups(forward, grouped=True, model=None):
-    """forward(batch, ...) computed in length groups (by_length): the same outputs, for the real
-    tokens' cost; grouped=False: one padded batch. model: the module forward runs, whose trained
-    word embeddings then look a batch up once, unless forward is compiled (the hooks would
-    recompile it). .slots counts the padded token slots computed (harness.Meter's FLOPs)."""
+def in_length_groups(forward, grouped=True, model=None, device=None):
+    """forward(batch, ...) computed in length groups (by_length; grouped=False: one padded batch):
+    the same outputs, for the real tokens' cost. batch: the tokenizer's, on the host, copied to
+    device. model: the module forward runs, whose trained word embeddings then look a batch up
+    once, unless forward is compiled (the hooks would recompile it). .slots counts the padded
+    token slots computed (harness.Meter's FLOPs)."""
     compiled = hasattr(forward, "_orig_mod") or hasattr(forward, "_torchdynamo_orig_callable")
     lookups = word_embeddings(model) if model is not None and not compiled else []
 
     def run(batch, *args, **kw):
-        slots = []
-        out = by_length(lambda b: forward(b, *args, **kw), batch, slots=slots,
-                        lookups=lookups if torch.is_grad_enabled() else []) if grouped else \
-            forward(batch, *args, **kw)
-        run.slots += slots[0] if grouped else batch["attention_mask"].numel()
+        slots = []  # one padded batch: one group, whatever it costs
+        out = by_length(lambda b: forward(b, *args, **kw), batch, GROUP_COST if grouped else
+                        math.inf, slots, lookups if torch.is_grad_enabled() else [], device)
+        run.slots += slots[0]
         return out
     run.slots = 0
     return run
@@ -644,22 +650,15 @@ def in_length_groups(forward, grouped=True, model=None):
 def word_embeddings(model):
     """The trained input-embedding modules of the Hugging Face models in model (each once)."""
     from transformers import PreTrainedModel
-    found = []
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and (e := m.get_input_embeddings()) is not None \
-                and e.weight.requires_grad and all(e is not f for f in found):
-            found.append(e)
-    return found
-
+    found = {id(e): e for m in model.modules() if isinstance(m, PreTrainedModel)
+             and (e := m.get_input_embeddings()) is not None and e.weight.requires_grad}
+    return list(found.values())
 
 
 class FlopCount(TorchDispatchMode):
     """`with FlopCount() as c:` c.flops counts the FLOPs of the matrix products run inside (forward
     and backward) by torch's FlopCounterMode's formulas, without its per-module bookkeeping."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
+    flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -695,8 +694,7 @@ def encoder(embed, tokenizer, max_len, device, precision=None):
     def encode(sentences):
         with autocast(device, precision):
             return encode_in_batches(encode.embed, tokenizer, sentences, max_len, device)
-    encode.tokenizer, encode.max_len = tokenizer, max_len  # what it reads (eval_sts.py --ensemble)
-    encode.embed = embed
+    encode.tokenizer, encode.max_len, encode.embed = tokenizer, max_len, embed  # (--ensemble)
     return encode
 
 

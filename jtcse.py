@@ -237,8 +237,9 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
                gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
     accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
-    model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H); either
-    may run in length groups (the same outputs). R: eq. 12's direction; objective "authors": their
+    model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H), run by
+    common.in_length_groups, which copies the host batch to the device (in length groups: the
+    same outputs). R: eq. 12's direction; objective "authors": their
     code's losses (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h:
     eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16,
     fp16; None: fp32); teacher: encode(list[str]) -> (B, H), without gradients. torchrun:
@@ -246,7 +247,7 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
     averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
     scaler's)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt").to(device, non_blocking=True)  # (B, L)
+                      return_tensors="pt")  # (B, L), on the host: model copies it to the device
     B, terms = len(sentences), {}
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         if teacher is not None:
@@ -318,9 +319,9 @@ def main():
         if a.distill else None  # it encodes the text the student reads (cut to --max-len)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
     student = functools.partial(cls, model) if a.distill else model
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
-        torch.compile(student, dynamic=True) if a.compile else student,  # same outputs)
-        a.length_grouping, raw_model)
+    step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
+        torch.compile(student, dynamic=True) if a.compile else student,  # copied to the device
+        a.length_grouping, raw_model, device)  # in length groups (the same outputs, cheaper)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = make_encode(towers, tokenizer, eval_len, device, a.compile, a.precision)
     meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,

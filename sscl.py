@@ -153,14 +153,15 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
     """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
     global batch, its gradients accumulated. -> the loss.
     model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
-    SentenceEncoder, or one run in length groups (the same outputs); layers: the M of eq. 4 ([]:
+    SentenceEncoder run by common.in_length_groups, which copies the host batch to the device (in
+    length groups: the same outputs); layers: the M of eq. 4 ([]:
     SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
     SSCL-BERT, Table 2; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun:
     gather(z) = every rank's rows (B, D) -> (world·B, D); the gradients × world / accum (DDP
     averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
     scaler's, × its scale)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt").to(device, non_blocking=True)  # (B, L)
+                      return_tensors="pt")  # (B, L), on the host: model copies it to the device
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
@@ -238,9 +239,9 @@ def main():
     bert = common.load_pretrained(AutoModel, a.model, num_layers=a.num_layers)
     raw_model = SentenceEncoder(bert, a.pooler, a.proj_dim).to(device)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
-    step_model = common.in_length_groups(  # the model as a step runs it: in length groups (the
-        torch.compile(model, dynamic=True) if a.compile else model,  # same outputs, cheaper)
-        a.length_grouping, raw_model)
+    step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
+        torch.compile(model, dynamic=True) if a.compile else model,  # copied to the device in
+        a.length_grouping, raw_model, device)  # length groups (the same outputs, cheaper)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
     encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile, a.precision)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,

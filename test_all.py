@@ -35,7 +35,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, PreTrainedTokenizerFast
 
 import bellm
@@ -1447,6 +1450,22 @@ def test_common_in_length_groups_counts_the_padded_token_slots_it_computes():
     assert padded.slots == 2 * 6 * 7
 
 
+def test_common_in_length_groups_copies_the_host_batch_to_its_device():
+    """The wrapper takes the tokenizer's batch on the host, cuts its groups there and hands
+    forward each group on its device: here "meta", which holds no values, so that reading one
+    back would fail. Grouped or in one batch, the output comes back there, in row order."""
+    mask = torch.tensor([[1] * n + [0] * (60 - n) for n in [60, *[2] * 30, 60]])  # 2 groups
+    batch, seen = {"input_ids": torch.ones(32, 60, dtype=torch.long), "attention_mask": mask}, []
+
+    def forward(b):
+        seen.append({v.device.type for v in b.values()})
+        return b["input_ids"].float().sum(1)
+    for grouped in (True, False):
+        out = common.in_length_groups(forward, grouped, device=torch.device("meta"))(batch)
+        assert out.device.type == "meta" and out.shape == (32,)
+    assert len(seen) == 3 and all(s == {"meta"} for s in seen), seen
+
+
 def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
     return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
 
@@ -2069,18 +2088,29 @@ def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_sav
 
 
 class DeviceReads(TorchDispatchMode):
-    """Inside: each read of a tensor's value back to the host (.item(), bool(), int(), float();
-    .tolist() through the patch below) whose innermost caller, outside torch and this file, is a
-    file of ours: .ours, ["file.py:line", ...]."""
+    """Inside: each read of a device tensor's value back to the host (.item(), bool(), int(),
+    float(); .tolist() through the patch below) whose innermost caller, outside torch and this
+    file, is a file of ours: .ours, ["file.py:line", ...]. On a CPU the host's tensors are told
+    from the device's by where they come from: .host holds the tokenizer's outputs and what is
+    computed from them alone, until common.on_device copies one (made a real copy here)."""
 
     def __init__(self):
         super().__init__()
-        self.ours = []
+        self.ours, self.host = [], WeakTensorKeyDictionary()  # tensor -> True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func is torch.ops.aten._local_scalar_dense.default:
+            self.read(args[0])
+        elif inputs and all(t in self.host for t in inputs):  # computed on the host
+            self.host.update((t, True) for t in pytree.tree_leaves(out)
+                             if isinstance(t, torch.Tensor))
+        return out
+
+    def read(self, t):
+        if t not in self.host:
             self.caller()
-        return func(*args, **(kwargs or {}))
 
     def caller(self):
         for f in reversed(traceback.extract_stack()[:-2]):
@@ -2090,17 +2120,19 @@ class DeviceReads(TorchDispatchMode):
                 return
 
 
+@pytest.mark.parametrize("grouping", ["length-grouping", "no-length-grouping"])
 @pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
 def test_harness_a_step_reads_nothing_back_from_the_device(
-        script, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
+        script, grouping, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys,
+        monkeypatch):
     """Inside each optimisation step (train_step, clipping, the update), our code reads no tensor's
     value back to the host (on a GPU: waits for it): the loss's finiteness is checked on the device
     and read at the step lines, evaluations and saves, which lie outside the steps; the meter reads
-    its CUDA events at its line. Counted in 5 steps of each script (a CPU's host and device are
-    one: every read counts), without length groups, whose cuts read the rows' lengths
-    (common.by_length; transformers' mask code, not ours, reads one too)."""
+    its CUDA events at its line; the length groups are cut on the host, from the tokenizer's
+    output, before the copy. Counted in 5 steps of each script, with and without length groups
+    (transformers' mask code, not ours, reads one value a forward)."""
     out, module, found = tmp_path / "run", SCRIPTS[script], []
-    every = ["--max-steps", 5, "--eval-steps", 5, "--log-steps", 5, "--no-length-grouping"]
+    every = ["--max-steps", 5, "--eval-steps", 5, "--log-steps", 5, f"--{grouping}"]
     args = tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path,
                     monkeypatch, *every)
     step, tolist, reads, inside = harness.Meter.step, torch.Tensor.tolist, DeviceReads(), []
@@ -2116,9 +2148,23 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
 
     def listed(t):  # .tolist() inside a step
         if inside:
-            reads.caller()
+            reads.read(t)
         return tolist(t)
+
+    def tokenized(tokenizer, *a, **kw):  # the tokenizer's tensors: the host's
+        batch = call(tokenizer, *a, **kw)
+        reads.host.update((v, True) for v in batch.values() if isinstance(v, torch.Tensor))
+        return batch
+
+    def copied(v, device):  # the copy to the device: a tensor of the device's
+        with torch.no_grad():
+            out = v.clone()
+        reads.host.pop(out, None)
+        return out
+    call = transformers.PreTrainedTokenizerBase.__call__
     monkeypatch.setattr(harness.Meter, "step", counted)
+    monkeypatch.setattr(common, "on_device", copied)
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", tokenized)
     with monkeypatch.context() as mp:
         mp.setattr(torch.Tensor, "tolist", listed)
         code, log, err = main_of(module, capsys, monkeypatch, *args)
@@ -6000,7 +6046,8 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
 
         def step(m, dev, a):
             net = bellm.BeLLM(m, 1, "parallel", "convert")
-            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
+            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net),
+                                                            device=dev),
                                     tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
                                     autocast=common.PRECISIONS[a.precision])[0]
 
@@ -6016,7 +6063,7 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
                 for x in ("fp32", precision)]
 
         def step(m, dev, a):
-            return sscl.train_step(common.in_length_groups(m), tok, rows, [2], dev,
+            return sscl.train_step(common.in_length_groups(m, device=dev), tok, rows, [2], dev,
                                    max_len=a.max_len, autocast=common.PRECISIONS[a.precision])
 
         def encode(m, dev):
@@ -6032,10 +6079,11 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
         def step(m, dev, a):
             dtype = common.PRECISIONS[a.precision]
             if method == "jtcse":
-                return jtcse.train_step(common.in_length_groups(m), tok, rows, 1, dev,
+                return jtcse.train_step(common.in_length_groups(m, device=dev), tok, rows, 1, dev,
                                         max_len=a.max_len, autocast=dtype)[0]
             teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
-            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0])),
+            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0]),
+                                                            device=dev),
                                     tok, rows, 1, dev, max_len=a.max_len, autocast=dtype,
                                     teacher=teacher)[0]
 
@@ -6140,7 +6188,8 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     run.say = said.append
     for step in (1, 2):
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss = sscl.train_step(model, tok, SENTS[:6], [2], dev, max_len=16,
+        loss = sscl.train_step(common.in_length_groups(model, device=dev), tok, SENTS[:6], [2],
+                               dev, max_len=16,
                                autocast=torch.float16, scale=scaler.scale)
         run.watch(step, loss)
         scaler.unscale_(optimizer)

@@ -143,13 +143,13 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
             m = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers)
             return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc, True, enc), tokenizer(False), texts(n), m, run, a.temp,
-                a.max_len, autocast=torch.bfloat16 if gpu else None)
+                common.in_length_groups(enc, True, enc, run), tokenizer(False), texts(n), m, run,
+                a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
             return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin, True, twin), tokenizer(False), texts(n), 1, run,
+                common.in_length_groups(twin, True, twin, run), tokenizer(False), texts(n), 1, run,
                 a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
@@ -158,7 +158,7 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
             teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
                                         tokenizer(False), a.max_len, run)
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(functools.partial(jtcse.cls, student), True, student),
+                common.in_length_groups(functools.partial(jtcse.cls, student), True, student, run),
                 tokenizer(False), texts(n), 1, run, max_len=a.max_len,
                 autocast=torch.bfloat16 if gpu else None, teacher=teacher)[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
@@ -179,8 +179,8 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
         tok = tokenizer(True)
         rows = lambda n: list(zip(texts(n), texts(n, n), texts(n, 2 * n)))  # noqa: E731
         return lora, lambda n: bellm.train_step(
-            common.in_length_groups(functools.partial(bellm.embed, net)), tok, rows(n), "nli",
-            a.prompt, run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)[0]
+            common.in_length_groups(functools.partial(bellm.embed, net), device=run), tok, rows(n),
+            "nli", a.prompt, run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)[0]
 
 
 def fake(module):

@@ -75,12 +75,12 @@ def build(name, bf16, dev, steps, earlier=False):
             model = jtcse.Twin(towers).to(dev).train()
         if name == "sscl":
             run = lambda i, m: sscl.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], [5], cpu,
-                max_len=32, autocast=torch.bfloat16 if bf16 else None)
+                common.in_length_groups(m, True, model, dev), tok, sents[64 * i:64 * (i + 1)], [5],
+                cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
         else:
             run = lambda i, m: jtcse.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model), tok, sents[64 * i:64 * (i + 1)], i % 2,
-                cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
+                common.in_length_groups(m, True, model, dev), tok, sents[64 * i:64 * (i + 1)],
+                i % 2, cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
         rows = 64
     else:
         rows_ = env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
@@ -90,7 +90,7 @@ def build(name, bf16, dev, steps, earlier=False):
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16 and torch.bfloat16).to(dev)  # as bellm.py
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
         run = lambda i, m: bellm.train_step(  # noqa: E731
-            common.in_length_groups(functools.partial(bellm.embed, m)), tok,
+            common.in_length_groups(functools.partial(bellm.embed, m), device=dev), tok,
             rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32,
             autocast=torch.bfloat16 if bf16 else None)
         rows = 16
