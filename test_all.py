@@ -1827,6 +1827,27 @@ def test_bench_paper_scale_counts_on_fake_tensors_what_the_real_step_gives():
     assert counts["BeLLM", True][0] > 1.2 * counts["BeLLM", False][0]
 
 
+def test_bench_paper_scale_real_lengths_are_the_real_sentences_token_counts(
+        train_txt, bert_tokenizer_dir, tok_dir, tmp_path):
+    """--lengths real: the stand-in sentences of SSCL's and JTCSE's steps have as many tokens as a
+    seeded sample of the wiki file's sentences under the BERT tokenizer, BeLLM's as the NLI file's
+    under the decoder's (special tokens apart); --lengths max: 100 words, cut at --max-len."""
+    from transformers import AutoTokenizer
+    ps = paper_scale()
+    assert all(len(s.split()) == 100 for s in ps.texts(5))
+    a = Namespace(wiki=str(train_txt), nli=str(nli_csv(tmp_path)), sample=20,
+                  tokenizer=str(bert_tokenizer_dir), bellm_tokenizer=str(tok_dir))
+    ps.real_lengths(a)
+    wiki = common.read_sentences(train_txt)
+    nli = [s for r in bellm.read_csv(a.nli)[1] for s in r]
+    for kind, rows, name in (("bert", wiki, a.tokenizer), ("llama", nli, a.bellm_tokenizer)):
+        tok = AutoTokenizer.from_pretrained(name)
+        real = {len(tok(s, add_special_tokens=False)["input_ids"]) for s in rows}
+        stand_in = ps.tokenizer(kind == "llama")(ps.texts(20, kind=kind), add_special_tokens=False)
+        got = [len(x) for x in stand_in["input_ids"]]
+        assert got == ps.LENGTHS[kind] and len(set(got)) > 1 and set(got) <= real, (kind, got)
+
+
 # (script, arguments with one bad value, words of its error line): each is refused when parsed,
 # before a model, a tokenizer or a data file is read, so the paths here need not exist
 BENCH_BAD = [
@@ -1835,6 +1856,7 @@ BENCH_BAD = [
     ("paper_scale.py", ["--fraction", "0"], ["--fraction", "'0' is not a fraction in (0, 1]"]),
     ("paper_scale.py", ["--fraction", "2"], ["--fraction", "'2' is not a fraction in (0, 1]"]),
     ("paper_scale.py", ["--measure", "SSCL", "--rows", "0"], ["--rows", "an integer >= 1"]),
+    ("paper_scale.py", ["--sample", "0"], ["--sample", "an integer >= 1"]),
     ("bellm_memory.py", ["M", "--batch-size", "0"], ["--batch-size", "an integer >= 1"]),
     ("bellm_memory.py", ["M", "--prompt-tokens", "-1"], ["--prompt-tokens", "an integer >= 0"]),
     ("ddp_overhead.py", ["--steps", "0"], ["--steps", "an integer >= 1"]),
@@ -1927,6 +1949,10 @@ def bench_inputs(tmp, bert_dir, nli, sts):
         ("step_speed.py", ["sscl", "--steps", "1"], {"MINILM": str(broken), "WIKI": str(
             tmp / "wiki256.txt")}, ["MINILM=", "config.json", "damaged"]),
         ("ddp_overhead.py", [], {"MINILM": gone}, [f"MINILM='{gone}'"]),
+        ("paper_scale.py", ["--lengths", "real", "--wiki", str(tmp / "none.txt")], {},
+         ["--wiki", "is not a file"]),
+        ("paper_scale.py", ["--lengths", "real", "--wiki", str(short), "--nli", str(nli),
+                            "--tokenizer", gone], {}, [f"'{gone}'"]),
         ("ddp_overhead.py", ["--scripts", "sscl"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
         ("jtcse_cost.py", ["simcse"], {"MINILM": gone}, ["MINILM="]),
         ("jtcse_cost.py", ["simcse"], {"WIKI": str(short)}, ["WIKI=", "has 3 rows"]),
@@ -1983,8 +2009,9 @@ def test_bench_scripts_refuse_a_missing_or_broken_input_in_one_line(bert_dir, st
     (tmp_path / "wiki256.txt").write_text("".join(f"sentence number {i}\n" for i in range(256)))
     cases = bench_inputs(tmp_path, bert_dir, nli_csv(tmp_path), sts_dir)
     if not torch.cuda.is_available():
-        cases.append(("step_speed.py", ["sscl", "--device", "cuda"], {},
-                      ["--device cuda", "no CUDA device", "drop --device cuda"]))
+        cases += [(s, ["sscl", "--device", "cuda"], {},
+                   ["--device cuda", "no CUDA device", "drop --device cuda"])
+                  for s in ("step_speed.py", "length_groups.py")]
     child = subprocess.run([sys.executable, "-c", BENCH_CASES], input=json.dumps(
         [(str(ROOT / "bench" / s), list(map(str, a)), e) for s, a, e, _ in cases]),
         capture_output=True, text=True, env={**ENV, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, timeout=900)

@@ -15,10 +15,13 @@ round, then median of --reps rounds.
   python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16
   # the word embeddings' lookup: once for the batch (the scripts), or in every group
   python bench/length_groups.py sscl --lookups once,group
+  # on a GPU, where a forward's fixed cost is larger: which GROUP_COST pays there
+  python bench/length_groups.py sscl --device cuda --bf16 --costs 64,256,1024,4096
   (MINILM, SMOLLM: model names or folders; WIKI, NLI: the data files; --costs 16,64,256 --reps 5)
 """
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -54,6 +57,8 @@ def one_of(*allowed):
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("method", choices=["sscl", "jtcse", "bellm"])
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the scripts' --bf16")
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the steps run "
+               "(default: cpu); the batch is tokenised on the host and copied as the scripts do")
 p.add_argument("--costs", type=costs, default=str(common.GROUP_COST),
                help="GROUP_COST values to compare, comma-separated")
 p.add_argument("--reps", type=common.POS_INT, default=5, help="timed rounds (default 5)")
@@ -69,8 +74,11 @@ p.add_argument("--lookups", type=one_of("once", "group"), default="once",
                     "one vocabulary-sized gradient a step) or in each group; comma-separated")
 common.show_ranges(p)
 a = p.parse_args()
+if a.device == "cuda" and not torch.cuda.is_available():
+    common.die(f"--device cuda: torch {torch.__version__} sees no CUDA device here: drop "
+               "--device cuda (the CPU is the default)")
 torch.manual_seed(42)
-dev = torch.device("cpu")
+dev = torch.device(a.device)
 if a.method == "bellm":
     from peft import LoraConfig, get_peft_model
     rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
@@ -88,7 +96,7 @@ if a.method == "bellm":
             bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
     texts = [s for r in rows[:16] for s in r]  # 16 triplets: 48 texts
     texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts)
-    batch = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt").to(dev)
+    batch = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt")
 
     def loss_of(h):  # eq. 6 over (anchor, entailment, contradiction) rows
         h = h.float()
@@ -98,12 +106,11 @@ else:
     minilm = env_input("MINILM", "sentence-transformers/all-MiniLM-L6-v2")
     sents = env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
     tok = common.load_pretrained(AutoTokenizer, minilm, label="MINILM")
-    batch = tok(sents, padding=True, truncation=True, max_length=32,
-                return_tensors="pt").to(dev)
+    batch = tok(sents, padding=True, truncation=True, max_length=32, return_tensors="pt")
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two dropout views: (128, L)
     if a.method == "sscl":
         model = sscl.SentenceEncoder(common.load_pretrained(AutoModel, minilm, label="MINILM"),
-                                     "cls")
+                                     "cls").to(dev)
         forwards = {None: lambda b: model(b, (5,))}
 
         def loss_of(out):
@@ -111,7 +118,7 @@ else:
             return sscl.sscl_loss(z[:64].float(), z[64:].float(), [zm[:64].float()], 0.05)
     else:
         model = jtcse.Twin([common.load_pretrained(BertModel, minilm, label="MINILM")
-                            for _ in "ab"], 2)
+                            for _ in "ab"], 2).to(dev)
         forwards = {None: model}
 
         def loss_of(out):
@@ -136,16 +143,22 @@ for rep in range(a.reps + 1):
     for c, at, f, w in configs:
         if at:
             models[f].base_model.model.set_attn_implementation(at)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         t = time.perf_counter()
         with common.autocast(dev, "bf16" if a.bf16 else common.pick_precision(dev)):
-            out = forwards[f](batch) if c is None else common.by_length(
-                forwards[f], batch, c, lookups=lookups[f] * (w == "once"))
+            out = common.by_length(forwards[f], batch, math.inf if c is None else c,
+                                   lookups=lookups[f] * (w == "once"), device=dev)  # inf: 1 group
         loss_of(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         if rep:
             times[c, at, f, w].append(time.perf_counter() - t)
-print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads, "
+where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
+    f"CPU, {torch.get_num_threads()} threads"
+print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {where}, "
       f"{len(lengths)} texts, {real} real tokens, median of {a.reps} steps")
 base = statistics.median(times[configs[0]])
 for c, at, f, w in configs:

@@ -15,7 +15,10 @@ is downloaded. What each column is:
   2,984 of 4,096 slots; docs/operations.md, "Length groups"), and what the authors' JTCSE computes
   (it pads every sentence to 64 tokens). Counted: matrix products (the Linear layers, attention's
   Q·K^T and A·V, with eager attention: the CPU SDPA kernel has no FLOP formula); not counted: the
-  AdamW update, element-wise work, the dev evaluations.
+  AdamW update, element-wise work, the dev evaluations. --lengths real: each sentence instead has
+  the token count of a real one (a seeded sample of wiki1m's under BERT's tokenizer; of the NLI
+  triplets' under LLaMA-2's), and the step runs in length groups as the scripts run it; the
+  FLOPs and the measured steps alike.
 - GPU-hours: FLOPs of an epoch / (peak × --mfu), with NVIDIA's dense BF16 Tensor Core peaks: A100
   312 TFLOPS (A100 datasheet), H100 SXM 989 TFLOPS (H100 datasheet: 1,979 "with sparsity", half
   without). An assumed utilisation, not a measurement: BERT-base steps of 64 sentences are small
@@ -34,7 +37,10 @@ is downloaded. What each column is:
   the loaded model (CPU: peak resident memory, VmHWM; CUDA: max_memory_allocated) next to the same
   estimate for that step. On a CPU, --fraction 0.125 of the paper's rows a step by default (the
   JTCSE twin's whole step needs about 25 GiB in fp32, and minutes), and BeLLM runs a slice of
-  --bellm-layers layers of LLaMA-2-7B (the real sizes; the last one the bidirectional layer).
+  --bellm-layers layers of LLaMA-2-7B (the real sizes; the last one the bidirectional layer). On a
+  GPU that common.GPU_PEAKS knows, the step's share of its dense bf16 peak (MFU) follows its
+  TFLOP/s; --compile measures the steps as the scripts' --compile runs them (the first step,
+  which compiles, is left out of the median).
 
 The papers' settings, and where they come from (each script's flag help gives the paper's value):
 - SSCL (Chen et al., ACL 2023): bert-base-uncased, --layer 11, SimCSE's wiki1m (1,000,000
@@ -54,6 +60,7 @@ The papers' settings, and where they come from (each script's flag help gives th
   python bench/paper_scale.py                       # the three papers: 4 min on an idle 2-core CPU
   python bench/paper_scale.py --paper bellm --no-time          # counts and estimates only: seconds
   python bench/paper_scale.py --fraction 1 --steps 5           # a GPU: the papers' own steps
+  python bench/paper_scale.py --fraction 1 --steps 5 --compile --lengths real    # as they train
 """
 import argparse
 import functools
@@ -123,42 +130,69 @@ def tokenizer(decoder):
                                    eos_token="[SEP]")
 
 
-def texts(n, offset=0):
-    """n distinct sentences of 100 words: longer than any --max-len here, so each is cut to it."""
-    return [" ".join(f"w{(7 * (i + offset) + j) % 1000}" for j in range(100)) for i in range(n)]
+LENGTHS = {}  # --lengths real: "bert", "llama" -> the token lengths of real sentences, in turn
 
 
-def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
+def texts(n, offset=0, kind="bert"):
+    """n distinct sentences of 100 words: longer than any --max-len here, so each is cut to it;
+    with --lengths real, as many words as the real sentences have tokens (LENGTHS[kind])."""
+    real = LENGTHS.get(kind)
+    return [" ".join(f"w{(7 * i + j) % 1000}" for j in range(real[i % len(real)] if real else 100))
+            for i in range(offset, offset + n)]
+
+
+def real_lengths(a):
+    """--lengths real: the tokens (no special ones) of a seeded sample of real training sentences:
+    wiki1m's by BERT's tokenizer, the NLI triplets' by LLaMA-2's (--wiki, --nli, --*tokenizer)."""
+    import random
+    from transformers import AutoTokenizer
+    for flag, path in (("--wiki", a.wiki), ("--nli", a.nli)):
+        if path and not os.path.isfile(path):
+            common.die(f"{flag} '{path}' is not a file: pass the training file, or leave {flag} "
+                       "out to download SimCSE's")
+    wiki = common.read_sentences(common.train_file(a.wiki, "wiki1m_for_simcse.txt"))
+    nli = [s for r in bellm.read_csv(common.train_file(a.nli, "nli_for_simcse.csv"))[1] for s in r]
+    for kind, rows, name in (("bert", wiki, a.tokenizer), ("llama", nli, a.bellm_tokenizer)):
+        pick = random.Random(0).sample(rows, min(a.sample, len(rows)))
+        ids = common.load_pretrained(AutoTokenizer, name)(pick, add_special_tokens=False)
+        LENGTHS[kind] = [max(1, len(x)) for x in ids["input_ids"]]
+
+
+def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compiled=False):
     """The run's model with random weights on `device` ("meta": to be made fake), as its script
     builds it, -> (a module holding every model of the run, step(n): the script's train_step on n
     rows, its forward and backward). gpu: the scripts' CUDA configuration (bf16 autocast; BeLLM:
-    bf16 base weights, gradient checkpointing), else their CPU one (fp32)."""
+    bf16 base weights, gradient checkpointing), else their CPU one (fp32). compiled: as the
+    scripts' --compile (the whole model; BeLLM: each decoder layer)."""
+    net = lambda m: torch.compile(m, dynamic=True) if compiled else m  # noqa: E731
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel, BertConfig, BertModel, LlamaConfig
-    run = torch.device("cpu" if device == "meta" else device)  # where train_step puts the batch
+    run = torch.device("cpu" if device == "meta" else device)  # where the batch is copied
     bf16 = ["--bf16"] if gpu else []
     with torch.device(device):
         if name == "SSCL":  # sscl.py's defaults: --layer 11, --max-len 32, cls pooler + MLP
             a = sscl.p.parse_args(bf16)
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
-            m = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers)
+            m, enc_net = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers), net(enc)
             return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc, True, enc, run), tokenizer(False), texts(n), m, run,
-                a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
+                common.in_length_groups(enc_net, True, enc, run), tokenizer(False), texts(n), m,
+                run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
+            twin_net = net(twin)
             return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin, True, twin, run), tokenizer(False), texts(n), 1, run,
-                a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
+                common.in_length_groups(twin_net, True, twin, run), tokenizer(False), texts(n), 1,
+                run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
             student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
             student.pooler.requires_grad_(False)  # as jtcse.py with --distill
             teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
                                         tokenizer(False), a.max_len, run)
+            cls = net(functools.partial(jtcse.cls, student))
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(functools.partial(jtcse.cls, student), True, student, run),
+                common.in_length_groups(cls, True, student, run),
                 tokenizer(False), texts(n), 1, run, max_len=a.max_len,
                 autocast=torch.bfloat16 if gpu else None, teacher=teacher)[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
@@ -175,12 +209,14 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None):
                                               target_modules="all-linear"))
         if gpu:
             bellm.cast_frozen_linears(dec)
-        net = bellm.BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+        model = bellm.BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+        common.compiled_layers(model, compiled)
         tok = tokenizer(True)
-        rows = lambda n: list(zip(texts(n), texts(n, n), texts(n, 2 * n)))  # noqa: E731
+        rows = lambda n: list(zip(*(texts(n, k * n, "llama") for k in range(3))))  # noqa: E731
+        embed = functools.partial(bellm.embed, model)
         return lora, lambda n: bellm.train_step(
-            common.in_length_groups(functools.partial(bellm.embed, net), device=run), tok, rows(n),
-            "nli", a.prompt, run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)[0]
+            common.in_length_groups(embed, device=run), tok, rows(n), "nli", a.prompt, run,
+            a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)[0]
 
 
 def fake(module):
@@ -239,13 +275,14 @@ def rss(field):  # GiB, from /proc/self/status (VmRSS: now; VmHWM: the peak)
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 2**20
 
 
-def measure(name, n, steps, layers):
+def measure(name, n, steps, layers, compiled=False):
     """In this (fresh) process: the run's model with random weights on this machine's device, 1 +
-    steps training steps of n rows (train_step, then AdamW as the script makes it). Prints one JSON
-    line: the seconds of each step, the peak memory above the loaded model (GiB)."""
+    steps training steps of n rows (train_step, then AdamW as the script makes it; compiled: as
+    --compile, the first step compiling). Prints one JSON line: the seconds of each step, the peak
+    memory above the loaded model (GiB)."""
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    module, step = build(name, "cuda" if cuda else "cpu", cuda, layers=layers)
+    module, step = build(name, "cuda" if cuda else "cpu", cuda, layers=layers, compiled=compiled)
     params = [q for q in module.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-9, fused=name != "BeLLM")  # as each script
     if cuda:
@@ -306,6 +343,20 @@ def main():
                    "the bidirectional one)")
     p.add_argument("--mfu", type=common.FRACTION, default=0.4,
                    help="assumed fraction of the GPUs' dense BF16 peak (default 0.4)")
+    p.add_argument("--compile", action="store_true", help="the measured steps as the scripts' "
+                   "--compile run them (the first step compiles, and is left out)")
+    p.add_argument("--lengths", choices=["max", "real"], default="max", help="max: every sentence "
+                   "cut at --max-len (an upper bound); real: the token lengths of real training "
+                   "sentences, a sample (--sample) of --wiki's by --tokenizer (SSCL, JTCSE) and "
+                   "--nli's by --bellm-tokenizer (BeLLM), in length groups as the scripts run them")
+    p.add_argument("--wiki", help="--lengths real: wiki1m (default: SimCSE's, downloaded)")
+    p.add_argument("--nli", help="--lengths real: NLI triplets (default: SimCSE's, downloaded)")
+    p.add_argument("--tokenizer", default="bert-base-uncased", help="--lengths real: SSCL's and "
+                   "JTCSE's (default: bert-base-uncased)")
+    p.add_argument("--bellm-tokenizer", default="meta-llama/Llama-2-7b-hf", help="--lengths real: "
+                   "BeLLM's (default: meta-llama/Llama-2-7b-hf, a gated model: log in first)")
+    p.add_argument("--sample", type=common.POS_INT, default=4096,
+                   help="--lengths real: sentences sampled, seeded (default 4096)")
     common.show_ranges(p)
     # the child process of one measurement; added after show_ranges, which would append a range
     # to --rows's hidden help (argparse.SUPPRESS) and so show it in --help
@@ -314,12 +365,18 @@ def main():
     a = p.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
+    if a.lengths == "real":
+        real_lengths(a)
     if a.measure:
-        return measure(a.measure, a.rows, a.steps, a.bellm_layers)
+        return measure(a.measure, a.rows, a.steps, a.bellm_layers, a.compile)
     cuda = torch.cuda.is_available()
     fraction = a.fraction if a.fraction is not None else 1.0 if cuda else 0.125
     here = device_name()
-    print(f"torch {torch.__version__}; measured steps on: {here}")
+    print(f"torch {torch.__version__}; measured steps on: {here}"
+          + ", compiled (--compile)" * a.compile)
+    print("sentence lengths: " + ("every one cut at --max-len" if a.lengths == "max" else
+                                  f"those of {a.sample} real ones (--lengths real), in length "
+                                  "groups, FLOPs and times alike"))
     print(f"GPU-hours = FLOPs of the epoch / (peak x {a.mfu:.0%}); dense BF16 peaks: A100 312, "
           "H100 SXM 989 TFLOPS (NVIDIA's datasheets)")
     for paper in a.paper:
@@ -343,9 +400,12 @@ def main():
             if not a.no_time:  # a fresh process: its peak memory is this run's alone
                 n = max(1, round(fraction * r["batch"]))
                 layers = a.bellm_layers if name == "BeLLM" else None
+                same = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in (
+                    "lengths", "wiki", "nli", "tokenizer", "bellm_tokenizer", "sample") and v]
                 child = subprocess.run([sys.executable, __file__, "--measure", name, "--rows",
                                         str(n), "--steps", str(a.steps), "--bellm-layers",
-                                        str(a.bellm_layers)], capture_output=True, text=True)
+                                        str(a.bellm_layers), *same, *["--compile"] * a.compile],
+                                       capture_output=True, text=True)
                 if child.returncode:
                     sys.exit(f"measuring {name} failed:\n{child.stderr[-3000:]}")
                 got = json.loads(child.stdout.strip().splitlines()[-1])
@@ -353,7 +413,10 @@ def main():
                 f_n, (_, o_n, act_n) = estimate(name, n, cuda, layers)  # the same step, counted
                 what = (f"{n} of {r['batch']} " + ("triplets" if name == "BeLLM" else "sentences")
                         + (f", {layers} of 32 layers" if layers else ""))
-                here = f"{s:.2f} ({what}; {f_n / s / 1e12:.3f} TFLOP/s)"
+                peak = next((v for k, v in common.GPU_PEAKS.items()
+                             if cuda and k in torch.cuda.get_device_name()), None)
+                mfu = f", {f_n / s / peak:.0%} of its dense bf16 peak" if peak else ""
+                here = f"{s:.2f} ({what}; {f_n / s / 1e12:.3f} TFLOP/s{mfu})"
                 if cuda and n == r["batch"] and name != "BeLLM":
                     gib = f"{got['peak']:.1f} (measured)"
                 notes.append(f"{name}, measured here ({what}, {'bf16' if cuda else 'fp32'}): "
