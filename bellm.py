@@ -224,11 +224,10 @@ def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=
     (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
     condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
     through embed) run by common.in_length_groups, which copies the host batch to the device (in
-    length groups: the same outputs); prompt: with {sentence} (and
-    {condition}); max_len: the tokens of a sentence; autocast: the forward's dtype (bf16, fp16;
-    None: fp32). torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients ×
-    world / accum (DDP averages them over the ranks; accum micro-batches a step), of scale(loss)
-    (fp16: the gradient scaler's)."""
+    length groups: the same outputs); prompt: with {sentence} (and {condition}); max_len: the tokens
+    of a sentence; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) =
+    every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over
+    the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
     conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
     texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
     texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)

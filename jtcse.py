@@ -238,14 +238,13 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
     """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
     accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
     model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H), run by
-    common.in_length_groups, which copies the host batch to the device (in length groups: the
-    same outputs). R: eq. 12's direction; objective "authors": their
-    code's losses (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h:
-    eq. 13 reads h, not h^P (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16,
-    fp16; None: fp32); teacher: encode(list[str]) -> (B, H), without gradients. torchrun:
-    gather(z) = every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP
-    averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
-    scaler's)."""
+    common.in_length_groups, which copies the host batch to the device (in length groups: the same
+    outputs). R: eq. 12's direction; objective "authors": their code's losses (docs/jtcse.md,
+    details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h: eq. 13 reads h, not h^P
+    (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16, fp16; None: fp32); teacher:
+    encode(list[str]) -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H)
+    -> (world·B, H); the gradients × world / accum (DDP averages them over the ranks; accum
+    micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
                       return_tensors="pt")  # (B, L), on the host: model copies it to the device
     B, terms = len(sentences), {}

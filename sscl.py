@@ -154,12 +154,11 @@ def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=3
     global batch, its gradients accumulated. -> the loss.
     model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
     SentenceEncoder run by common.in_length_groups, which copies the host batch to the device (in
-    length groups: the same outputs); layers: the M of eq. 4 ([]:
-    SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
-    SSCL-BERT, Table 2; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun:
-    gather(z) = every rank's rows (B, D) -> (world·B, D); the gradients × world / accum (DDP
-    averages them over the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient
-    scaler's, × its scale)."""
+    length groups: the same outputs); layers: the M of eq. 4 ([]: SimCSE); objective "authors":
+    their code's loss (docs/sscl.md, details 2, 3, 5); no_aug: SSCL-BERT, Table 2; autocast: the
+    forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) = every rank's rows (B, D) ->
+    (world·B, D); the gradients × world / accum (DDP averages them over the ranks; accum
+    micro-batches a step), of scale(loss) (fp16: the gradient scaler's, × its scale)."""
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
                       return_tensors="pt")  # (B, L), on the host: model copies it to the device
     if not no_aug:  # two dropout views of every sentence: (2B, L)
