@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import get_linear_schedule_with_warmup
+from transformers import AutoConfig, AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
 
 import common
 import harness
@@ -217,32 +217,25 @@ def embed(model, batch):
     return model(batch["input_ids"], batch["attention_mask"])
 
 
-def train_step(model, tokenizer, rows, kind, prompt, device, temp=0.05, max_len=64,
-               autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
+def train_step(model, batch, device, temp=0.05, labels=None, autocast=None, world=1, accum=1,
+               gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
-    accumulated. kind "nli": rows (anchor, entailment, contradiction), eq. 6; "csts": rows
-    (sentence1, sentence2, condition, label), cosent_loss over the pairs, each sentence under its
-    condition. model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM
-    through embed) run by common.in_length_groups, which copies the host batch to the device (in
-    length groups: the same outputs); prompt: with {sentence} (and {condition}); max_len: the tokens
-    of a sentence; autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) =
+    accumulated. batch: prompted_batch's tokenised texts, on the host: 3 a row (anchor, entailment,
+    contradiction), eq. 6; or with labels (B,), C-STS's, 2 a row, cosent_loss over the pairs.
+    model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM through
+    embed) run by common.in_length_groups, which copies the batch to the device (in length groups:
+    the same outputs); autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) =
     every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over
     the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
-    conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
-    texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
-    texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=limit,
-                      return_tensors="pt")  # on the host: model copies it to the device
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
-    h = h.view(len(rows), -1, h.shape[-1])  # (B, 3, H): anchor, entailment, contradiction
+    h = h.view(-1, 3 if labels is None else 2, h.shape[-1])  # (B, 3, H): anchor, entailment, ..
     cols = [gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
-    if kind == "nli":
+    if labels is None:
         loss = bellm_loss(*cols, temp)  # eq. 6 over the global batch
     else:
-        labels = torch.tensor([r[3] for r in rows]).to(device, non_blocking=True)  # (B,)
-        loss = cosent_loss(*cols, gather(labels))
+        loss = cosent_loss(*cols, gather(labels.to(device, non_blocking=True)))  # labels: (B,)
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     scale(loss * world / accum).backward()
     return loss, tokens
@@ -287,8 +280,7 @@ def read_csv(path):
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
+    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
     if n < per_step:
         common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
     per_epoch = n // per_step
@@ -298,6 +290,27 @@ def step_rows(n, per_step, epochs, max_steps, seed):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
         steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
     return steps[:total]
+
+
+def prompted_batch(tokenizer, rows, kind, prompt, max_len):
+    """A micro-batch's rows, kind "nli" (anchor, entailment, contradiction) or "csts" (sentence1,
+    sentence2, condition, label: each sentence under its condition) -> (their prompted texts, 3
+    or 2 a row, tokenised on the host; C-STS's labels (B,), else None). max_len: a sentence's."""
+    conditions = None if kind == "nli" else [r[2] for r in rows for _ in range(2)]
+    texts = [s for r in rows for s in (r if kind == "nli" else r[:2])]  # 3 texts a row, or 2
+    texts, limit = prompted(tokenizer, {"prompt": prompt, "max_len": max_len}, texts, conditions)
+    return (tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"),
+            None if kind == "nli" else torch.tensor([r[3] for r in rows]))
+
+
+def micro_batches(tokenizer, rows, kind, prompt, steps, rank, world, batch_size, max_len):
+    """Each step's micro-batches on this rank, tokenised on the host (a step or two ahead of the
+    loop: common.ahead) -> per step [prompted_batch]; rank r's k-th: rows [(k·world + r)·B, +B)."""
+    tokenizer = copy.deepcopy(tokenizer)  # not the evaluation's: a fast tokenizer is not shared
+    for ids in steps:
+        yield [prompted_batch(tokenizer, [rows[i] for i in ids[j:j + batch_size]], kind, prompt,
+                              max_len)
+               for j in range(rank * batch_size, len(ids), world * batch_size)]
 
 
 # ---------------------------------------------------------------- main ----------------------------
@@ -354,18 +367,20 @@ def main():
     log(memory_line(dec, params, a.lora_r, a.batch_size * (3 if kind == "nli" else 2), longest,
                     dtype != torch.float32 or autocast is not None, grad_ckpt))
 
+    batches = common.ahead(micro_batches(  # the steps from `first` on, tokenised ahead
+        tokenizer, rows, kind, a.prompt, steps[max(first - 1, 0):], rank, world, a.batch_size,
+        a.max_len))
     meter = harness.Meter(device, per_step, "rows", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B rows a rank
             with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    ids = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                for k, (batch, labels) in enumerate(next(batches)):  # DDP syncs after the last
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, n = train_step(
-                            step_model, tokenizer, [rows[i] for i in ids], kind, a.prompt, device,
-                            temp=a.temp, max_len=a.max_len, autocast=autocast, world=world,
-                            accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
+                            step_model, batch, device, temp=a.temp, labels=labels,
+                            autocast=autocast, world=world, accum=a.grad_accum,
+                            gather=harness.gather, scale=scaler.scale)
                     meter.tokens += n  # real ones
                     run.watch(step, loss)  # not finite: noted on the device, read below
                 scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
@@ -401,7 +416,6 @@ def main():
 def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
     bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
-    from transformers import AutoModel, AutoTokenizer
     tok = common.load_pretrained(AutoTokenizer, name)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     dec = common.load_pretrained(AutoModel, name, dtype=dtype)
@@ -443,10 +457,9 @@ def check_base(given, recorded, name, where):
 
 
 def cast_frozen_linears(dec, dtype=torch.bfloat16):
-    """Under bf16 autocast with float32 base weights: each frozen Linear stored in bf16 once.
-    Autocast would cast them at every pass (it caches only trainable weights' casts): the same
-    numbers, without the casts' time, and half those weights' memory. Norms and embeddings stay
-    float32, as autocast runs them."""
+    """Under bf16 autocast with float32 base weights: each frozen Linear stored in bf16 once, not
+    cast at every pass (autocast caches only trained weights' casts): the same numbers, without
+    the casts' time, in half the memory. Norms and embeddings stay float32, as autocast has them."""
     for m in dec.modules():
         if isinstance(m, torch.nn.Linear) and not any(q.requires_grad for q in m.parameters()):
             m.to(dtype)
@@ -454,9 +467,8 @@ def cast_frozen_linears(dec, dtype=torch.bfloat16):
 
 def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=None):
     """LoRA on every Linear of the decoder (peft; AutoModel has no LM head), in place. grad_ckpt:
-    gradient checkpointing (with bf16 weights, LLaMA-2-7B fits one 80 GB GPU); autocast: the dtype
-    autocast will run in (bf16, fp16), so the frozen Linears are cast to it once
-    (cast_frozen_linears). -> the peft model (its save_pretrained writes the adapter)"""
+    gradient checkpointing (bf16 LLaMA-2-7B fits one 80 GB GPU); autocast: the dtype autocast runs
+    in, the frozen Linears cast to it once. -> the peft model (save_pretrained: the adapter)"""
     from peft import LoraConfig, get_peft_model
     if grad_ckpt:
         dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -468,12 +480,11 @@ def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=None):
 
 
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
-    """GiB of one training step, estimated from the config: (weights, LoRA + gradients + AdamW
-    moments in fp32, activations kept for the backward). Activations, bytes a token a layer
-    (counted with saved-tensor hooks on LLaMA configs; RMSNorm and the LoRA path keep fp32 copies,
-    so bf16 does not halve them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62 and
-    β = 20 / 14 for fp32 / bf16 (s = 4 / 2 bytes). With checkpointing: each layer keeps only its
-    input (s·H) and one layer is recomputed at a time."""
+    """GiB of one training step, from the config: (weights, LoRA + gradients + AdamW moments in
+    fp32, activations kept for the backward). Activations, bytes a token a layer (counted with
+    saved-tensor hooks on LLaMA configs; RMSNorm and LoRA keep fp32 copies, so bf16 does not halve
+    them): A = α·H + β·I + 28·r + heads·L·(4 or 6), α = 68 / 62, β = 20 / 14 for fp32 / bf16
+    (s = 4 / 2 bytes). Checkpointing: each layer keeps its input (s·H), one recomputed at a time."""
     c, n = dec.config, len(dec.layers) + len(getattr(dec, "bellm_added", []))
     A = (68 if s == 4 else 62) * c.hidden_size + (20 if s == 4 else 14) * c.intermediate_size \
         + 28 * r + c.num_attention_heads * longest * (4 if s == 4 else 6)
@@ -483,8 +494,7 @@ def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
 
 
 def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
-    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: bf16 weights or
-    autocast (2 bytes a value, mostly)."""
+    """The start-up line: a step's memory, estimated (docs/operations.md); bf16: 2 bytes a value."""
     s, n = 2 if bf16 else 4, sum(q.numel() for q in params)
     est = [memory_estimate(dec, n, s, texts * longest, longest, r, c) for c in (0, 1)]
     per_tok = [e[2] * 2**20 / (texts * longest) for e in est]  # KiB a token
@@ -495,16 +505,14 @@ def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
             f"{w + o + act:.2f} GiB in all")
 
 def prompt_tokens(tokenizer, dec, prompt, max_len, name):
-    """The tokens of the prompt around a sentence, once --max-len is known to fit the model's
-    positions with them."""
+    """The prompt's tokens around a sentence, once --max-len is known to fit with them."""
     n = len(tokenizer(fill(prompt, "", ""))["input_ids"])
     common.check_max_len(max_len, dec.config, name, extra=n)
     return n
 
 
 def make_encode(dec, tok, cfg, device, precision=None):
-    """encode(list[str], conditions=None) -> (N, H): the one encode function (dev evaluation in
-    training, eval_sts.py)."""
+    """encode(list[str], conditions=None) -> (N, H): the one encode function (dev, eval_sts.py)."""
     net = BeLLM(dec, cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
 
     @torch.no_grad()
@@ -526,11 +534,8 @@ def save_model(lora, folder):
 
 def load_adapter(dec, run_dir):
     """The LoRA adapter of a bellm.py run folder wrapped into dec (in place), or one line naming the
-    file: it must load, and hold exactly the adapter weights that this base model and
-    adapter_config.json ask for (peft would only warn about missing ones and leave them as
-    initialised)."""
-    import warnings
-
+    file: it loads, holding exactly the adapter weights this base model and adapter_config.json
+    ask for (peft would only warn about missing ones and leave them as initialised)."""
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
     where = f"cannot load the bellm.py run in '{run_dir}'"
@@ -570,21 +575,19 @@ META_OPTIONAL = {  # keys that older runs may lack
 def check_run(run_dir, meta):
     """A run folder of this script is the model its files describe, or one line naming the file and
     the value: sentemb.json's keys of their types; the adapter's files whole; every value within
-    the base model's limits; adapter_config.json as bellm.py trains (eval_sts.py and --resume
-    call it). That the adapter's weights fit the base is checked when it loads (load_adapter)."""
+    the base's limits; adapter_config.json as bellm.py trains (for eval_sts.py and --resume)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the bellm.py run in '{run_dir}'"
     common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for rel in ("adapter_config.json", "adapter_model.safetensors"):
         common.check_file(run_dir, rel, where, harness.RECOPY)
-    from transformers import AutoConfig
     base = meta["base_model"]
-    n = common.load_pretrained(AutoConfig, base).num_hidden_layers
+    config = common.load_pretrained(AutoConfig, base)
+    n = config.num_hidden_layers
     if meta["bi_layers"] > n:  # the words of --bi-layers
         common.die(f"{path}: bi_layers {meta['bi_layers']} is outside 0..{n} ('{base}' has {n} "
                    f"layers): set it to 0..{n}, or {harness.RECOPY}")
     if "max_len" in meta:
-        common.check_max_len(meta["max_len"], common.load_pretrained(AutoConfig, base), base,
-                             f"{path}: max_len")
+        common.check_max_len(meta["max_len"], config, base, f"{path}: max_len")
     check_lora_config(os.path.join(run_dir, "adapter_config.json"), meta, path, where)
 
 
@@ -618,8 +621,7 @@ def check_lora_config(lora_path, meta, path, where):
 
 def load_encoder(run_dir, meta, device):
     """For eval_sts.py. meta: base_model, bi_layers, bi_mode, prompt [, bi_strategy, max_len];
-    run_dir None = zero-shot, no LoRA (a run folder without its adapter is refused by
-    check_run, never run as the base model)."""
+    run_dir None: zero-shot, no LoRA (check_run refuses a run folder without its adapter)."""
     return make_encode(*load_adapted(run_dir, meta, device), device)
 
 
@@ -639,8 +641,7 @@ def load_adapted(run_dir, meta, device):
 
 
 def dev_score(encode, data, csts_dev=None):
-    """The score that selects the checkpoint: STS-B dev, or with --csts C-STS (§5.1; each sentence
-    embedded with its condition; Spearman x 100 of cosine vs label)."""
+    """The score that picks the checkpoint: STS-B dev, or C-STS dev with --csts (§5.1; Spearman)."""
     if not csts_dev:
         return common.stsb_dev(encode, data)
     u = encode([r[0] for r in csts_dev], [r[2] for r in csts_dev])
@@ -687,8 +688,8 @@ def check_args(a, world):
 
 
 def check_data(a, kind, csts_dev):
-    """What the training data asks of the flags: a --prompt with {condition} exactly for C-STS
-    data or a --csts dev file; --temp only where eq. 6 reads it (NLI)."""
+    """The flags the data asks for: {condition} in --prompt just for C-STS (data or --csts dev);
+    --temp only where eq. 6 reads it (NLI)."""
     check_prompt(a.prompt, kind == "csts" or csts_dev)
     if kind == "csts" and a.temp != p.get_default("temp"):
         common.die("--temp is eq. 6's temperature, and C-STS rows train with cosent_loss, which "

@@ -15,8 +15,10 @@ import re
 import shutil
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.utils._pytree as pytree
 from scipy.stats import spearmanr
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -219,13 +221,10 @@ def read_sentences(path):
 # ---------------------------------------------------------------- argument types ----------------
 def _typed(convert, ok, text):
     def parse(s):
-        try:
-            v = convert(s)
-        except ValueError:
-            v = None
-        if v is None or not ok(v):
-            raise argparse.ArgumentTypeError(f"{s!r} is not {text}")
-        return v
+        with contextlib.suppress(ValueError):
+            if ok(v := convert(s)):
+                return v
+        raise argparse.ArgumentTypeError(f"{s!r} is not {text}")
     parse.range = text
     return parse
 
@@ -261,7 +260,6 @@ def show_ranges(parser):
     for act in parser._actions:
         if hasattr(act.type, "range") and act.help:
             act.help += f" [{act.type.range}]"
-    return parser
 
 
 # ---------------------------------------------------------------- loading a model folder --------
@@ -558,6 +556,19 @@ def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
 
 
 # ---------------------------------------------------------------- tokenisation ------------------
+def ahead(items, n=2):
+    """items' values, each made on a background thread up to n ahead of the loop that reads them:
+    the next steps' batches tokenised on the host while the device runs this one (torch and the
+    tokenizer release the GIL). The same values in their order; an error there is raised here.
+    items must share no tokenizer with the loop (a fast tokenizer is not thread-safe)."""
+    items, end = iter(items), object()
+    with ThreadPoolExecutor(1) as thread:  # one thread: the values made in their order
+        made = [thread.submit(next, items, end) for _ in range(n)]
+        while (x := made.pop(0).result()) is not end:
+            made.append(thread.submit(next, items, end))
+            yield x
+
+
 GROUP_COST = 64  # a forward pass's fixed cost, in token slots (bench/length_groups.py measures it)
 
 
@@ -585,19 +596,19 @@ def on_device(v, device):
     return (v.pin_memory() if pin else v).to(device, non_blocking=True)
 
 
-def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=(), device=None):
+def by_length(forward, batch, cost=GROUP_COST, counter=None, lookups=(), device=None):
     """forward(batch) computed on length groups of the rows, each padded to its own longest, put
     back in row order: forward(batch)'s result (up to float rounding) for the real tokens' cost.
     batch: dict of (N, L) tensors with an attention_mask, padded on either side, on the host (the
-    lengths read there), each group copied to device (default: the batch's); outputs: (N, ...)
-    tensors, or nested tuples / lists of them (None kept). slots: a list that receives the padded
-    token slots computed. lookups: trained word embeddings that forward applies: each looks the
-    whole batch up once, every group reads its rows (one vocabulary-sized gradient a batch)."""
+    lengths read there), each group copied to device; outputs: (N, ...) tensors in tuples, lists
+    (None kept), each put back in row order.
+    counter: its .slots grows by the padded token slots computed. lookups: trained word embeddings
+    that forward applies: each looks the whole batch up once, every group reads its rows."""
     mask = batch["attention_mask"]  # (N, L), on the host: a GPU is not waited for
     lengths, device = mask.sum(1).tolist(), device or mask.device
     groups = length_groups(lengths, cost)
-    if slots is not None:
-        slots.append(sum(len(g) * max(lengths[i] for i in g) for g in groups))
+    if counter is not None:
+        counter.slots += sum(len(g) * max(lengths[i] for i in g) for g in groups)
     if len(groups) == 1:
         return forward({k: on_device(v, device) for k, v in batch.items()})
     left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
@@ -618,31 +629,22 @@ def by_length(forward, batch, cost=GROUP_COST, slots=None, lookups=(), device=No
     finally:
         for h in hooks:
             h.remove()
-    # grouped row -> row
-    inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), device)
-
-    def merge(outs):  # the groups' outputs -> one output in row order
-        if outs[0] is None or isinstance(outs[0], torch.Tensor):
-            return None if outs[0] is None else torch.cat(outs)[inv]
-        return type(outs[0])(merge(list(o)) for o in zip(*outs))
-    return merge(parts)
+    inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), device)  # -> rows
+    return pytree.tree_map(lambda *o: None if o[0] is None else torch.cat(o)[inv], *parts)
 
 
 def in_length_groups(forward, grouped=True, model=None, device=None):
     """forward(batch, ...) computed in length groups (by_length; grouped=False: one padded batch):
     the same outputs, for the real tokens' cost. batch: the tokenizer's, on the host, copied to
     device. model: the module forward runs, whose trained word embeddings then look a batch up
-    once, unless forward is compiled (the hooks would recompile it). .slots counts the padded
-    token slots computed (harness.Meter's FLOPs)."""
+    once, unless forward is compiled (hooks would recompile it). .slots: the padded token slots
+    computed (harness.Meter's FLOPs)."""
     compiled = hasattr(forward, "_orig_mod") or hasattr(forward, "_torchdynamo_orig_callable")
     lookups = word_embeddings(model) if model is not None and not compiled else []
 
-    def run(batch, *args, **kw):
-        slots = []  # one padded batch: one group, whatever it costs
-        out = by_length(lambda b: forward(b, *args, **kw), batch, GROUP_COST if grouped else
-                        math.inf, slots, lookups if torch.is_grad_enabled() else [], device)
-        run.slots += slots[0]
-        return out
+    def run(batch, *args, **kw):  # not grouped: one group, whatever it costs
+        return by_length(lambda b: forward(b, *args, **kw), batch, GROUP_COST if grouped else
+                         math.inf, run, lookups if torch.is_grad_enabled() else [], device)
     run.slots = 0
     return run
 

@@ -22,6 +22,7 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
   python jtcse.py --distill runs/jtcse_minilm --model-a runs/simcse_1 --output-dir runs/jtcse_d
 """
 import argparse
+import copy
 import functools
 import json
 import math
@@ -32,6 +33,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 import common
 import harness
@@ -232,22 +234,20 @@ class Twin(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- one training step ---------------
-def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, objective="paper",
-               skip=(), tmc_on_h=False, autocast=None, teacher=None, world=1, accum=1,
+def train_step(model, batch, R, device, temp=0.05, objective="paper", skip=(), tmc_on_h=False,
+               autocast=None, teacher=None, sentences=None, world=1, accum=1,
                gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
-    accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding.
-    model(batch) -> the twin's (h, hP, c) (Twin), or with a teacher the student's CLS (N, H), run by
-    common.in_length_groups, which copies the host batch to the device (in length groups: the same
-    outputs). R: eq. 12's direction; objective "authors": their code's losses (docs/jtcse.md,
-    details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h: eq. 13 reads h, not h^P
-    (Fig. 8, --drop-layernorm); autocast: the forward's dtype (bf16, fp16; None: fp32); teacher:
-    encode(list[str]) -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H)
-    -> (world·B, H); the gradients × world / accum (DDP averages them over the ranks; accum
-    micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
-    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt")  # (B, L), on the host: model copies it to the device
-    B, terms = len(sentences), {}
+    accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding. batch: the
+    tokenizer's (B, L) tensors, on the host; model(batch) -> the twin's (h, hP, c) (Twin), or with
+    a teacher the student's CLS (N, H), run by common.in_length_groups (it copies the batch to the
+    device, in length groups). R: eq. 12's direction; objective "authors": their code's losses
+    (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h: eq. 13 reads
+    h, not h^P (Fig. 8); autocast: the forward's dtype (bf16, fp16; None: fp32); teacher(sentences)
+    -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H);
+    the gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step),
+    of scale(loss) (fp16: the gradient scaler's)."""
+    B, terms = len(batch["input_ids"]), {}
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         if teacher is not None:
             target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
@@ -268,8 +268,7 @@ def train_step(model, tokenizer, sentences, R, device, temp=0.05, max_len=64, ob
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
+    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
     if n < per_step:
         common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
     per_epoch = n // per_step
@@ -281,9 +280,16 @@ def step_rows(n, per_step, epochs, max_steps, seed):
     return steps[:total]
 
 
-def sts_sentences(data, task, split):
-    """The distinct sentences of one STS task's split (SICK's join the training text)."""
-    return {s for r in common.load_sts(data, task, split)[split] for s in r[:2]}
+def micro_batches(tokenizer, sentences, steps, rank, world, batch_size, max_len):
+    """Each step's micro-batches on this rank, tokenised on the host (a step or two ahead of the
+    loop: common.ahead) -> per step [((B, L) batch, its sentences)]; rank r's k-th: rows
+    [(k·world + r)·B, +B)."""
+    tokenizer = copy.deepcopy(tokenizer)  # not the evaluation's: a fast tokenizer is not shared
+    for rows in steps:
+        texts = [[sentences[i] for i in rows[j:j + batch_size]]
+                 for j in range(rank * batch_size, len(rows), world * batch_size)]
+        yield [(tokenizer(t, padding=True, truncation=True, max_length=max_len,
+                          return_tensors="pt"), t) for t in texts]
 
 
 # ---------------------------------------------------------------- main ----------------------------
@@ -296,7 +302,8 @@ def main():
     data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
     sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sentences += sorted(sts_sentences(data, "SICK-R", "train") - set(sentences))
+        sick = {s for r in common.load_sts(data, "SICK-R", "train")["train"] for s in r[:2]}
+        sentences += sorted(sick - set(sentences))  # its distinct sentences, not yet in --train
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
     steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
@@ -340,21 +347,21 @@ def main():
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
         f"of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}, {a.precision}")
 
+    batches = common.ahead(micro_batches(  # the steps from `first` on, tokenised ahead
+        tokenizer, sentences, steps[max(first - 1, 0):], rank, world, a.batch_size, a.max_len))
     meter = harness.Meter(device, per_step, "sent", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             R = int(torch.randint(0, 2, (1,), generator=r_gen))  # eq. 12: ICNCE's direction
             with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                for k, (batch, texts) in enumerate(next(batches)):  # DDP syncs after the last
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss, terms = train_step(
-                            step_model, tokenizer, [sentences[i] for i in rows], R, device,
-                            temp=a.temp, max_len=a.max_len, objective=a.objective, skip=skip,
-                            tmc_on_h=a.drop_layernorm > 0, autocast=autocast, teacher=teacher,
-                            world=world, accum=a.grad_accum, gather=harness.gather,
-                            scale=scaler.scale)
+                            step_model, batch, R, device, temp=a.temp, objective=a.objective,
+                            skip=skip, tmc_on_h=a.drop_layernorm > 0, autocast=autocast,
+                            teacher=teacher, sentences=texts, world=world, accum=a.grad_accum,
+                            gather=harness.gather, scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
                 scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
@@ -394,9 +401,9 @@ def make_encode(towers, tokenizer, max_len, device, compiled=False, precision=No
 
 
 def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders, each also a sentence-transformers folder (CLS); a twin's folder is
-    one too, of st_module.JTCSETwin (CLS(I) + CLS(II); trust_remote_code=True): SentenceTransformer
-    (folder) encodes as we evaluate."""
+    """Plain BertModel folders, each a sentence-transformers folder too (CLS); a twin's folder is
+    one of st_module.JTCSETwin (CLS(I) + CLS(II), trust_remote_code=True):
+    SentenceTransformer(folder) encodes as we evaluate."""
     for name, tower in zip(names, towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
@@ -423,9 +430,8 @@ RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
 
 def check_run(run_dir, meta):
     """A run folder of this script is the model its files describe, or one line naming the file and
-    the value: sentemb.json's keys of their types; each tower's files whole, its weights those of
-    its config.json; the towers listed = the tower folders, of one shape and vocabulary; every
-    value within the towers' limits (eval_sts.py and --resume call it)."""
+    value: sentemb.json's keys of their types; each tower's files whole, its weights its config's;
+    the towers listed = the tower folders, of one shape and vocabulary; values within limits."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the jtcse.py run in '{run_dir}'"
     common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
     for t in meta["towers"]:
@@ -461,7 +467,6 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
     """JTCSE's towers (and the models its analysis compares): BERT-like encoders with a pooler, of
     one shape and vocabulary (eq. 10 swaps values between equal layers of one batch); a --num-cael
     that divides their layers; a --drop-layernorm within them. meta: a run's sentemb.json."""
-    from transformers import AutoConfig, AutoTokenizer
     flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
     fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
     configs = [common.load_pretrained(AutoConfig, n) for n in names]
@@ -492,7 +497,6 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
 def load_towers(names, drop=0, pooler=True):
     """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base's fresh pooler for
     eq. 13 is said on stderr), their tokenizer; drop: Fig. 8 (pooler frozen); pooler: trained."""
-    from transformers import AutoModel, AutoTokenizer
     towers = [drop_layernorm(common.load_pretrained(AutoModel, n, strict=True, fresh="pooler."),
                              drop) for n in names]
     for tower in towers:
@@ -533,7 +537,6 @@ def load_teacher(names, max_len, hidden, device):
                 folder, {**meta, "max_len": max_len}, device)):
             members.append(run)
             continue
-        from transformers import AutoModel, AutoTokenizer
         model = common.load_pretrained(AutoModel, name).to(device).eval()
         members.append(common.encoder(functools.partial(cls, model),
                                       common.load_pretrained(AutoTokenizer, name),
@@ -542,8 +545,7 @@ def load_teacher(names, max_len, hidden, device):
     for n, m in zip(names[1:], members[1:]):  # a sum over one text: one vocabulary, one limit
         if m.tokenizer.get_vocab() != members[0].tokenizer.get_vocab():
             common.die(f"'{names[0]}' and '{n}' have different tokenizers: the teacher sums the "
-                       "embeddings of one tokenised sentence, so pass models that share a "
-                       "vocabulary")
+                       "embeddings of one tokenised sentence: pass models of one vocabulary")
         if m.max_len != members[0].max_len:
             common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
                        f"{m.max_len}: pass teachers of one maximum length")
@@ -557,7 +559,6 @@ def load_teacher(names, max_len, hidden, device):
 def check_teacher(name):
     """A --distill teacher, before any work: its run's files and values, or a model folder."""
     if not os.path.isdir(name):
-        from transformers import AutoConfig
         common.load_pretrained(AutoConfig, name)
     elif teacher_run(name, lambda *_: True) is None:
         common.check_hf_folder(name, "model", f"cannot load '{name}'")

@@ -19,6 +19,7 @@ away from what layer M already says. Several layers at once = Progressive SSCL (
       --layer 5 --max-steps 100 --eval-steps 50 --output-dir runs/sscl_minilm   # CPU: minutes
 """
 import argparse
+import copy
 import functools
 import json
 import math
@@ -28,7 +29,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import AutoConfig, AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
 
 import common
 import harness
@@ -147,26 +148,23 @@ class SentenceEncoder(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- one training step ---------------
-def train_step(model, tokenizer, sentences, layers, device, temp=0.05, max_len=32,
-               objective="paper", no_aug=False, autocast=None, world=1, accum=1,
-               gather=lambda z: z, scale=lambda loss: loss):
+def train_step(model, batch, layers, device, temp=0.05, objective="paper", no_aug=False,
+               autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
-    global batch, its gradients accumulated. -> the loss.
-    model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in layers]): a
-    SentenceEncoder run by common.in_length_groups, which copies the host batch to the device (in
-    length groups: the same outputs); layers: the M of eq. 4 ([]: SimCSE); objective "authors":
-    their code's loss (docs/sscl.md, details 2, 3, 5); no_aug: SSCL-BERT, Table 2; autocast: the
-    forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) = every rank's rows (B, D) ->
-    (world·B, D); the gradients × world / accum (DDP averages them over the ranks; accum
-    micro-batches a step), of scale(loss) (fp16: the gradient scaler's, × its scale)."""
-    batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_len,
-                      return_tensors="pt")  # (B, L), on the host: model copies it to the device
+    global batch, its gradients accumulated. -> the loss. batch: the tokenizer's (B, L) tensors,
+    on the host; model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in
+    layers]): a SentenceEncoder run by common.in_length_groups (it copies the batch to the device,
+    in length groups); layers: the M of eq. 4 ([]: SimCSE); objective "authors": their code's loss
+    (docs/sscl.md, details 2, 3, 5); no_aug: SSCL-BERT, Table 2; autocast: the forward's dtype
+    (bf16, fp16; None: fp32). torchrun: gather(z) = every rank's rows (B, D) -> (world·B, D); the
+    gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step), of
+    scale(loss) (fp16: the gradient scaler's)."""
+    B = len(batch["input_ids"])
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         z, z_layers = model(batch, layers)  # (2B, D), or (B, D) with no_aug; per M: the same
-    B = len(sentences)  # the loss in fp32, outside autocast
-    h, h_pos = z[:B].float(), (z if no_aug else z[B:]).float()  # SSCL-BERT: the positive is h
+    h, h_pos = z[:B].float(), (z if no_aug else z[B:]).float()  # fp32; SSCL-BERT: h_pos = h
     h, h_pos = gather(h), gather(h_pos)  # (world·B, D): the global batch
     # NOTE(authors' code): docs/sscl.md details 2, 3, 5, which objective "authors" switches
     if objective == "paper":  # view 1's layer-M vectors (the anchor's pass), all ranks
@@ -200,8 +198,7 @@ class AdamW421(torch.optim.AdamW):
 def step_rows(n, per_step, epochs, max_steps, seed):
     """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
     of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over as many epochs as that
-    takes."""
+    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
     if n < per_step:
         common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
     per_epoch = n // per_step
@@ -211,6 +208,16 @@ def step_rows(n, per_step, epochs, max_steps, seed):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
         steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
     return steps[:total]
+
+
+def micro_batches(tokenizer, sentences, steps, rank, world, batch_size, max_len):
+    """Each step's micro-batches on this rank, tokenised on the host (a step or two ahead of the
+    loop: common.ahead) -> per step [(B, L) batch]; rank r's k-th: rows [(k·world + r)·B, +B)."""
+    tokenizer = copy.deepcopy(tokenizer)  # not the evaluation's: a fast tokenizer is not shared
+    for rows in steps:
+        yield [tokenizer([sentences[i] for i in rows[j:j + batch_size]], padding=True,
+                         truncation=True, max_length=max_len, return_tensors="pt")
+               for j in range(rank * batch_size, len(rows), world * batch_size)]
 
 
 # ---------------------------------------------------------------- main ----------------------------
@@ -259,19 +266,19 @@ def main():
         f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
         f"lr {lr:g}, {world} process(es), device {device}, {a.precision}")
 
+    batches = common.ahead(micro_batches(  # the steps from `first` on, tokenised ahead
+        tokenizer, sentences, steps[max(first - 1, 0):], rank, world, a.batch_size, a.max_len))
     meter = harness.Meter(device, per_step, "sent", a.precision)  # the step lines' speed
     raw_model.train()
     for step in range(first, len(steps) + 1):  # step 0: the model as loaded, evaluated
         if step > 0:  # optimisation step `step`: grad_accum micro-batches of B sentences a rank
             with meter.step(step_model):
-                for k in range(a.grad_accum):  # micro-batch k; DDP syncs after the last
-                    rows = steps[step - 1][(k * world + rank) * a.batch_size:][:a.batch_size]
+                for k, batch in enumerate(next(batches)):  # micro-batch k; DDP syncs after the last
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
                         loss = train_step(
-                            step_model, tokenizer, [sentences[i] for i in rows], layers, device,
-                            temp=a.temp, max_len=a.max_len, objective=a.objective,
-                            no_aug=a.no_aug, autocast=autocast, world=world,
-                            accum=a.grad_accum, gather=harness.gather, scale=scaler.scale)
+                            step_model, batch, layers, device, temp=a.temp, objective=a.objective,
+                            no_aug=a.no_aug, autocast=autocast, world=world, accum=a.grad_accum,
+                            gather=harness.gather, scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
                 scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 gnorm = torch.nn.utils.clip_grad_norm_(  # the norm before clipping; 0: no clip
@@ -344,7 +351,6 @@ def check_run(run_dir, meta):
     for rel in RUN_FILES + ("proj.pt",) * bool(meta["proj_dim"]):
         common.check_file(run_dir, rel, where, harness.RECOPY)
     common.check_weights(run_dir, where, harness.RECOPY)
-    from transformers import AutoConfig
     config = common.load_pretrained(AutoConfig, run_dir)
     n, hidden = config.num_hidden_layers, config.hidden_size
 
@@ -386,10 +392,9 @@ def load_encoder(run_dir, meta, device):
 
 # ---------------------------------------------------------------- argument checks -----------------
 def select_on(name, data):
-    """--select-on -> (its name, score(encode, data)): the dev score that selects the checkpoint.
-    stsb: STS-B dev (the paper's); transfer: the mean dev accuracy x 100 of SentEval's 7 transfer
-    tasks in fasttest mode (the authors' script, `eval_avg_transfer`), whose files are read now,
-    once for the run."""
+    """--select-on -> (its name, score(encode, data)), the dev score that picks the checkpoint:
+    stsb, STS-B dev (the paper's); transfer, the mean dev accuracy x 100 of SentEval's 7 transfer
+    tasks in fasttest mode (the authors' `eval_avg_transfer`), their files read now, once."""
     if name == "stsb":
         return "stsb_dev", common.stsb_dev
     try:  # the one file beside this script that a flag needs: SentEval's classifiers
@@ -405,7 +410,6 @@ def check_encoder(name, max_len, flag="--model", num_layers=None):
     """A BERT-like bidirectional encoder (a masked-LM architecture: bert, roberta, ...) whose
     position embeddings hold max_len tokens, and that has num_layers layers to keep. -> its config
     (num_hidden_layers: the kept layers)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MLM
     config = common.load_pretrained(AutoConfig, name)
     if config.model_type not in MLM:

@@ -96,8 +96,8 @@ def need(*paths):
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
 
 
-def tokenize(tok, texts, max_len, device):
-    """A padded batch, as the scripts' train_step tokenises one."""
+def tokenize(tok, texts, max_len, device="cpu"):
+    """A padded batch, as the scripts' micro_batches tokenise one (on the host: device "cpu")."""
     return tok(texts, padding=True, truncation=True, max_length=max_len,
                return_tensors="pt").to(device)
 
@@ -1466,6 +1466,80 @@ def test_common_in_length_groups_copies_the_host_batch_to_its_device():
     assert len(seen) == 3 and all(s == {"meta"} for s in seen), seen
 
 
+def test_common_ahead_yields_the_values_in_order_from_a_thread_that_runs_ahead_and_stops():
+    """common.ahead(items, n): items' values in their order, each made on a background thread at
+    most n values ahead of the loop; an error raised there, common.die's SystemExit included, is
+    raised in the loop; a loop that stops early (close) ends the thread."""
+    made, where = [], set()
+
+    def items(k, fail=None):
+        for i in range(k):
+            where.add(threading.get_ident())
+            made.append(i)
+            if i == fail:
+                common.die("bad row")
+            yield i
+    assert list(common.ahead(items(50), 3)) == list(range(50))
+    assert where and threading.get_ident() not in where
+    made.clear()
+    before = set(threading.enumerate())
+    loop = common.ahead(items(10**6), 2)
+    assert next(loop) == 0
+    time.sleep(0.3)  # the thread makes the next n, then waits
+    assert made == [0, 1, 2], made
+    loop.close()
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=5)
+        assert not t.is_alive()
+    assert made == [0, 1, 2], made
+    with pytest.raises(SystemExit) as e:
+        list(common.ahead(items(5, fail=3)))
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
+def test_common_micro_batches_are_the_steps_slices_tokenised(script, bert_dir, tok_dir, tmp_path,
+                                                              monkeypatch):
+    """Each script's micro_batches: per step, on rank r of world, micro-batch k holds the step's
+    rows [(k·world + r)·B, +B), tokenised as the tokenizer pads and cuts them (BeLLM: prompted,
+    with C-STS's labels), by a tokenizer of its own (a fast tokenizer is not shared between
+    threads)."""
+    from transformers import AutoTokenizer
+    rng, callers, call = random.Random(3), set(), transformers.PreTrainedTokenizerBase.__call__
+    sents = [sentence(rng) for _ in range(40)]
+    steps = sscl.step_rows(len(sents), 16, 1, 2, 0)  # 2 steps, world 2 x grad_accum 2 x B 4
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", lambda t, *a, **k: (
+        callers.add(id(t)), call(t, *a, **k))[1])
+    if script == "bellm":
+        tok = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", bl_CPU)[0]
+        rows = [(sents[i], sents[i + 1], sents[i + 2], float(i % 5)) for i in range(37)]
+        steps = bellm.step_rows(len(rows), 16, 1, 2, 0)
+        got = [list(bellm.micro_batches(tok, rows, "csts", "{sentence}|{condition}", steps, r, 2,
+                                        4, 8)) for r in (0, 1)]
+    else:
+        tok = AutoTokenizer.from_pretrained(bert_dir)
+        got = [list(SCRIPTS[script].micro_batches(tok, sents, steps, r, 2, 4, 12)) for r in (0, 1)]
+    assert callers and id(tok) not in callers  # its own copy
+    for r in (0, 1):
+        assert len(got[r]) == 2 and all(len(step) == 2 for step in got[r])
+        for rows_, step in zip(steps, got[r]):
+            for k, mb in enumerate(step):
+                ids = rows_[(k * 2 + r) * 4:][:4]
+                if script == "bellm":
+                    want, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], "csts",
+                                                        "{sentence}|{condition}", 8)
+                    assert torch.equal(mb[1], labels) and labels.tolist() == [rows[i][3]
+                                                                             for i in ids]
+                    mb = mb[0]
+                else:
+                    want = tokenize(tok, [sents[i] for i in ids], 12)
+                    if script == "jtcse":
+                        assert mb[1] == [sents[i] for i in ids]
+                        mb = mb[0]
+                assert mb.keys() == want.keys()
+                assert all(torch.equal(mb[key], want[key]) for key in want)
+
+
 def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
     return [sentence(rng, rng.choice([1, 2, 5, 12, 20])) for _ in range(n)]
 
@@ -1519,8 +1593,9 @@ def test_common_grouped_step_looks_each_batch_up_once_in_each_trained_word_embed
     twin = jtcse.Twin(jt_nodrop(jt_env, tmp_path), 2).train().double()
     tok, jt_tok = AutoTokenizer.from_pretrained(bert_nodrop_dir), jt_env[1]
     backward = lambda loss: loss.backward() or loss  # noqa: E731
-    cases = [(enc, enc, lambda f: sscl.train_step(f, tok, sents, [1], cpu), 1),
-             (twin, twin, lambda f: jtcse.train_step(f, jt_tok, sents, 1, cpu)[0], 2),
+    cases = [(enc, enc, lambda f: sscl.train_step(f, tokenize(tok, sents, 32), [1], cpu), 1),
+             (twin, twin, lambda f: jtcse.train_step(f, tokenize(jt_tok, sents, 64), 1, cpu)[0],
+              2),
              (functools.partial(jtcse.cls, twin.towers[0]), twin.towers[0], lambda f: backward(
                  F.mse_loss(f(jt_batch_of(jt_tok, sents)), torch.ones(16, 32).double())), 1)]
 
@@ -3927,10 +4002,13 @@ def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(b
     bellm.add_lora(dec, 4, 8, 0.0)
     net = bellm.BeLLM(dec, 1, "parallel", "convert")
     rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
-    steps = [lambda: sscl.train_step(common.in_length_groups(enc), tok, sents, [2], cpu),
-             lambda: jtcse.train_step(common.in_length_groups(twin), tok, sents, 1, cpu),
+    steps = [lambda: sscl.train_step(common.in_length_groups(enc), tokenize(tok, sents, 32), [2],
+                                     cpu),
+             lambda: jtcse.train_step(common.in_length_groups(twin), tokenize(tok, sents, 64), 1,
+                                      cpu),
              lambda: bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
-                                      btok, rows, "nli", bellm.PROMPT, cpu)]
+                                      bellm.prompted_batch(btok, rows, "nli", bellm.PROMPT, 64)[0],
+                                      cpu)]
     for step in steps:
         with FlopCounterMode(display=False) as theirs:
             step()
@@ -3952,7 +4030,7 @@ def test_harness_a_steps_flops_from_its_token_slots_are_within_half_a_percent_of
         sents = uneven(random.Random(i), 8)
         before = meter.flops
         with meter.step(forward), common.FlopCount() as exact:
-            sscl.train_step(forward, tok, sents, [2], cpu, max_len=24)
+            sscl.train_step(forward, tokenize(tok, sents, 24), [2], cpu)
         assert meter.flops - before == pytest.approx(exact.flops, rel=0.005 if i else 1e-12)
     assert len(meter.spans) == 5 and re.fullmatch(r"sent/s [\d.]+  GFLOP/s [\d.]+", meter.line())
     assert meter.spans == [] and meter.flops == 0  # counted anew after each step line
@@ -3984,8 +4062,9 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
         out = []
         for model in (net, enc):
             enc.zero_grad(set_to_none=True)
-            loss = sscl.train_step(common.in_length_groups(model, True, enc), tok, sents, [1], cpu,
-                                   max_len=24, autocast=torch.bfloat16 if bf16 else None)
+            loss = sscl.train_step(common.in_length_groups(model, True, enc),
+                                   tokenize(tok, sents, 24), [1], cpu,
+                                   autocast=torch.bfloat16 if bf16 else None)
             out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
         (lc, gc), (le, ge) = out
         tol = 1e-2 if bf16 else 1e-5  # bf16 keeps 8 significant bits, fp32 24
@@ -4023,8 +4102,9 @@ def test_harness_compiled_layers_bellm_step_is_the_eager_step(tok_dir, tmp_path)
     out = []
     for m in (dec, eager):
         net = bellm.BeLLM(m, 1, "parallel", "convert")
-        loss = bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)), tok,
-                                rows, "nli", bellm.PROMPT, cpu, 0.05, 32)[0]  # and backward
+        loss = bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net)),
+                                bellm.prompted_batch(tok, rows, "nli", bellm.PROMPT, 32)[0],
+                                cpu)[0]  # and backward
         out.append((loss.detach(), torch.cat([q.grad.flatten() for q in m.parameters()
                                               if q.grad is not None])))
     (lc, gc), (le, ge) = out
@@ -4171,20 +4251,20 @@ def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_di
     torch.manual_seed(0)
     models[0].load_state_dict(models[1].state_dict())
     equal_steps(*[lambda enc, mod=mod: (torch.manual_seed(1), mod.train_step(
-        enc, tok, sents, [2], cpu, max_len=16))[1] for mod in (m, sscl)], models)
+        enc, tokenize(tok, sents, 16), [2], cpu))[1] for mod in (m, sscl)], models)
     m = copied_section("jtcse")
     models = [mod.Twin([BertModel.from_pretrained(bert_dir) for _ in "ab"], 2)
               for mod in (m, jtcse)]
     equal_steps(*[lambda twin, mod=mod: (torch.manual_seed(1), mod.train_step(
-        twin, tok, sents, 1, cpu, max_len=16))[1][0] for mod in (m, jtcse)], models)
+        twin, tokenize(tok, sents, 16), 1, cpu))[1][0] for mod in (m, jtcse)], models)
     m = copied_section("bellm")
     tok, _ = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", cpu)
     models = [mod.BeLLM(bellm.load_decoder(tmp_path / "llama-4", 1, "convert", cpu)[1], 1,
                         "parallel", "convert") for mod in (m, bellm)]
     rows = [(sents[i], sents[i + 1], sents[i + 2]) for i in range(4)]
+    batch = bellm.prompted_batch(tok, rows, "nli", bellm.PROMPT, 16)[0]
     equal_steps(*[lambda net, mod=mod: (torch.manual_seed(1), mod.train_step(
-        functools.partial(mod.embed, net), tok, rows, "nli", bellm.PROMPT, cpu, max_len=16))[1][0]
-        for mod in (m, bellm)], models)
+        functools.partial(mod.embed, net), batch, cpu))[1][0] for mod in (m, bellm)], models)
 
 
 def copy_run(script, cmd, tmp_path):
@@ -4338,7 +4418,7 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
     after clipping at half that norm each gradient is exactly half what it was."""
     tok = AutoTokenizer.from_pretrained(bert_dir)
     sentence_encoder = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls").train()
-    sscl.train_step(sentence_encoder, tok, SENTS[:6], [2], bl_CPU, max_len=16,
+    sscl.train_step(sentence_encoder, tokenize(tok, SENTS[:6], 16), [2], bl_CPU,
                     autocast=torch.bfloat16)
     ltok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU,
                                    torch.bfloat16)
@@ -4348,9 +4428,9 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
         for n, q in model.named_parameters():
             if "lora_B" in n:
                 q.normal_(0, 0.02)
-    bellm.train_step(functools.partial(bellm.embed, model), ltok,
-                     [tuple(SENTS[i:i + 3]) for i in range(4)], "nli", bellm.PROMPT, bl_CPU,
-                     autocast=torch.bfloat16)
+    bellm.train_step(functools.partial(bellm.embed, model), bellm.prompted_batch(
+        ltok, [tuple(SENTS[i:i + 3]) for i in range(4)], "nli", bellm.PROMPT, 64)[0], bl_CPU,
+        autocast=torch.bfloat16)
     for net in (sentence_encoder, model):
         params = [q for q in net.parameters() if q.requires_grad]
         assert params and all(q.dtype == q.grad.dtype == torch.float32 for q in params)
@@ -4413,8 +4493,8 @@ def test_sscl_update_over_20_steps_is_the_authors_loop(bert_nodrop_dir, train_tx
         groups, state, norms = hf_groups(model, weight_decay), {}, []
         for t, rows in enumerate(steps):
             model.zero_grad(set_to_none=True)
-            sscl.train_step(model, tok, [sentences[i] for i in rows], [2], torch.device("cpu"),
-                            max_len=16)
+            sscl.train_step(model, tokenize(tok, [sentences[i] for i in rows], 16), [2],
+                            torch.device("cpu"))
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                               clip or math.inf)))
             adamw_4_2_1(groups, state, 1e-3 * hf_linear(t, 0, len(steps)))
@@ -4451,8 +4531,8 @@ def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys
         for rows in jtcse.step_rows(len(sentences), 8, 1, 20, 42):
             R = int(torch.randint(0, 2, (1,), generator=r_gen))
             optimizer.zero_grad()
-            jtcse.train_step(model, tok, [sentences[i] for i in rows], R, torch.device("cpu"),
-                             max_len=16)
+            jtcse.train_step(model, tokenize(tok, [sentences[i] for i in rows], 16), R,
+                             torch.device("cpu"))
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                               clip or math.inf)))
             optimizer.step()
@@ -4496,8 +4576,9 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
         norms = []
         for t, ids in enumerate(bellm.step_rows(len(rows), 4, 1, 20, 42)):
             optimizer.zero_grad()
-            bellm.train_step(functools.partial(bellm.embed, model), tok, [rows[i] for i in ids],
-                             kind, bellm.PROMPT, cpu)
+            batch, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], kind, bellm.PROMPT,
+                                                 64)
+            bellm.train_step(functools.partial(bellm.embed, model), batch, cpu, labels=labels)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                               clip or math.inf)))
             for g in optimizer.param_groups:  # LambdaLR: the factor of the steps done so far
@@ -5813,9 +5894,9 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
             bert_wide_dir)
 
     def step(copy, rows, world):
-        return sscl.train_step(common.in_length_groups(copy[0], True, copy[0]), copy[1], rows,
-                               layers, torch.device("cpu"), a.temp, a.max_len, world=world,
-                               gather=harness.gather)
+        return sscl.train_step(common.in_length_groups(copy[0], True, copy[0]),
+                               tokenize(copy[1], rows, a.max_len), layers, torch.device("cpu"),
+                               a.temp, world=world, gather=harness.gather)
 
     rng = random.Random(0)
     assert_two_ranks_equal_one(monkeypatch, make, step, [sentence(rng) for _ in range(8)])
@@ -5939,10 +6020,10 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
 
     def step(copy, rows, world):
         model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
-        return jtcse.train_step(common.in_length_groups(model, True, copy[0]), copy[1], rows, 1,
-                                torch.device("cpu"), a.temp, a.max_len, a.objective,
-                                teacher=(copy[2:] or [None])[0], world=world,
-                                gather=harness.gather)[0]
+        return jtcse.train_step(common.in_length_groups(model, True, copy[0]),
+                                tokenize(copy[1], rows, a.max_len), 1, torch.device("cpu"),
+                                a.temp, a.objective, teacher=(copy[2:] or [None])[0],
+                                sentences=rows, world=world, gather=harness.gather)[0]
 
     assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
                                                          enumerate(jt_WORDS[:8])])
@@ -5991,9 +6072,9 @@ def test_harness_bellm_train_step_on_two_ranks_equals_one_rank_double_batch(tok_
         return bellm.BeLLM(dec, 1, "parallel", "convert").train(), tok
 
     def step(copy, rows, world):
+        batch, labels = bellm.prompted_batch(copy[1], rows, kind, a.prompt, a.max_len)
         return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, copy[0])),
-                                copy[1], rows, kind, a.prompt, cpu, a.temp, a.max_len,
-                                world=world, gather=harness.gather)[0]
+                                batch, cpu, a.temp, labels, world=world, gather=harness.gather)[0]
 
     rows = [(SENTS[i], SENTS[i + 1], SENTS[i + 2]) if kind == "nli" else
             (SENTS[i], SENTS[i + 1], SENTS[i + 2], float(i % 5 + 1)) for i in range(4)]
@@ -6075,7 +6156,8 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
             net = bellm.BeLLM(m, 1, "parallel", "convert")
             return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net),
                                                             device=dev),
-                                    tok, triplets, "nli", a.prompt, dev, a.temp, a.max_len,
+                                    bellm.prompted_batch(tok, triplets, "nli", a.prompt,
+                                                         a.max_len)[0], dev, a.temp,
                                     autocast=common.PRECISIONS[a.precision])[0]
 
         def encode(m, dev):
@@ -6090,8 +6172,9 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
                 for x in ("fp32", precision)]
 
         def step(m, dev, a):
-            return sscl.train_step(common.in_length_groups(m, device=dev), tok, rows, [2], dev,
-                                   max_len=a.max_len, autocast=common.PRECISIONS[a.precision])
+            return sscl.train_step(common.in_length_groups(m, device=dev),
+                                   tokenize(tok, rows, a.max_len), [2], dev,
+                                   autocast=common.PRECISIONS[a.precision])
 
         def encode(m, dev):
             return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
@@ -6106,13 +6189,13 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
         def step(m, dev, a):
             dtype = common.PRECISIONS[a.precision]
             if method == "jtcse":
-                return jtcse.train_step(common.in_length_groups(m, device=dev), tok, rows, 1, dev,
-                                        max_len=a.max_len, autocast=dtype)[0]
+                return jtcse.train_step(common.in_length_groups(m, device=dev),
+                                        tokenize(tok, rows, a.max_len), 1, dev, autocast=dtype)[0]
             teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
             return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0]),
                                                             device=dev),
-                                    tok, rows, 1, dev, max_len=a.max_len, autocast=dtype,
-                                    teacher=teacher)[0]
+                                    tokenize(tok, rows, a.max_len), 1, dev, autocast=dtype,
+                                    teacher=teacher, sentences=rows)[0]
 
         def encode(m, dev):
             return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
@@ -6215,8 +6298,8 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     run.say = said.append
     for step in (1, 2):
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss = sscl.train_step(common.in_length_groups(model, device=dev), tok, SENTS[:6], [2],
-                               dev, max_len=16,
+        loss = sscl.train_step(common.in_length_groups(model, device=dev),
+                               tokenize(tok, SENTS[:6], 16), [2], dev,
                                autocast=torch.float16, scale=scaler.scale)
         run.watch(step, loss)
         scaler.unscale_(optimizer)
@@ -6357,8 +6440,8 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
     tok = AutoTokenizer.from_pretrained(bert_wide_dir)
     enc = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
     gpu = copy.deepcopy(enc).to(GPU)
-    sscl.train_step(enc, tok, [sentence(random.Random(i)) for i in range(8)], [2],
-                    torch.device("cpu"), max_len=16)
+    sscl.train_step(enc, tokenize(tok, [sentence(random.Random(i)) for i in range(8)], 16), [2],
+                    torch.device("cpu"))
     has_grad = [q.grad is not None for q in enc.parameters()]  # BERT's pooler: unused by CLS
     pc, pg = ([q for q, g in zip(m.parameters(), has_grad) if g] for m in (enc, gpu))
     for qg, qc in zip(pg, pc, strict=True):

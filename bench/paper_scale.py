@@ -169,21 +169,24 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
     from transformers import AutoModel, BertConfig, BertModel, LlamaConfig
     run = torch.device("cpu" if device == "meta" else device)  # where the batch is copied
     bf16 = ["--bf16"] if gpu else []
+    batch = functools.cache(lambda n: tokenizer(False)(  # n rows tokenised once, before the steps
+        texts(n), padding=True, truncation=True, max_length=sscl.p.get_default("max_len")
+        if name == "SSCL" else jtcse.p.get_default("max_len"), return_tensors="pt"))
     with torch.device(device):
         if name == "SSCL":  # sscl.py's defaults: --layer 11, --max-len 32, cls pooler + MLP
             a = sscl.p.parse_args(bf16)
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
             m, enc_net = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers), net(enc)
             return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc_net, True, enc, run), tokenizer(False), texts(n), m,
-                run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
+                common.in_length_groups(enc_net, True, enc, run), batch(n), m, run, a.temp,
+                autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
             twin_net = net(twin)
             return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin_net, True, twin, run), tokenizer(False), texts(n), 1,
-                run, a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)
+                common.in_length_groups(twin_net, True, twin, run), batch(n), 1, run, a.temp,
+                autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
             student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
@@ -192,9 +195,8 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
                                         tokenizer(False), a.max_len, run)
             cls = net(functools.partial(jtcse.cls, student))
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(cls, True, student, run),
-                tokenizer(False), texts(n), 1, run, max_len=a.max_len,
-                autocast=torch.bfloat16 if gpu else None, teacher=teacher)[0]
+                common.in_length_groups(cls, True, student, run), batch(n), 1, run,
+                autocast=torch.bfloat16 if gpu else None, teacher=teacher, sentences=texts(n))[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
         a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])
         cfg = LlamaConfig(**{**llama, "num_hidden_layers": layers or llama["num_hidden_layers"]})
@@ -214,9 +216,11 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
         tok = tokenizer(True)
         rows = lambda n: list(zip(*(texts(n, k * n, "llama") for k in range(3))))  # noqa: E731
         embed = functools.partial(bellm.embed, model)
+        batch = functools.cache(lambda n: bellm.prompted_batch(tok, rows(n), "nli", a.prompt,
+                                                               a.max_len)[0])  # once, as above
         return lora, lambda n: bellm.train_step(
-            common.in_length_groups(embed, device=run), tok, rows(n), "nli", a.prompt, run,
-            a.temp, a.max_len, autocast=torch.bfloat16 if gpu else None)[0]
+            common.in_length_groups(embed, device=run), batch(n), run, a.temp,
+            autocast=torch.bfloat16 if gpu else None)[0]
 
 
 def fake(module):

@@ -73,14 +73,15 @@ def build(name, bf16, dev, steps, earlier=False):
             model = sscl.SentenceEncoder(towers[0], "cls").to(dev).train()
         else:
             model = jtcse.Twin(towers).to(dev).train()
-        if name == "sscl":
+        batches = next(sscl.micro_batches(tok, sents, [range(len(sents))], 0, 1, 64, 32))
+        if name == "sscl":  # tokenised before (the scripts tokenise ahead of the step)
             run = lambda i, m: sscl.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model, dev), tok, sents[64 * i:64 * (i + 1)], [5],
-                cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
+                common.in_length_groups(m, True, model, dev), batches[i], [5], cpu,
+                autocast=torch.bfloat16 if bf16 else None)
         else:
             run = lambda i, m: jtcse.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model, dev), tok, sents[64 * i:64 * (i + 1)],
-                i % 2, cpu, max_len=32, autocast=torch.bfloat16 if bf16 else None)
+                common.in_length_groups(m, True, model, dev), batches[i], i % 2, cpu,
+                autocast=torch.bfloat16 if bf16 else None)
         rows = 64
     else:
         rows_ = env_rows("NLI", "snli_devtest.csv", 16 * (steps + 2),
@@ -89,10 +90,11 @@ def build(name, bf16, dev, steps, earlier=False):
         tok, dec = bellm.load_decoder(smollm, 1, "convert", cpu)
         bellm.add_lora(dec, 32, 32, 0.1, autocast=bf16 and torch.bfloat16).to(dev)  # as bellm.py
         model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
+        batches = next(bellm.micro_batches(tok, rows_, "nli", bellm.PROMPT, [range(len(rows_))],
+                                           0, 1, 16, 32))  # tokenised before, as the script does
         run = lambda i, m: bellm.train_step(  # noqa: E731
-            common.in_length_groups(functools.partial(bellm.embed, m), device=dev), tok,
-            rows_[16 * i:16 * (i + 1)], "nli", bellm.PROMPT, cpu, max_len=32,
-            autocast=torch.bfloat16 if bf16 else None)
+            common.in_length_groups(functools.partial(bellm.embed, m), device=dev),
+            batches[i][0], cpu, autocast=torch.bfloat16 if bf16 else None)
         rows = 16
     params = [q for q in model.parameters() if q.requires_grad]
     if earlier:  # the scripts' update before the authors': no norm, torch's weight decay 0.01
