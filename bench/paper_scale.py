@@ -31,16 +31,16 @@ is downloaded. What each column is:
   backward, counted under bf16 autocast on the fake step (CPU autocast: CUDA's keeps a few more ops
   in fp32); the CUDA context and the backward's short-lived tensors are left out. BeLLM:
   bellm.py's start-up estimate (bellm.memory_estimate, docs/operations.md).
-- measured here: 1 + --steps training steps (train_step and the scripts' AdamW) on this machine's
-  device, in the scripts' configuration for it (a CPU: fp32, BeLLM without checkpointing), each
-  run in a fresh process; the median of the last --steps, and the peak memory above
-  the loaded model (CPU: peak resident memory, VmHWM; CUDA: max_memory_allocated) next to the same
-  estimate for that step. On a CPU, --fraction 0.125 of the paper's rows a step by default (the
-  JTCSE twin's whole step needs about 25 GiB in fp32, and minutes), and BeLLM runs a slice of
-  --bellm-layers layers of LLaMA-2-7B (the real sizes; the last one the bidirectional layer). On a
-  GPU that common.GPU_PEAKS knows, the step's share of its dense bf16 peak (MFU) follows its
-  TFLOP/s; --compile measures the steps as the scripts' --compile runs them (the first step,
-  which compiles, is left out of the median).
+- measured here: 1 + --steps training steps (train_step and the scripts' AdamW; the batch tokenised
+  before, as the scripts tokenise ahead) on this machine's device, in the scripts' configuration for
+  it (a CPU: fp32, BeLLM without checkpointing), each run in a fresh process; the median of the last
+  --steps, and the peak memory above the loaded model (CPU: peak resident memory, VmHWM; CUDA:
+  max_memory_allocated) next to the same estimate for that step. On a CPU, --fraction 0.125 of the
+  paper's rows a step by default (the JTCSE twin's whole step needs about 25 GiB in fp32, and
+  minutes), and BeLLM runs a slice of --bellm-layers layers of LLaMA-2-7B (the real sizes; the last
+  one the bidirectional layer). On a GPU that common.GPU_PEAKS knows, the step's share of its dense
+  bf16 peak (MFU) follows its TFLOP/s; --compile measures the steps as the scripts' --compile runs
+  them (the first step, which compiles, is left out of the median).
 
 The papers' settings, and where they come from (each script's flag help gives the paper's value):
 - SSCL (Chen et al., ACL 2023): bert-base-uncased, --layer 11, SimCSE's wiki1m (1,000,000

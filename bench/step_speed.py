@@ -7,11 +7,12 @@ matrix products, counted by common.FlopCount: forward, loss and backward), fp32 
   JTCSE:  MiniLM twin (a CAEL every 2nd layer), batch 64, --max-len 32
   BeLLM:  SmolLM2-135M, K = 1 parallel, LoRA r 32, 16 NLI triplets, --max-len 32
 
-The same batches in every configuration (the first --steps + 1 of the training file, in order); the
-first step is a warm-up (and with --compile, the compilation: timed apart). Each step is the
-script's own train_step with its length groups, then its update as the script runs it: the gradient
-norm (clipped: SSCL, BeLLM) and its AdamW step (fused; SSCL's AdamW421). --earlier-update: torch's
-fused AdamW alone, the scripts' update before they ran the authors'.
+The same batches in every configuration (the first --steps + 1 of the training file, in order,
+tokenised before the steps, as the scripts tokenise ahead of them); the first step is a warm-up (and
+with --compile, the compilation: timed apart). Each step is the script's own train_step with its
+length groups, then its update as the script runs it: the gradient norm (clipped: SSCL, BeLLM) and
+its AdamW step (fused; SSCL's AdamW421). --earlier-update: torch's fused AdamW alone, the scripts'
+update before they ran the authors'.
 
   python bench/step_speed.py sscl jtcse bellm              # fp32, eager
   python bench/step_speed.py sscl --bf16 --compile
