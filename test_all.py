@@ -2274,6 +2274,20 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
     assert found == [[]] * 5, found
 
 
+def test_bench_step_read_counts_every_part_of_each_scripts_step():
+    """bench/step_read.py finds every function and class it counts in the scripts and common.py
+    (a renamed one stops it, naming it), and each total is the sum of its parts."""
+    for flags in ([], ["--forward"]):
+        proc = run("bench/step_read.py", *flags)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert [x.split(":")[0] for x in lines] == ["sscl", "jtcse", "bellm"], proc.stdout
+        for line in lines:
+            total, parts = re.fullmatch(r"\w+: (\d+) lines  \((.*)\)", line).groups()
+            numbers = [int(x.rsplit(" ", 1)[1]) for x in parts.split(", ")]
+            assert int(total) == sum(numbers) and len(numbers) >= 5, line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py")))
 def test_bench_scripts_print_their_help(script):
