@@ -230,7 +230,7 @@ def train_step(model, batch, device, temp=0.05, labels=None, autocast=None, worl
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
-    h = h.view(-1, 3 if labels is None else 2, h.shape[-1])  # (B, 3, H): anchor, entailment, ..
+    h = h.view(-1, 3 if labels is None else 2, h.shape[-1])  # (B, 3 or 2, H): a row's texts
     cols = [gather(h[:, i]) for i in range(h.shape[1])]  # each (world·B, H), ranks in order
     if labels is None:
         loss = bellm_loss(*cols, temp)  # eq. 6 over the global batch
