@@ -220,13 +220,12 @@ def embed(model, batch):
 def train_step(model, batch, device, temp=0.05, labels=None, autocast=None, world=1, accum=1,
                gather=lambda z: z, scale=lambda loss: loss):
     """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
-    accumulated. batch: prompted_batch's tokenised texts, on the host: 3 a row (anchor, entailment,
-    contradiction), eq. 6; or with labels (B,), C-STS's, 2 a row, cosent_loss over the pairs.
-    model(batch) -> (N, H): the last token's hidden state of each prompted text (BeLLM through
-    embed) run by common.in_length_groups, which copies the batch to the device (in length groups:
-    the same outputs); autocast: the forward's dtype (bf16, fp16; None: fp32). torchrun: gather(z) =
-    every rank's rows (B, H) -> (world·B, H); the gradients × world / accum (DDP averages them over
-    the ranks; accum micro-batches a step), of scale(loss) (fp16: the gradient scaler's)."""
+    accumulated. batch: prompted_batch's texts tokenised, on the host, 3 a row (anchor, entailment,
+    contradiction: eq. 6), or with C-STS's labels (B,) 2 a row (cosent_loss). model(batch): each
+    text's last-token state (N, H) (BeLLM through embed), through common.in_length_groups;
+    autocast: the forward's dtype (None: fp32). torchrun: gather(z) = every rank's rows; the
+    gradients × world / accum (DDP averages them over the ranks), of scale(loss) (fp16: the
+    gradient scaler's)."""
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
@@ -397,10 +396,8 @@ def main():
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, gnorm=gnorm, lr=scheduler.get_last_lr()[0])
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
+        if evaluate and rank == 0:  # the dev score (encode: without dropout)
             dev = dev_score(encode, data, csts_dev)
-            raw_model.train()
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, metric, dev, functools.partial(save_model, lora))
         if halt:
@@ -512,13 +509,14 @@ def prompt_tokens(tokenizer, dec, prompt, max_len, name):
 
 
 def make_encode(dec, tok, cfg, device, precision=None):
-    """encode(list[str], conditions=None) -> (N, H): the one encode function (dev, eval_sts.py)."""
+    """encode(list[str], conditions=None) -> (N, H), without dropout: the one encode function (dev,
+    eval_sts.py)."""
     net = BeLLM(dec, cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
 
     @torch.no_grad()
     def encode(sentences, conditions=None):
         texts, max_len = prompted(tok, cfg, sentences, conditions)
-        with common.autocast(device, precision):
+        with common.autocast(device, precision), common.evaluating(dec):
             return common.encode_in_batches(encode.embed, tok, texts, max_len, device, 64)
     encode.tokenizer, encode.max_len = tok, cfg["max_len"]  # what it reads (eval_sts.py --ensemble)
     encode.embed, encode.layers = functools.partial(embed, net), net  # common.compiled_encode

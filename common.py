@@ -573,10 +573,8 @@ GROUP_COST = 64  # a forward pass's fixed cost, in token slots (bench/length_gro
 
 
 def length_groups(lengths, cost=GROUP_COST):
-    """Rows sorted by length, cut where cutting pays: the cuts minimise Σ_groups (rows x longest +
-    cost), padded token slots plus a fixed cost a forward pass (dynamic programming over the d
-    distinct lengths, O(d²)). lengths: real tokens a row -> groups of row indices, shortest
-    first."""
+    """Real tokens a row -> groups of row indices, shortest first, cut to minimise Σ_groups (rows x
+    longest + cost): padded token slots plus a forward's fixed cost (dynamic programming, O(d²))."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     best, cut = {0: 0}, {}  # best[j]: order[:j]'s least cost, its last group order[cut[j]:j]
     for j in range(1, len(order) + 1):  # a cut between two rows of one length never pays
@@ -591,70 +589,32 @@ def length_groups(lengths, cost=GROUP_COST):
 
 
 def on_device(v, device):
-    """A host tensor copied to device: on CUDA from pinned memory, the host not waiting for it."""
-    pin = device.type == "cuda" and v.is_cpu  # a copy from pageable memory waits for the GPU
-    return (v.pin_memory() if pin else v).to(device, non_blocking=True)
+    """A host tensor copied to device, the host not waiting: on CUDA from pinned memory."""
+    return (v.pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True)
 
 
-def by_length(forward, batch, cost=GROUP_COST, counter=None, lookups=(), device=None):
-    """forward(batch) computed on length groups of the rows, each padded to its own longest, put
-    back in row order: forward(batch)'s result (up to float rounding) for the real tokens' cost.
-    batch: dict of (N, L) tensors with an attention_mask, padded on either side, on the host (the
-    lengths read there), each group copied to device; outputs: (N, ...) tensors in tuples, lists
-    (None kept), each put back in row order.
-    counter: its .slots grows by the padded token slots computed. lookups: trained word embeddings
-    that forward applies: each looks the whole batch up once, every group reads its rows."""
-    mask = batch["attention_mask"]  # (N, L), on the host: a GPU is not waited for
-    lengths, device = mask.sum(1).tolist(), device or mask.device
-    groups = length_groups(lengths, cost)
-    if counter is not None:
-        counter.slots += sum(len(g) * max(lengths[i] for i in g) for g in groups)
-    if len(groups) == 1:
-        return forward({k: on_device(v, device) for k, v in batch.items()})
-    left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
-    cut = lambda v, idx, L: v[idx, -L:] if left else v[idx, :L]  # noqa: E731  (n_g, L_g, ...)
-    group = {}  # the group being computed: its rows (on device) and length
-
-    def reader(whole):  # a forward hook: the group's rows of the whole batch's lookup (N, L, H)
-        return lambda e, args, out: cut(whole, group["idx"], group["L"])
-    hooks = [e.register_forward_hook(reader(e(on_device(batch["input_ids"], device))))
-             for e in lookups]
-    parts = []
-    try:
+def in_length_groups(forward, grouped=True, device=None, cost=GROUP_COST):
+    """forward(batch, ...)'s outputs (up to float rounding) for the real tokens' cost: computed on
+    length_groups of the rows (grouped=False: one), each padded to its own longest and copied to
+    device, the outputs ((N, ...) tensors, in tuples or lists) put back in row order. batch: the
+    tokenizer's (N, L), padded on either side, on the host. .slots: the token slots computed."""
+    def run(batch, *args, **kw):
+        mask = batch["attention_mask"]  # (N, L), on the host: a GPU is not waited for
+        lengths, dev = mask.sum(1).tolist(), device or mask.device
+        groups = length_groups(lengths, cost if grouped else math.inf)
+        run.slots += sum(len(g) * max(lengths[i] for i in g) for g in groups)
+        if len(groups) == 1:
+            return forward({k: on_device(v, dev) for k, v in batch.items()}, *args, **kw)
+        left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
+        parts = []
         for g in groups:
-            idx = torch.tensor(g)
-            group.update(idx=on_device(idx, device), L=max(lengths[i] for i in g))
-            parts.append(forward({k: on_device(cut(v, idx, group["L"]), device)
-                                  for k, v in batch.items()}))  # (n_g, L_g)
-    finally:
-        for h in hooks:
-            h.remove()
-    inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), device)  # -> rows
-    return pytree.tree_map(lambda *o: None if o[0] is None else torch.cat(o)[inv], *parts)
-
-
-def in_length_groups(forward, grouped=True, model=None, device=None):
-    """forward(batch, ...) computed in length groups (by_length; grouped=False: one padded batch):
-    the same outputs, for the real tokens' cost. batch: the tokenizer's, on the host, copied to
-    device. model: the module forward runs, whose trained word embeddings then look a batch up
-    once, unless forward is compiled (hooks would recompile it). .slots: the padded token slots
-    computed (harness.Meter's FLOPs)."""
-    compiled = hasattr(forward, "_orig_mod") or hasattr(forward, "_torchdynamo_orig_callable")
-    lookups = word_embeddings(model) if model is not None and not compiled else []
-
-    def run(batch, *args, **kw):  # not grouped: one group, whatever it costs
-        return by_length(lambda b: forward(b, *args, **kw), batch, GROUP_COST if grouped else
-                         math.inf, run, lookups if torch.is_grad_enabled() else [], device)
+            idx, L = torch.tensor(g), max(lengths[i] for i in g)
+            parts.append(forward({k: on_device(v[idx, -L:] if left else v[idx, :L], dev)
+                                  for k, v in batch.items()}, *args, **kw))  # (n_g, L_g)
+        inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), dev)  # -> rows
+        return pytree.tree_map(lambda *o: None if o[0] is None else torch.cat(o)[inv], *parts)
     run.slots = 0
     return run
-
-
-def word_embeddings(model):
-    """The trained input-embedding modules of the Hugging Face models in model (each once)."""
-    from transformers import PreTrainedModel
-    found = {id(e): e for m in model.modules() if isinstance(m, PreTrainedModel)
-             and (e := m.get_input_embeddings()) is not None and e.weight.requires_grad}
-    return list(found.values())
 
 
 class FlopCount(TorchDispatchMode):
@@ -689,12 +649,27 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
     return torch.stack(out)
 
 
-def encoder(embed, tokenizer, max_len, device, precision=None):
+@contextlib.contextmanager
+def evaluating(model):
+    """The block run with model in eval mode (no dropout), its training mode then restored (model
+    None: as it is)."""
+    training = model is not None and model.training
+    if training:
+        model.eval()
+    try:
+        yield
+    finally:
+        if training:
+            model.train()
+
+
+def encoder(embed, tokenizer, max_len, device, precision=None, model=None):
     """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, in
-    precision (None: the caller's), no gradients: each method's encode function (.embed: its net)"""
+    precision (None: the caller's), no gradients, model (the module embed runs) in eval mode: each
+    method's encode function (.embed: its net)"""
     @torch.no_grad()
     def encode(sentences):
-        with autocast(device, precision):
+        with autocast(device, precision), evaluating(model):
             return encode_in_batches(encode.embed, tokenizer, sentences, max_len, device)
     encode.tokenizer, encode.max_len, encode.embed = tokenizer, max_len, embed  # (--ensemble)
     return encode

@@ -101,11 +101,11 @@ RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "
 
 
 # ---------------------------------------------------------------- the model patch: CAEL -----------
-def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
+def layer_forward(layers, xs, mask, cael, cls_only=False):
     """Encoder layer j of each tower, from the towers' own BertLayer submodules; xs: one (N, L, H)
     input per tower. cael=False: CT = SA·V (eq. 9); cael=True: CACT_I = SA_I·V_II, CACT_II =
     SA_II·V_I (eq. 10); then the rest of the tower's OWN layer (W_O, residual + LayerNorm, FFN).
-    cls_only: position 0 only (the last layer). ctxs: receives each context (N, L, H), for eq. 6."""
+    cls_only: position 0 only (the last layer). -> the outputs, the contexts (N, L, H) (eq. 6)"""
     SA, V = [], []
     for layer, x in zip(layers, xs):
         att, d = layer.attention.self, layer.attention.self.attention_head_size
@@ -116,14 +116,12 @@ def layer_forward(layers, xs, mask, cael, cls_only=False, ctxs=None):
         SA.append(F.dropout(sa, att.dropout.p, att.training))
         V.append(v)
     V = V[::-1] if cael else V  # eq. 10: each tower's attention weights take the OTHER's values
-    out = []
+    out, ctxs = [], []
     for layer, x, sa, v in zip(layers, xs, SA, V):
         x = x[:, :1] if cls_only else x
-        ctx = (sa @ v).transpose(1, 2).reshape(x.shape)  # CT or CACT, heads merged: (N, L, H)
-        if ctxs is not None:
-            ctxs.append(ctx)
-        out.append(layer.feed_forward_chunk(layer.attention.output(ctx, x)))  # W_O .. FFN
-    return out
+        ctxs.append((sa @ v).transpose(1, 2).reshape(x.shape))  # CT or CACT, heads merged
+        out.append(layer.feed_forward_chunk(layer.attention.output(ctxs[-1], x)))  # W_O .. FFN
+    return out, ctxs
 
 
 def drop_layernorm(tower, n):
@@ -186,15 +184,11 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     """h, hP, c: per tower (2B, H), rows [view 1; view 2]; c None without CAELs; R ∈ {0, 1};
     objective: paper (nce, tmc) or authors (nce_authors, tmc_authors); skip: terms left out
     (nce, icnce, ictm: the ablations of Table X). -> eq. 15, {term: value}"""
-    B = len(h[0]) // 2
-    authors = objective == "authors"
+    B, authors = len(h[0]) // 2, objective == "authors"
+    TMC = tmc_authors if authors else tmc  # eq. 13
 
     def L(x, y):  # InfoNCE, anchors from x, candidates from y: (2B, H) each
         return nce_authors(x, y, temp) if authors else nce(x[:B], y[B:], temp)
-
-    def TMC(i, j):  # eq. 13: tower i's view 1 against tower j's view 2
-        return (tmc_authors if authors else tmc)(h[i][:B], h[j][B:], hP[i][:B], hP[j][B:])
-
     terms = {}
     if "nce" not in skip:  # eq. 11, per tower: its views against each other
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
@@ -202,8 +196,9 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     if "icnce" not in skip:
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
         terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
-    if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺)
-        terms["ictm"] = TMC(0, 1) + TMC(1, 0)
+    if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺), views 1 and 2
+        terms["ictm"] = (TMC(h[0][:B], h[1][B:], hP[0][:B], hP[1][B:])
+                         + TMC(h[1][:B], h[0][B:], hP[1][:B], hP[0][B:]))
     return sum(terms.values()), terms  # eq. 15
 
 
@@ -217,7 +212,8 @@ class Twin(torch.nn.Module):
         self.n = n = towers[0].config.num_hidden_layers
         if num_cael is None:  # every 2nd layer (BERT-base: 6 CAELs, the paper's best); odd: 1
             num_cael = n // 2 if n % 2 == 0 else 1
-        self.k = n // num_cael if num_cael else 0  # eq. 7: layer j is a CAEL when j mod k = 0
+        self.num_cael = num_cael  # CAELs: eq. 7's layer j is one when j mod k = 0
+        self.k = n // num_cael if num_cael else 0
 
     def forward(self, batch):
         outs = [t(**batch, output_hidden_states=self.k > 0) for t in self.towers]  # primitive
@@ -229,7 +225,7 @@ class Twin(torch.nn.Module):
         xs = [o.hidden_states[self.k - 1] for o in outs]
         for j in range(self.k, self.n + 1):
             layers = [t.encoder.layer[j - 1] for t in self.towers]
-            xs = layer_forward(layers, xs, mask, cael=j % self.k == 0, cls_only=j == self.n)
+            xs, _ = layer_forward(layers, xs, mask, cael=j % self.k == 0, cls_only=j == self.n)
         return h, hP, [x[:, 0] for x in xs]  # c^O: (N, H) per tower
 
 
@@ -237,16 +233,13 @@ class Twin(torch.nn.Module):
 def train_step(model, batch, R, device, temp=0.05, objective="paper", skip=(), tmc_on_h=False,
                autocast=None, teacher=None, sentences=None, world=1, accum=1,
                gather=lambda z: z, scale=lambda loss: loss):
-    """One micro-batch of B sentences -> (the loss over the global batch, its terms); gradients
-    accumulated. The twin: eq. 15; JTCSE D: the MSE to the teacher's embedding. batch: the
-    tokenizer's (B, L) tensors, on the host; model(batch) -> the twin's (h, hP, c) (Twin), or with
-    a teacher the student's CLS (N, H), run by common.in_length_groups (it copies the batch to the
-    device, in length groups). R: eq. 12's direction; objective "authors": their code's losses
-    (docs/jtcse.md, details 4-8); skip: eq. 15's terms left out (Table X); tmc_on_h: eq. 13 reads
-    h, not h^P (Fig. 8); autocast: the forward's dtype (bf16, fp16; None: fp32); teacher(sentences)
-    -> (B, H), without gradients. torchrun: gather(z) = every rank's rows (B, H) -> (world·B, H);
-    the gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step),
-    of scale(loss) (fp16: the gradient scaler's)."""
+    """One micro-batch of B sentences -> (eq. 15 over the global batch, its terms), or JTCSE D's
+    MSE to teacher(sentences) (B, H); gradients accumulated. batch: the tokenizer's (B, L), on the
+    host; model(batch): the twin's (h, hP, c), or the student's CLS (N, H), through
+    common.in_length_groups. R: eq. 12's direction; objective, skip: jtcse_loss's; tmc_on_h: eq. 13
+    reads h, not h^P (Fig. 8); autocast: the forward's dtype (None: fp32). torchrun: gather(z) =
+    every rank's rows; the gradients × world / accum (DDP averages them over the ranks), of
+    scale(loss) (fp16: the gradient scaler's)."""
     B, terms = len(batch["input_ids"]), {}
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         if teacher is not None:
@@ -254,8 +247,7 @@ def train_step(model, batch, R, device, temp=0.05, objective="paper", skip=(), t
             loss = F.mse_loss(gather(model(batch).float()), gather(target))
         else:  # two dropout views of every sentence in one forward pass: (2B, L)
             outs = model({k: torch.cat([v, v]) for k, v in batch.items()})  # h, hP, c: (2B, H)
-            # per tower (2·world·B, H): [view 1 of every rank; view 2 of every rank]
-            # NOTE(authors' code): one GPU only (detail 13)
+            # per tower (2·world·B, H): [view 1, view 2 of all ranks]; NOTE(authors' code): 1 GPU
             h, hP, c = ([torch.cat([gather(z[:B]), gather(z[B:])]) for z in zs] if zs else None
                         for zs in outs)
             loss, terms = jtcse_loss(h, h if tmc_on_h else hP, c, R, temp, objective, skip)
@@ -317,7 +309,6 @@ def main():
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
     torch.manual_seed(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
-    names = ["."] if a.distill else ["tower_a", "tower_b"]  # their folders in the run folder
     towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
                                     a.drop_layernorm, not (a.distill or a.no_ictm))  # eq. 13's
     raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
@@ -327,13 +318,12 @@ def main():
     student = functools.partial(cls, model) if a.distill else model
     step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
         torch.compile(student, dynamic=True) if a.compile else student,  # copied to the device
-        a.length_grouping, raw_model, device)  # in length groups (the same outputs, cheaper)
+        a.length_grouping, device)  # in length groups (the same outputs, cheaper)
     eval_len = common.positions(towers[0].config)  # NOTE(authors' code): 64 (detail 12)
     encode = make_encode(towers, tokenizer, eval_len, device, a.compile, a.precision)
-    meta = dict(method=METHOD, towers=names, max_len=eval_len, teacher=a.distill,
-                objective=None if a.distill else a.objective,
-                num_cael=None if a.distill else raw_model.n // raw_model.k if raw_model.k else 0,
-                drop_layernorm=a.drop_layernorm)  # sentemb.json: how it encodes
+    meta = dict(method=METHOD, towers=FOLDERS[len(towers)], max_len=eval_len, teacher=a.distill,
+                objective=None if a.distill else a.objective, drop_layernorm=a.drop_layernorm,
+                num_cael=None if a.distill else raw_model.num_cael)  # sentemb.json: how it encodes
 
     # the update; NOTE(authors' code): AdamW (train_jtcse_bert.py L245) at a constant rate
     params = [q for q in raw_model.parameters() if q.requires_grad]  # theirs skip no-grad ones
@@ -376,13 +366,11 @@ def main():
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, **terms, **({} if a.distill else {"R": R}))
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
+        if evaluate and rank == 0:  # the dev score (encode: without dropout)
             dev = common.stsb_dev(encode, data)
-            raw_model.train()
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, "stsb_dev", dev,
-                     functools.partial(save_model, towers, names, tokenizer, eval_len))
+                     functools.partial(save_model, towers, tokenizer, eval_len))
         if halt:
             break
 
@@ -395,20 +383,25 @@ def main():
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(towers, tokenizer, max_len, device, compiled=False, precision=None):
     """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
-    twin's CLS(I) + CLS(II), or a distilled tower's CLS. Dev evaluation and eval_sts.py use it."""
-    return common.compiled_encode(common.encoder(lambda b: sum(cls(t, b) for t in towers),
-                                                 tokenizer, max_len, device, precision), compiled)
+    twin's CLS(I) + CLS(II), or a distilled tower's CLS, without dropout. Dev evaluation and
+    eval_sts.py use it."""
+    return common.compiled_encode(common.encoder(
+        lambda b: sum(cls(t, b) for t in towers), tokenizer, max_len, device, precision,
+        torch.nn.ModuleList(towers)), compiled)
 
 
-def save_model(towers, names, tokenizer, max_len, folder):
-    """Plain BertModel folders, each a sentence-transformers folder too (CLS); a twin's folder is
-    one of st_module.JTCSETwin (CLS(I) + CLS(II), trust_remote_code=True):
+FOLDERS = {1: ["."], 2: ["tower_a", "tower_b"]}  # a run folder's towers: distilled, twin
+
+
+def save_model(towers, tokenizer, max_len, folder):
+    """Plain BertModel folders (FOLDERS), each a sentence-transformers folder too (CLS); a twin's
+    folder is one of st_module.JTCSETwin (CLS(I) + CLS(II), trust_remote_code=True):
     SentenceTransformer(folder) encodes as we evaluate."""
-    for name, tower in zip(names, towers):
+    for name, tower in zip(FOLDERS[len(towers)], towers):
         tower.save_pretrained(os.path.join(folder, name))
         tokenizer.save_pretrained(os.path.join(folder, name))
         common.write_st_files(os.path.join(folder, name), tower.config.hidden_size, max_len, "cls")
-    if names != ["."]:
+    if len(towers) == 2:
         common.write_st_files(folder, pooler="JTCSETwin")
 
 

@@ -157,9 +157,8 @@ def e_cls(models, sents, max_len, device, batch_size=128):
                                token_type_ids=batch.get("token_type_ids")) for t in ts]  # (b, L, H)
             mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
             for j in range(1, ts[0].config.num_hidden_layers + 1):
-                ctxs = []  # one (b, L, H) context per tower
-                xs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
-                                   k > 0 and j % k == 0, ctxs=ctxs)
+                xs, ctxs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
+                                         k > 0 and j % k == 0)  # one (b, L, H) context a tower
                 for t, ctx in enumerate(ctxs):  # eq. 6 per sentence, summed over the batch
                     E[key][t, j - 1] += (ctx[:, 0].norm(dim=-1)
                                          / (ctx[:, 1:] * m).flatten(1).norm(dim=-1)).sum().cpu()
@@ -352,7 +351,7 @@ def attention_maps(tower, batch):
         q, k = heads(att.query(x)), heads(att.key(x))  # (N, heads, L, d)
         sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # (N, heads, L, L)
         maps.append(sa.mean(1))
-        x = layer_forward([layer], [x], mask, False)[0]
+        (x,), _ = layer_forward([layer], [x], mask, False)
     return maps
 
 

@@ -150,15 +150,13 @@ class SentenceEncoder(torch.nn.Module):
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, batch, layers, device, temp=0.05, objective="paper", no_aug=False,
                autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
-    """One micro-batch of B sentences: both dropout views in one forward pass, the loss over the
-    global batch, its gradients accumulated. -> the loss. batch: the tokenizer's (B, L) tensors,
-    on the host; model(batch, layers) -> (the last layer pooled, [hidden_states[M] pooled for M in
-    layers]): a SentenceEncoder run by common.in_length_groups (it copies the batch to the device,
-    in length groups); layers: the M of eq. 4 ([]: SimCSE); objective "authors": their code's loss
-    (docs/sscl.md, details 2, 3, 5); no_aug: SSCL-BERT, Table 2; autocast: the forward's dtype
-    (bf16, fp16; None: fp32). torchrun: gather(z) = every rank's rows (B, D) -> (world·B, D); the
-    gradients × world / accum (DDP averages them over the ranks; accum micro-batches a step), of
-    scale(loss) (fp16: the gradient scaler's)."""
+    """One micro-batch of B sentences, both dropout views in one forward pass -> the loss over the
+    global batch; gradients accumulated. batch: the tokenizer's (B, L), on the host; model(batch,
+    layers): SentenceEncoder's outputs, through common.in_length_groups; layers: eq. 4's M ([]:
+    SimCSE); objective "authors": their code's loss (docs/sscl.md, details 2, 3, 5); no_aug:
+    SSCL-BERT (Table 2); autocast: the forward's dtype (None: fp32). torchrun: gather(z) = every
+    rank's rows; the gradients × world / accum (DDP averages them over the ranks), of scale(loss)
+    (fp16: the gradient scaler's)."""
     B = len(batch["input_ids"])
     if not no_aug:  # two dropout views of every sentence: (2B, L)
         batch = {k: torch.cat([v, v]) for k, v in batch.items()}
@@ -247,7 +245,7 @@ def main():
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
     step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
         torch.compile(model, dynamic=True) if a.compile else model,  # copied to the device in
-        a.length_grouping, raw_model, device)  # length groups (the same outputs, cheaper)
+        a.length_grouping, device)  # length groups (the same outputs, cheaper)
     eval_len = common.positions(bert.config)  # evaluation does not truncate (SimCSE)
     encode = make_encode(raw_model, tokenizer, eval_len, device, a.compile, a.precision)
     meta = dict(method=METHOD, pooler=a.pooler, proj_dim=a.proj_dim, max_len=eval_len,
@@ -293,10 +291,8 @@ def main():
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, gnorm=gnorm, lr=scheduler.get_last_lr()[0])
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score, without dropout
-            raw_model.eval()
+        if evaluate and rank == 0:  # the dev score (encode: without dropout)
             dev = dev_score(encode, data)
-            raw_model.train()
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, metric, dev,
                      functools.partial(save_model, raw_model, tokenizer, eval_len))
@@ -311,9 +307,10 @@ def main():
 # ======== a reader of the paper may stop at main(): below, how a run of SSCL is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(encoder, tokenizer, max_len, device, compiled=False, precision=None):
-    """encode(list[str]) -> (N, D): the one function behind dev evaluation and eval_sts.py."""
+    """encode(list[str]) -> (N, D), without dropout: the one function behind dev evaluation and
+    eval_sts.py."""
     return common.compiled_encode(common.encoder(lambda batch: encoder(batch)[0], tokenizer,
-                                                 max_len, device, precision), compiled)
+                                                 max_len, device, precision, encoder), compiled)
 
 
 def save_model(encoder, tokenizer, max_len, folder):

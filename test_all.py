@@ -1414,7 +1414,7 @@ def test_common_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_common_by_length_sees_each_row_once_unpadded_and_returns_row_order(side):
+def test_common_in_length_groups_sees_each_row_once_unpadded_and_returns_row_order(side):
     lengths = [3, 7, 1, 7, 5, 2]
     L = max(lengths)
     ids = torch.arange(1, 6 * L + 1).view(6, L)
@@ -1430,7 +1430,7 @@ def test_common_by_length_sees_each_row_once_unpadded_and_returns_row_order(side
         return s, [s * 2, (s, s + 1)], None
     want = forward({"input_ids": ids, "attention_mask": mask})
     calls.clear()
-    got = common.by_length(forward, {"input_ids": ids, "attention_mask": mask}, cost=0)
+    got = common.in_length_groups(forward, cost=0)({"input_ids": ids, "attention_mask": mask})
     assert len(calls) == 5  # cost 0: one group per distinct length (1, 2, 3, 5, 7)
     assert got[2] is None and torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
     assert torch.equal(got[1][1][1], want[1][1][1])
@@ -1555,7 +1555,7 @@ def test_common_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
 
     def loss_of(grouped):
         run = lambda b: enc(b, (1, 3))  # noqa: E731
-        z, zs = common.by_length(run, batch, cost=0) if grouped else run(batch)
+        z, zs = common.in_length_groups(run, cost=0)(batch) if grouped else run(batch)
         return sscl.sscl_loss(z[:B], z[B:], [m[:B] for m in zs], 0.05)
     same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
 
@@ -1569,58 +1569,15 @@ def test_common_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
     a = jtcse.p.parse_args([])
 
     def loss_of(grouped):
-        h, hP, c = common.by_length(twin, batch, cost=0) if grouped else twin(batch)
+        h, hP, c = common.in_length_groups(twin, cost=0)(batch) if grouped else twin(batch)
         return jtcse_loss_of(h, hP, c, 1, a)[0]
     same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
     # distillation: one tower's CLS against a fixed target
     target = torch.randn(2 * B, 32, dtype=torch.float64)
     cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
     same_step(list(towers[0].parameters()),
-              lambda g: F.mse_loss(common.by_length(cls, batch, cost=0) if g else cls(batch),
+              lambda g: F.mse_loss(common.in_length_groups(cls, cost=0)(batch) if g else cls(batch),
                                    target))
-
-
-def test_common_grouped_step_looks_each_batch_up_once_in_each_trained_word_embedding(
-        bert_nodrop_dir, jt_env, tmp_path):
-    """in_length_groups(forward, True, model): the trained word embeddings of model look the whole
-    batch up once and the groups read their rows, so the backward builds one vocabulary-sized
-    gradient a tower (embedding_dense_backward), not one a group; the loss and every gradient are
-    the groups' own lookups' (float64), and no hook is left on the model. SSCL's encoder, the JTCSE
-    twin (two towers: two lookups) and the distilled tower."""
-    from transformers import AutoTokenizer
-    cpu, sents = torch.device("cpu"), uneven(random.Random(4), 16)
-    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_nodrop_dir), "cls").train().double()
-    twin = jtcse.Twin(jt_nodrop(jt_env, tmp_path), 2).train().double()
-    tok, jt_tok = AutoTokenizer.from_pretrained(bert_nodrop_dir), jt_env[1]
-    backward = lambda loss: loss.backward() or loss  # noqa: E731
-    cases = [(enc, enc, lambda f: sscl.train_step(f, tokenize(tok, sents, 32), [1], cpu), 1),
-             (twin, twin, lambda f: jtcse.train_step(f, tokenize(jt_tok, sents, 64), 1, cpu)[0],
-              2),
-             (functools.partial(jtcse.cls, twin.towers[0]), twin.towers[0], lambda f: backward(
-                 F.mse_loss(f(jt_batch_of(jt_tok, sents)), torch.ones(16, 32).double())), 1)]
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Backwards(TorchDispatchMode):  # counts the word embeddings' embedding_dense_backward
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n = getattr(self, "n", 0) + (func._overloadpacket.__name__ ==
-                                              "embedding_dense_backward" and args[2] == vocab)
-            return func(*args, **(kwargs or {}))
-    for forward, model, loss_of, towers in cases:
-        out, vocab = [], common.word_embeddings(model)[0].num_embeddings
-        for lookups in (None, model):
-            model.zero_grad(set_to_none=True)
-            grouped = common.in_length_groups(forward, True, lookups)
-            with Backwards() as counted:
-                loss = loss_of(grouped)  # and its backward (as train_step)
-            out.append((counted.n, loss.item(),
-                        [q.grad.clone() for q in model.parameters() if q.grad is not None]))
-        (n0, l0, g0), (n1, l1, g1) = out
-        assert len(common.word_embeddings(model)) == towers and n1 == towers < n0
-        assert abs(l1 - l0) <= 1e-12 * abs(l0) and len(g1) == len(g0) > 0
-        for a, b in zip(g1, g0):
-            assert (a - b).abs().max() <= 1e-10 * b.abs().max() + 1e-15
-        assert all(not e._forward_hooks for e in common.word_embeddings(model))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -1634,7 +1591,7 @@ def test_common_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
 
         def loss_of(grouped):
             run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
-            h = (common.by_length(run, b, cost=0) if grouped else run(b)).view(6, 3, -1)
+            h = (common.in_length_groups(run, cost=0)(b) if grouped else run(b)).view(6, 3, -1)
             return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
         same_step(list(dec.parameters()), loss_of)
 
@@ -1939,7 +1896,8 @@ BENCH_BAD = [
      ["--scripts", "'simcse' is not one of sscl, jtcse, bellm"]),
     ("length_groups.py", ["sscl", "--reps", "0"], ["--reps", "an integer >= 1"]),
     ("length_groups.py", ["sscl", "--costs", "16,x"], ["--costs", "'x' is not an integer >= 0"]),
-    ("length_groups.py", ["sscl", "--lookups", "once,twice"], ["--lookups", "'twice' is not once"]),
+    ("length_groups.py", ["bellm", "--frozen", "float16"],
+     ["--frozen", "'float16' is not float32 or bfloat16"]),
     ("length_groups.py", ["bellm", "--attn", "sdpa,flash"],
      ["--attn", "'flash' is not eager or sdpa"]),
     ("bellm_files.py", ["csts-synthetic", "nli.csv", "-1", "200"], ["FIRST", "an integer >= 0"]),
@@ -2276,8 +2234,9 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
 
 def test_bench_step_read_counts_every_part_of_each_scripts_step():
     """bench/step_read.py finds every function and class it counts in the scripts and common.py
-    (a renamed one stops it, naming it), and each total is the sum of its parts."""
-    for flags in ([], ["--forward"]):
+    (a renamed one stops it, naming it), and each total is the sum of its parts; one step of each
+    script is followed in at most 200 lines (the model's forward methods counted)."""
+    for flags in (["--whole"], []):
         proc = run("bench/step_read.py", *flags)
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
@@ -2286,6 +2245,7 @@ def test_bench_step_read_counts_every_part_of_each_scripts_step():
             total, parts = re.fullmatch(r"\w+: (\d+) lines  \((.*)\)", line).groups()
             numbers = [int(x.rsplit(" ", 1)[1]) for x in parts.split(", ")]
             assert int(total) == sum(numbers) and len(numbers) >= 5, line
+            assert flags or int(total) <= 200, line
 
 
 @pytest.mark.slow
@@ -2694,7 +2654,7 @@ def test_jtcse_towers_without_cross_attention_equal_stock_model(jt_env, arch):
           for m in (a, b)]
     mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)
     for j in range(4):
-        xs = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
+        xs, _ = jtcse.layer_forward([m.encoder.layer[j] for m in (a, b)], xs, mask, cael=False)
     real = batch["attention_mask"].bool()
     for t in range(2):
         torch.testing.assert_close(xs[t][real], ref[t].last_hidden_state[real], atol=1e-5,
@@ -2738,10 +2698,9 @@ def test_jtcse_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
     batch = jt_batch_of(tok, ["a woman slices an onion", "the sky"])
     x = [torch.randn(2, batch["input_ids"].shape[1], 32) for _ in range(2)]
     la, lb = a.encoder.layer[1], b.encoder.layer[1]
-    ctxs = []
-    out = jtcse.layer_forward([la, lb], x,
-                              jtcse.additive_mask(batch["attention_mask"], torch.float32), True,
-                              ctxs=ctxs)
+    out, ctxs = jtcse.layer_forward([la, lb], x,
+                                    jtcse.additive_mask(batch["attention_mask"], torch.float32),
+                                    True)
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
         s = layer.attention.self
@@ -3966,7 +3925,8 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
     most 15 names of common.py and harness.py; its training loop (the DDP wrap before it) reads at
     most 10 names from other files, harness.py's run folder and meter included, and calls the
     update in plain torch: no_sync, the gradient scaler's unscale_ before clip_grad_norm_, its
-    step and update, scheduler.step, eval/train."""
+    step and update, scheduler.step; train() before the loop (the dev score's encode switches
+    dropout off itself: test_tools_each_scripts_encode_runs_without_dropout_...)."""
     import ast
     sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in SIZES}
     assert all(sizes[n] <= SIZES[n] for n in SIZES) and sum(sizes.values()) <= 3285, sizes
@@ -3982,7 +3942,7 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
         for call in ("DDP(raw_model)", "model.no_sync()", "torch.amp.GradScaler(",
                      "scale=scaler.scale", "scaler.unscale_(optimizer)",
                      "torch.nn.utils.clip_grad_norm_(", "scaler.step(optimizer)", "scaler.update()",
-                     "scheduler.step()", "raw_model.eval()", "raw_model.train()",
+                     "scheduler.step()", "raw_model.train()",
                      "optimizer.zero_grad(set_to_none=True)"):
             assert call in code, (script, call)
         # the gradient scaler's recipe: clipping on the unscaled gradients, then its step
@@ -4076,7 +4036,7 @@ def test_harness_compiled_sscl_step_is_the_eager_step_and_new_lengths_reuse_its_
         out = []
         for model in (net, enc):
             enc.zero_grad(set_to_none=True)
-            loss = sscl.train_step(common.in_length_groups(model, True, enc),
+            loss = sscl.train_step(common.in_length_groups(model),
                                    tokenize(tok, sents, 24), [1], cpu,
                                    autocast=torch.bfloat16 if bf16 else None)
             out.append((loss.detach(), [q.grad for q in enc.parameters() if q.grad is not None]))
@@ -5908,7 +5868,7 @@ def test_harness_sscl_train_step_on_two_ranks_equals_one_rank_double_batch(bert_
             bert_wide_dir)
 
     def step(copy, rows, world):
-        return sscl.train_step(common.in_length_groups(copy[0], True, copy[0]),
+        return sscl.train_step(common.in_length_groups(copy[0]),
                                tokenize(copy[1], rows, a.max_len), layers, torch.device("cpu"),
                                a.temp, world=world, gather=harness.gather)
 
@@ -6034,7 +5994,7 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
 
     def step(copy, rows, world):
         model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
-        return jtcse.train_step(common.in_length_groups(model, True, copy[0]),
+        return jtcse.train_step(common.in_length_groups(model),
                                 tokenize(copy[1], rows, a.max_len), 1, torch.device("cpu"),
                                 a.temp, a.objective, teacher=(copy[2:] or [None])[0],
                                 sentences=rows, world=world, gather=harness.gather)[0]
@@ -6393,6 +6353,35 @@ def test_eval_sts_and_dev_evaluation_encode_in_the_precision_chosen(bert_dir, st
             sscl.make_encode(enc, tok, 16, torch.device("cpu"))(SENTS[:4])
         assert seen == [dtype, torch.bfloat16], (precision, seen)
 
+
+def test_tools_each_scripts_encode_runs_without_dropout_and_leaves_the_model_training(
+        bert_dir, jt_env, tok_dir, tmp_path):
+    """Dev evaluation encodes the model between training steps: each script's encode switches
+    dropout off (the vectors of the model in eval mode; SSCL's cls pooling without its training
+    MLP), then leaves the model training, also when encoding raises."""
+    from transformers import AutoTokenizer
+    cpu = torch.device("cpu")
+    enc = sscl.SentenceEncoder(BertModel.from_pretrained(bert_dir), "cls")
+    towers = [BertModel.from_pretrained(jt_env[0] / t) for t in "ab"]
+    tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU)
+    lora = bellm.add_lora(dec, 4, 8, 0.5)  # LoRA's dropout: the decoder's only one
+    cfg = dict(bi_layers=1, bi_mode="parallel", bi_strategy="convert", prompt=bellm.PROMPT,
+               max_len=64)
+    cases = [(enc, lambda: sscl.make_encode(enc, AutoTokenizer.from_pretrained(bert_dir), 32,
+                                            cpu)),
+             (jtcse.Twin(towers), lambda: jtcse.make_encode(towers, jt_env[1], 32, cpu)),
+             (lora, lambda: bellm.make_encode(dec, tok, cfg, cpu))]
+    for model, make in cases:
+        model.eval()
+        want = make()(SENTS[:4])
+        model.train()
+        encode = make()
+        for _ in range(2):
+            torch.testing.assert_close(encode(SENTS[:4]), want, atol=0, rtol=0)
+            assert model.training and all(m.training for m in model.modules())
+        with pytest.raises((TypeError, ValueError)):
+            encode([None])  # not a sentence: the tokenizer raises
+        assert all(m.training for m in model.modules())
 
 def test_bad_input_precision_lines(capsys, monkeypatch):
     """--precision: --bf16 is its alias; bf16 on a GPU without bf16 (a V100, a T4): one line, exit

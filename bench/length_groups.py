@@ -13,15 +13,12 @@ round, then median of --reps rounds.
   python bench/length_groups.py bellm [--bf16]
   # what bellm.py --bf16 does
   python bench/length_groups.py bellm --bf16 --attn sdpa,eager --frozen float32,bfloat16
-  # the word embeddings' lookup: once for the batch (the scripts), or in every group
-  python bench/length_groups.py sscl --lookups once,group
   # on a GPU, where a forward's fixed cost is larger: which GROUP_COST pays there
   python bench/length_groups.py sscl --device cuda --bf16 --costs 64,256,1024,4096
   (MINILM, SMOLLM: model names or folders; WIKI, NLI: the data files; --costs 16,64,256 --reps 5)
 """
 import argparse
 import copy
-import math
 import statistics
 import sys
 import time
@@ -69,9 +66,6 @@ p.add_argument("--frozen", type=one_of("float32", "bfloat16"), default="float32"
                help="bellm: dtype(s) of the frozen base Linears to compare; with --bf16, "
                     "bellm.py casts them to bfloat16 once (bellm.cast_frozen_linears) instead "
                     "of at every pass")
-p.add_argument("--lookups", type=one_of("once", "group"), default="once",
-               help="sscl, jtcse: the trained word embeddings look the batch up once (the scripts: "
-                    "one vocabulary-sized gradient a step) or in each group; comma-separated")
 common.show_ranges(p)
 a = p.parse_args()
 if a.device == "cuda" and not torch.cuda.is_available():
@@ -131,41 +125,36 @@ opt = torch.optim.AdamW(params, lr=1e-9)  # a step's cost, ~no change
 lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn if a.method == "bellm" else [None]
-ways = a.lookups if a.method != "bellm" else ["once"]  # (BeLLM's embeddings are frozen)
-lookups = {f: common.word_embeddings(m) for f, m in models.items()}  # the trained ones
-configs = [(c, at, f, w) for f in forwards for at in attns
-           for c, w in [(None, None)] + [(c, w) for c in a.costs for w in ways]]
+configs = [(c, at, f) for f in forwards for at in attns for c in [None, *a.costs]]
 slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
          sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c))
-         for c, _, _, _ in configs}
+         for c, _, _ in configs}
 times = {k: [] for k in configs}
 for rep in range(a.reps + 1):
-    for c, at, f, w in configs:
+    for c, at, f in configs:
         if at:
             models[f].base_model.model.set_attn_implementation(at)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         with common.autocast(dev, "bf16" if a.bf16 else common.pick_precision(dev)):
-            out = common.by_length(forwards[f], batch, math.inf if c is None else c,
-                                   lookups=lookups[f] * (w == "once"), device=dev)  # inf: 1 group
+            out = common.in_length_groups(forwards[f], c is not None, dev, c)(batch)
         loss_of(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         if rep:
-            times[c, at, f, w].append(time.perf_counter() - t)
+            times[c, at, f].append(time.perf_counter() - t)
 where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
     f"CPU, {torch.get_num_threads()} threads"
 print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {where}, "
       f"{len(lengths)} texts, {real} real tokens, median of {a.reps} steps")
 base = statistics.median(times[configs[0]])
-for c, at, f, w in configs:
-    m = statistics.median(times[c, at, f, w])
+for c, at, f in configs:
+    m = statistics.median(times[c, at, f])
     name = (("padded (--no-length-grouping)" if c is None else
              f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups")
-            + (f", {at}" if at else "") + (f", frozen {f}" if f else "")
-            + (f", lookups {w}" if w and len(ways) > 1 else ""))
+            + (f", {at}" if at else "") + (f", frozen {f}" if f else ""))
     print(f"{name:<68} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
           f"{real / m:7.0f} real tok/s  x{base / m:.2f}")

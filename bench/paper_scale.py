@@ -178,14 +178,14 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
             enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
             m, enc_net = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers), net(enc)
             return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc_net, True, enc, run), batch(n), m, run, a.temp,
+                common.in_length_groups(enc_net, device=run), batch(n), m, run, a.temp,
                 autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
             a = jtcse.p.parse_args(bf16)
             twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
             twin_net = net(twin)
             return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin_net, True, twin, run), batch(n), 1, run, a.temp,
+                common.in_length_groups(twin_net, device=run), batch(n), 1, run, a.temp,
                 autocast=torch.bfloat16 if gpu else None)
         if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
             a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
@@ -195,7 +195,7 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
                                         tokenizer(False), a.max_len, run)
             cls = net(functools.partial(jtcse.cls, student))
             return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(cls, True, student, run), batch(n), 1, run,
+                common.in_length_groups(cls, device=run), batch(n), 1, run,
                 autocast=torch.bfloat16 if gpu else None, teacher=teacher, sentences=texts(n))[0]
         # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
         a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])

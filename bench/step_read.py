@@ -1,33 +1,33 @@
 """How many lines a reader follows through one optimisation step of each script, counted from the
 source (its syntax tree), so that the count is the same each time: main() from its "# the model"
 comment to the end of its training loop (the model and update set up, the loop body), train_step,
-the model (its classes whole, or with --forward only the methods a step calls), the losses on the
-paper's default path, and the length-group wrapper of common.py that runs the model
-(length_groups, on_device, by_length, in_length_groups, word_embeddings). The authors' variants
+the model's forward (the functions and methods a step calls; --whole: the classes whole), the
+losses on the paper's default path (JTCSE: the twin), and the length-group wrapper of common.py
+that runs the model (length_groups, on_device, in_length_groups). The authors' variants
 (--objective authors), the run folder and the data loader are not counted.
 
-  python bench/step_read.py            # the three scripts, each part and the total
-  python bench/step_read.py --forward  # the models' forward methods instead of whole classes
+  python bench/step_read.py          # the three scripts, each part and the total
+  python bench/step_read.py --whole  # the models' classes whole instead of their forward methods
 """
 import argparse
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WRAPPER = ["length_groups", "on_device", "by_length", "in_length_groups", "word_embeddings"]
-STEP = {  # each script's losses (paper path) and model: whole classes, or (--forward) their methods
+WRAPPER = ["length_groups", "on_device", "in_length_groups"]
+STEP = {  # each script's losses (paper path) and model: whole classes (--whole), or their methods
     "sscl": (["sscl_loss"], ["SentenceEncoder"],
              ["SentenceEncoder.forward", "SentenceEncoder.pool"]),
     "jtcse": (["nce", "modulus_ratio", "tmc", "jtcse_loss"],
-              ["layer_forward", "cls", "additive_mask", "Twin"],
-              ["layer_forward", "cls", "additive_mask", "Twin.forward"]),
+              ["layer_forward", "additive_mask", "Twin"],
+              ["layer_forward", "additive_mask", "Twin.forward"]),
     "bellm": (["bellm_loss"], ["attn_mask", "forward", "last_token", "BeLLM", "embed"],
               ["attn_mask", "forward", "last_token", "BeLLM.forward", "embed"]),
 }
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--forward", action="store_true", help="count the models' forward methods only")
+p.add_argument("--whole", action="store_true", help="count the models' classes whole")
 
 
 def spans(file, names):
@@ -60,7 +60,7 @@ def main():
     for script, (losses, whole, methods) in STEP.items():
         parts = {"main()": main_lines(f"{script}.py"),
                  **spans(f"{script}.py", ["train_step", *losses,
-                                          *(methods if a.forward else whole)]),
+                                          *(whole if a.whole else methods)]),
                  "the wrapper (common.py)": wrapper}
         print(f"{script}: {sum(parts.values())} lines  (" +
               ", ".join(f"{k} {v}" for k, v in parts.items()) + ")")

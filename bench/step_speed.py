@@ -77,11 +77,11 @@ def build(name, bf16, dev, steps, earlier=False):
         batches = next(sscl.micro_batches(tok, sents, [range(len(sents))], 0, 1, 64, 32))
         if name == "sscl":  # tokenised before (the scripts tokenise ahead of the step)
             run = lambda i, m: sscl.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model, dev), batches[i], [5], cpu,
+                common.in_length_groups(m, device=dev), batches[i], [5], cpu,
                 autocast=torch.bfloat16 if bf16 else None)
         else:
             run = lambda i, m: jtcse.train_step(  # noqa: E731
-                common.in_length_groups(m, True, model, dev), batches[i], i % 2, cpu,
+                common.in_length_groups(m, device=dev), batches[i], i % 2, cpu,
                 autocast=torch.bfloat16 if bf16 else None)
         rows = 64
     else:
