@@ -328,7 +328,7 @@ def main():
     steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device, custom_module=True)
     if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
         return
     lr = a.lr or (run.state["args"]["lr"] if run.state else 2e-4)  # the paper's, or the run's

@@ -44,6 +44,18 @@ def die(msg):
     sys.exit(2)
 
 
+def finite_or_null(value):
+    """value as strict JSON holds it: each float that is not finite (NaN, inf) as None (null), in
+    lists and dicts too (json.dumps would write NaN, which JSON readers refuse)."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_whole(path, write, pause=None):
     """Replace the file at path whole (--json, --plot, harness.py's saves): write(f) fills path.tmp,
     synced and renamed over path, the folder synced: a kill or a full disk leaves the old file or
@@ -531,7 +543,8 @@ def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
     of st_module.py (JTCSETwin, BeLLM): one module of ours, st_module.py copied in, which reads
     sentemb.json (SentenceTransformer(folder, trust_remote_code=True))."""
     if pooler not in ("cls", "avg"):
-        shutil.copyfile(ST_MODULE, os.path.join(folder, "st_module.py"))
+        if os.path.exists(ST_MODULE):  # a copied script without it: harness.Run said so
+            shutil.copyfile(ST_MODULE, os.path.join(folder, "st_module.py"))
         with open(os.path.join(folder, "modules.json"), "w") as f:
             return json.dump([{"idx": 0, "name": "0", "path": "", "type": f"st_module.{pooler}"}],
                              f, indent=2)

@@ -114,7 +114,8 @@ def read_curve(name, file=harness.CURVE):
     curve, good = [], {  # an entry as harness.py writes it: each key, what it holds
         "step": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
         "metric": ("a name", lambda v: isinstance(v, str)),
-        "score": ("a number", lambda v: type(v) in (int, float))}
+        "score": ("a number", lambda v: type(v) in (int, float)),
+        "value": ("a number or null", lambda v: v is None or type(v) in (int, float))}
     for i, line in enumerate(lines, 1):
         try:
             entry = json.loads(line)
@@ -122,8 +123,8 @@ def read_curve(name, file=harness.CURVE):
             common.die(f"{path}, line {i}, is damaged ({common.first_line(e)}): delete the file, "
                        "or copy the run again")
         entry = entry if isinstance(entry, dict) else {}  # a line of another shape: keys missing
-        keys = good if file == harness.CURVE else {  # metrics.jsonl: each value a number
-            "step": good["step"], **{k: good["score"] for k in entry if k != "step"}}
+        keys = good if file == harness.CURVE else {  # metrics.jsonl: each value a number or null
+            "step": good["step"], **{k: good["value"] for k in entry if k != "step"}}
         if bad := next((k for k, (_, ok) in keys.items() if not ok(entry.get(k))), None):
             said = json.dumps(entry[bad]) if bad in entry else "missing"
             common.die(f"{path}, line {i}: {bad} is {said}, not {keys[bad][0]} as a run writes it: "
@@ -566,7 +567,8 @@ def write_json(path, out):
     went away) is one line, the results stay on the screen, and an old file at path is kept as it
     was."""
     try:
-        common.write_whole(path, lambda f: f.write(json.dumps(out, indent=2).encode()))
+        text = json.dumps(common.finite_or_null(out), indent=2, allow_nan=False)  # NaN: null
+        common.write_whole(path, lambda f: f.write(text.encode()))
     except OSError as e:
         kept = "; the old file is kept" if os.path.isfile(path) else ""
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -132,8 +132,11 @@ def curves(runs):
         dev = [(e["step"], k, v) for e in rows if "loss" not in e for k, v in e.items()
                if k != "step"]
         for pn, key in zip(panels, ("loss", "gnorm", None)):
-            if points := [(e["step"], e[key]) for e in rows if key in e] if key else \
-                    [(s, v) for s, _, v in dev]:
+            if key:  # a value not finite is null in metrics.jsonl: left out
+                points = [(e["step"], e[key]) for e in rows if e.get(key) is not None]
+            else:
+                points = [(s, v) for s, _, v in dev]
+            if points:
                 pn["series"][label] = list(zip(*points))
         names |= {k for _, k, _ in dev}
     panels[2]["ylabel"] = ", ".join(sorted(names)) or "score"

@@ -21,9 +21,11 @@ import contextlib
 import errno
 import functools
 import importlib
+import io
 import json
 import math
 import os
+import pickle
 import random
 import resource
 import shutil
@@ -47,7 +49,6 @@ RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log"
 # a new run's record (save_step carries it on): the best dev score, its save's id and sentemb.json,
 # the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
-CARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card.md")  # best/'s README.md
 PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",  # the model cards'
           "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
           "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
@@ -88,6 +89,13 @@ def gather(z):
     return torch.cat(parts)
 
 
+def numpy_rng_state():
+    """NumPy's global RNG state with its keys as a tensor: what torch.load(weights_only=True)
+    reads (an ndarray it refuses)."""
+    name, keys, *rest = np.random.get_state()
+    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
+
+
 def on_signal(signum, frame):
     """SIGINT, SIGTERM: stop at the next step, saved; a second one, or one after training: now."""
     name = signal.Signals(signum).name
@@ -99,21 +107,32 @@ def on_signal(signum, frame):
 
 
 # ---------------------------------------------------------------- the run folder ------------------
+def absolute(value):
+    """A flag's value with each local path in it made absolute (in a list too: --distill)."""
+    if isinstance(value, list):
+        return [absolute(v) for v in value]
+    if isinstance(value, str) and os.path.exists(value):
+        return os.path.abspath(value)
+    return value
+
+
 class Run:
     """OUTPUT_DIR opened for training by method's script (check_run(folder, meta) checks a model it
-    saved); .state: with --resume, the checkpoint it goes on from (None: a new run)."""
+    saved; custom_module: best/ encodes through st_module.py in sentence-transformers); .state:
+    with --resume, the checkpoint it goes on from (None: a new run)."""
 
-    def __init__(self, a, method, resumable, check_run, inputs, device):
+    def __init__(self, a, method, resumable, check_run, inputs, device, custom_module=False):
         dist = torch.distributed
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) \
             if dist.is_available() and dist.is_initialized() else (0, 1)
         self.dir, self.method, self.check_run, self.device = a.output_dir, method, check_run, device
-        self.flags = {k: os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
-                      for k, v in vars(a).items()}  # the command's flags, its paths absolute
+        self.flags = {k: absolute(v) for k, v in vars(a).items()}  # its paths absolute
         self.say = functools.partial(print, flush=True) if self.rank == 0 else lambda *_: None
-        if missing := [f for f in (CARD, common.ST_MODULE) if not os.path.exists(f)]:
-            common.die(f"{' and '.join(map(os.path.basename, missing))} must lie beside harness.py"
-                       " (a run writes them into best/): copy them from the repository")
+        if custom_module and not os.path.exists(common.ST_MODULE):
+            self.say(f"note: no st_module.py beside {os.path.basename(common.__file__)}, so best/ "
+                     "will lack it: eval_sts.py scores best/, but sentence-transformers loads it "
+                     "only with st_module.py in it; copy st_module.py from the repository beside "
+                     "common.py to have it there")
         try:  # --report-to's packages (rank 0), before anything is written
             self.packages = {n: importlib.import_module(TRACKERS[n]) for n in a.report_to
                              if n != "none" and self.rank == 0}
@@ -232,7 +251,8 @@ class Run:
                        "--output-dir of a run of this model and settings")
         torch.set_rng_state(state["rng"][0].cpu())  # map_location may have put it on the device
         random.setstate(state["rng"][1])
-        np.random.set_state(state["rng"][2])
+        name, keys, *rest = state["rng"][2]  # NumPy's, its keys as a tensor
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
         if len(state["rng"]) == 4 and self.device.type == "cuda":  # saved on a GPU
             torch.cuda.set_rng_state(state["rng"][3].cpu(), self.device)
         for g in optimizer.param_groups:  # the rate over this command's schedule (as HF Trainer)
@@ -296,7 +316,7 @@ class Run:
                                if v.requires_grad},
                      "opt": optimizer.state_dict(), "sched": scheduler.state_dict(), "step": step,
                      "method": self.method, "meta": meta, "args": {**self.flags, "lr": lr},
-                     "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+                     "rng": (torch.get_rng_state(), random.getstate(), numpy_rng_state(),
                              *([torch.cuda.get_rng_state(self.device)] if cuda else [])),
                      **{k: g.get_state() for k, g in generators.items()}, "world": self.world}
             self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
@@ -341,27 +361,92 @@ class Run:
                    self.record["curve"][-1]["metric"], table)  # rewritten whole
 
 
+CARD = """---
+library_name: sentence-transformers
+pipeline_tag: sentence-similarity
+tags:
+- sentence-transformers
+- sentence-similarity
+- feature-extraction
+- {method}
+{base_model}---
+
+# {name} sentence encoder{base}
+
+A sentence encoder trained by `{method}.py` of *Sentence embeddings: reference implementations of
+SSCL, JTCSE and BeLLM*, which implements {paper}.
+
+## This model
+
+This is the checkpoint of step {step}: {metric} {score:.2f} (the development score that selected
+it).
+{results}
+## Use
+
+```python
+from sentence_transformers import SentenceTransformer
+
+model = SentenceTransformer("{{this folder or its hub name}}"{trust})
+embeddings = model.encode(["A man is playing a guitar.", "Someone plays music."])
+```
+
+{module_note}With the repository: `python eval_sts.py --model {{this folder}}` scores it
+on STS12–16, STS-B and SICK-R.
+
+## Training
+
+`{method}.py`, with these flags (a path is given by its file name):
+
+| flag | value |
+|---|---|
+{flags}
+"""  # best/README.md, the model card (write_card fills it in)
+
+
+def shown(value):
+    """A flag's value as the card shows it: a local path by its file name (in a list too)."""
+    if isinstance(value, list):
+        return [shown(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.basename(value)
+    return value
+
+
 def write_card(folder, meta, flags, metric, table=None):
-    """folder/README.md, the model card: card.md filled in, written whole, with no local path."""
-    base = next((v for k, v in flags.items() if k in ("model", "model_a") and v
-                 and not os.path.isabs(v) and not os.path.exists(v)), "")  # a hub name, not a path
-    shown = lambda v: os.path.basename(v) if isinstance(v, str) and os.path.isabs(v) else v  # noqa
-    trust = os.path.exists(os.path.join(folder, "st_module.py"))  # write_st_files' own module
+    """folder/README.md, the model card (CARD filled in), written whole, with no local path."""
+    base = ""  # a base model given by its hub name, not a local path
+    for k in ("model", "model_a"):
+        v = flags.get(k)
+        if isinstance(v, str) and not os.path.isabs(v) and not os.path.exists(v):
+            base = v
+            break
+    modules = os.path.join(folder, "modules.json")  # write_st_files': st_module.py's class?
+    custom = os.path.isfile(modules) and '"st_module.' in common.read_text(modules)
+    trust, module_note = "", ""
+    if custom and os.path.isfile(os.path.join(folder, "st_module.py")):
+        trust = ", trust_remote_code=True"
+        module_note = "Its `st_module.py` computes the embedding (`trust_remote_code`).\n"
+    elif custom:
+        module_note = ("This folder lacks the `st_module.py` that computes its embedding in "
+                       "sentence-transformers:\ncopy it from the repository into this folder, "
+                       "then load it with `trust_remote_code=True`.\n")
+    rows = [f"| `--{k.replace('_', '-')}` | `{shown(v)}` |" for k, v in sorted(flags.items())
+            if k != "output_dir"]
     paper = PAPERS[meta["method"]]
-    text = common.read_text(CARD).format(
+    text = CARD.format(
         method=meta["method"], step=meta["step"], metric=metric, score=meta[metric], paper=paper,
-        name=paper.split()[0], base=f" ({base})" * bool(base),
-        base_model=f"base_model: {base}\n" * bool(base), trust=", trust_remote_code=True" * trust,
-        trust_note="Its `st_module.py` computes the embedding (`trust_remote_code`).\n" * trust,
-        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "", flags="\n".join(
-            f"| `--{k.replace('_', '-')}` | `{shown(v)}` |" for k, v in sorted(flags.items())
-            if k != "output_dir"))
+        name=paper.split()[0], base=f" ({base})" if base else "",
+        base_model=f"base_model: {base}\n" if base else "", trust=trust, module_note=module_note,
+        results=f"\nOn the test sets:\n\n```\n{table}\n```\n" if table else "",
+        flags="\n".join(rows))
     common.write_whole(os.path.join(folder, "README.md"), lambda f: f.write(text.encode()))
 
 
 def save_step(out, method, check_run, run, step, metric, dev, state, write, log, undo=lambda: None):
     """The training state and record (RECORD; dev None at a stop) replace checkpoint.pt, the commit;
     a new best goes whole into .best.new first (write(folder), sentemb.json). -> the record"""
+    if dev is not None:  # a Python float (scipy's is NumPy's, which weights_only refuses)
+        dev = float(dev)
     if dev is not None and not math.isfinite(dev):  # never a silent NaN: saved, then one line
         save_step(out, method, check_run, run, step, metric, None, state, write, log, undo)
         common.die(f"the {metric} at step {step} is {dev}: undefined for this model's embeddings "
@@ -436,7 +521,8 @@ def settle(run_dir, method, check_run, state=None):
             if os.path.lexists(at(name)):
                 (shutil.rmtree if name in (NEW, OLD) else os.remove)(at(name))
         for name, view in ((CURVE, state["curve"]), (METRICS, state["log"])) if state else ():
-            view = "".join(json.dumps(e) + "\n" for e in view).encode()
+            lines = [json.dumps(common.finite_or_null(e), allow_nan=False) for e in view]
+            view = "".join(line + "\n" for line in lines).encode()  # a NaN (fp16's gnorm): null
             old = open(at(name), "rb").read() if os.path.isfile(at(name)) else None
             if view != old and (view or old or name == CURVE):  # an older run's: no metrics.jsonl
                 common.write_whole(at(name), lambda f: f.write(view), pause)  # noqa: B023
@@ -488,13 +574,38 @@ def reading(run, method, check_run, folder=None):
         yield folder, read_meta(folder, method, check_run, state)
 
 
+def load_checkpoint(path, device="cpu"):
+    """checkpoint.pt as torch.load(weights_only=True) reads it (tensors, numbers, strings, and
+    lists, tuples and dicts of them; never code), or one line."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            common.die(f"{path} cannot be read (UnpicklingError); it is damaged: {RECOPY}")
+    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
+    run_dir = os.path.dirname(path) or "."
+    common.die(f"{path} holds more than tensors, numbers and strings (a checkpoint of an earlier "
+               "version, or not ours), and reading it could run code: it is not read; if you "
+               f"trust where it comes from, convert it: python harness.py --convert {run_dir}")
+
+
+def rng_state(v):
+    """Whether v is a saved RNG state: (CPU's, Python's, NumPy's with its keys a tensor[, CUDA's:
+    saved on a GPU])."""
+    if not isinstance(v, (tuple, list)) or len(v) not in (3, 4):
+        return False
+    numpy_state = v[2]
+    if not isinstance(numpy_state, tuple) or len(numpy_state) != 5:
+        return False
+    tensors = [v[0], numpy_state[1], *v[3:]]
+    return all(map(torch.is_tensor, tensors)) and isinstance(v[1], tuple)
+
+
 def read_checkpoint(run_dir, method, device="cpu"):
     """checkpoint.pt of a run of method's script, every field of its type, or one line."""
     path = os.path.join(run_dir, CKPT)
-    try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=True)
-    except Exception as e:  # truncated, empty, not a torch file: torch raises many types
-        common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
+    state = load_checkpoint(path, device)
     if not isinstance(state, dict) or state.get("method") != method:
         common.die(f"{path} was not written by {method}.py: pass a run folder of {method}.py")
     if "save" not in state and "step" in state:
@@ -506,9 +617,7 @@ def read_checkpoint(run_dir, method, device="cpu"):
     ok = {"model": lambda v: isinstance(v, dict) and all(map(torch.is_tensor, v.values())),
           "opt": lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
           "sched": lambda v: isinstance(v, dict), "meta": lambda v: isinstance(v, dict),
-          "rng": lambda v: isinstance(v, (tuple, list)) and len(v) in (3, 4) and torch.is_tensor(
-              v[0]) and isinstance(v[1], tuple) and isinstance(v[2], tuple) and all(
-              map(torch.is_tensor, v[3:])),  # (CPU, Python, NumPy[, CUDA: saved on a GPU])
+          "rng": rng_state,
           "args": lambda v: isinstance(v, dict) and isinstance(v.get("lr"), float),
           "step": lambda v: type(v) is int and v >= 0, "world": lambda v: type(v) is int and v > 0,
           "best": number, "save": lambda v: v is None or isinstance(v, str), "log": rows,
@@ -560,12 +669,11 @@ def run_of(name):
     if os.path.isdir(at(BEST)) or os.path.isfile(at(CKPT)) and not os.path.isfile(at(common.META)):
         with contextlib.suppress(Exception), open(at(BEST, common.META)) as f:
             return json.load(f)["method"], run, at(BEST)
-        try:  # no best model yet (or a damaged one): the checkpoint names it
-            return torch.load(at(CKPT), map_location="cpu", mmap=True,
-                              weights_only=False)["method"], run, at(BEST)
-        except Exception as e:
+        state = load_checkpoint(at(CKPT))  # no best model yet (or a damaged one): it names it
+        if not isinstance(state, dict) or not isinstance(state.get("method"), str):
             common.die(f"'{run}' is a run folder without a readable best/{common.META} or "
-                       f"{CKPT} ({type(e).__name__}): {RECOPY}")
+                       f"{CKPT}: {RECOPY}")
+        return state["method"], run, at(BEST)
     if os.path.isfile(meta := os.path.join(name, common.META)):
         with contextlib.suppress(Exception):
             return json.loads(common.read_text(meta))["method"], None, name
@@ -648,3 +756,53 @@ class Meter:
         self.spans, self.flops, self.tokens, self.values = [], 0, 0, v
         return "  ".join(f"{k} {x:.{2 if k == unit else 0 if k == 'tok/s' else 1}f}" for k, x in
                          v.items()) + (f"% of {peak[0]} {self.precision}" if peak else "")
+
+
+# ---------------------------------------------------------------- an earlier version's run --------
+def plain(value):
+    """value with NumPy's scalars as Python numbers and its arrays as int64 tensors (an earlier
+    version's NumPy RNG keys and dev scores), in tuples, lists and dicts too."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.astype(np.int64))
+    return value
+
+
+def convert(run_dir):
+    """checkpoint.pt of an earlier version (its NumPy RNG state an ndarray) rewritten as
+    torch.load(weights_only=True) reads it. It unpickles the file, which can run code: only for a
+    run folder you trust."""
+    path = os.path.join(run_dir, CKPT)
+    if not os.path.isfile(path):
+        common.die(f"--convert: no {path}: pass a run folder of sscl.py, jtcse.py or bellm.py")
+    with open(os.path.join(run_dir, LOCK), "a+") as lock:
+        if not flock(lock, "EX", "NB"):
+            common.die(f"'{run_dir}' is in use by a training run: wait for it to end")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
+        state = plain(state)
+        written = io.BytesIO()
+        torch.save(state, written)
+        written.seek(0)
+        try:  # what is written is what a reader reads
+            torch.load(written, weights_only=True)
+        except pickle.UnpicklingError:
+            common.die(f"{path} holds objects that no run of ours saves: not converted")
+        common.write_whole(path, lambda f: f.write(written.getvalue()))
+    print(f"{path}: converted; readers and --resume read it as it is now")
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="The run folder of sscl.py, jtcse.py and bellm.py")
+    parser.add_argument("--convert", metavar="RUN", required=True,
+                        help="rewrite RUN/checkpoint.pt of an earlier version as it is saved now "
+                        "(it reads the file as a pickle, which can run code: a folder you trust)")
+    convert(parser.parse_args().convert)

@@ -300,8 +300,10 @@ def main():
     steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model_a, a.model_b, *(a.distill or [])],
-                      device)
+    inputs = [a.model_a, a.model_b, *(a.distill or [])]
+    # a twin's best/ encodes through st_module.JTCSETwin in sentence-transformers
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, inputs, device,
+                      custom_module=not a.distill)
     if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
         return
     lr = a.lr or (run.state["args"]["lr"] if run.state else 1e-5 if a.distill else 1.3e-6)

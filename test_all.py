@@ -4241,34 +4241,58 @@ def test_harness_each_method_section_copied_alone_takes_the_scripts_step(bert_di
         functools.partial(mod.embed, net), batch, cpu))[1][0] for mod in (m, bellm)], models)
 
 
-def copy_run(script, cmd, tmp_path):
-    """script.py, common.py and harness.py copied into an empty folder: --help; a run stops in one
-    line naming the two files a best/ carries (card.md, st_module.py), before it writes anything.
-    With them: a run of 2 steps (a dev evaluation each), killed inside its second save; --resume
-    finishes and prints the final table, with no other file of the project. -> its stdout."""
+def copy_run(script, cmd, tmp_path, distill=None):
+    """script.py copied with common.py and harness.py alone into an empty folder: --help; a run of
+    2 steps (a dev evaluation each), killed inside its second save; --resume finishes and prints
+    the final table, with no other file of the project. A twin's and BeLLM's run says at its start
+    that best/ will lack st_module.py, and its card says how to add it; eval_sts.py scores best/ as
+    the run's final table did. distill(run, out): the arguments of a --distill of the copied run,
+    run by the copy. Then with st_module.py beside them too: best/ loads in sentence-transformers
+    and encodes as eval_sts.py does. -> the resumed run's stdout."""
     d = tmp_path / "copy"
     d.mkdir()
     for f in (f"{script}.py", "common.py", "harness.py"):
         shutil.copy(ROOT / f, d)
     env = {**ENV, "PYTHONPATH": ""}
-    cmd = [sys.executable, str(d / f"{script}.py"), *map(str, cmd(d / "run"))]
-    assert subprocess.run(cmd[:2] + ["--help"], capture_output=True, env=env,
-                          cwd=d).returncode == 0
-    bare = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=d)
-    one_line(bare.returncode, bare.stderr, "card.md and st_module.py", "beside harness.py")
-    assert not (d / "run").exists()
-    for f in ("card.md", "st_module.py"):
-        shutil.copy(ROOT / f, d)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d,
-                            env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
+
+    def command(out):
+        return [sys.executable, str(d / f"{script}.py"), *map(str, cmd(out))]
+    assert subprocess.run([sys.executable, str(d / f"{script}.py"), "--help"],
+                          capture_output=True, env=env, cwd=d).returncode == 0
+    proc = subprocess.Popen(command(d / "run"), stdout=subprocess.DEVNULL, cwd=d,
+                            stderr=subprocess.DEVNULL, env={**env, "SENTEMB_SAVE_PAUSE": "0.1"})
     saving = (harness.NEW, harness.OLD, harness.CKPT + ".tmp")  # step 1's save, under way
     assert kill_when(proc, d / "run", lambda: (d / "run" / harness.CKPT).exists() and any(
         (d / "run" / n).exists() for n in saving))
-    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, cwd=d)
+    done = subprocess.run(command(d / "run") + ["--resume"], capture_output=True, text=True,
+                          env=env, cwd=d)
     assert done.returncode == 0, done.stderr
     assert re.search(r"STS-B .*Avg\.\n( +-?\d+\.\d+){2,8}\n", done.stdout), done.stdout
     assert {p.name for p in d.iterdir()} - {"__pycache__"} == {
-        "common.py", "harness.py", "run", f"{script}.py", "card.md", "st_module.py"}
+        "common.py", "harness.py", "run", f"{script}.py"}
+    custom = script != "sscl"  # best/ encodes through st_module.py in sentence-transformers
+    best = d / "run" / harness.BEST
+    notes = [line for line in done.stdout.splitlines() if "no st_module.py beside" in line]
+    assert len(notes) == custom and not (best / "st_module.py").exists()
+    assert ("lacks the `st_module.py`" in (best / "README.md").read_text()) == custom
+    table = done.stdout.split("on the test sets:\n")[1].strip("\n")
+    data = cmd(d)[cmd(d).index("--data-dir") + 1]
+    tasks = ["--tasks", "STS-B"] if script == "bellm" else []
+    scored = run("eval_sts.py", "--model", d / "run", "--data-dir", data, *tasks)
+    assert scored.returncode == 0 and table in scored.stdout, (table, scored.stdout)
+    if distill:  # the copied twin distilled by the copy: no st_module.py needed, none said
+        student = subprocess.run(command(d / "student")[:2] + list(map(str, distill(
+            d / "run", d / "student"))), capture_output=True, text=True, env=env, cwd=d)
+        assert student.returncode == 0 and "st_module" not in student.stdout, student.stderr
+        assert (d / "student" / harness.BEST / "model.safetensors").exists()
+    if not custom:
+        st_encodes_as_we_do(best)
+        return done.stdout
+    shutil.copy(ROOT / "st_module.py", d)  # beside them: best/ carries it
+    full = subprocess.run(command(d / "full"), capture_output=True, text=True, env=env, cwd=d)
+    assert full.returncode == 0 and "st_module" not in full.stdout, full.stderr
+    got = st_remote([d / "full" / harness.BEST])
+    assert got[str(d / "full" / harness.BEST)][0] <= 1e-5
     return done.stdout
 
 
@@ -4286,7 +4310,10 @@ def test_harness_jtcse_copied_beside_common_and_harness_trains_is_killed_resumes
     copy_run("jtcse", lambda out: [
         "--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt", "--data-dir",
         JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
-        "--eval-steps", 1, "--no-add-sick"], tmp_path)
+        "--eval-steps", 1, "--no-add-sick"], tmp_path, distill=lambda twin, out: [
+        "--distill", twin, "--model-a", d / "a", "--train", d / "train.txt", "--data-dir",
+        JT_DATA["sts"], "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+        "--no-add-sick", "--no-final-eval"])
 
 
 @pytest.mark.slow
