@@ -13,7 +13,9 @@ reader of a paper may skip this file: each main()'s step is plain torch, and it 
   run.finish(step)              peak memory; a stopped run exits 128 + the signal's number
   run.final_table(...)          the best model on the test sets, loaded as eval_sts.py loads it
   Meter(...): meter.step(...)   the step lines' speed and FLOP/s; meter.line(): the line
-Readers (eval_sts.py, the analyses, --distill) use run_of and reading. What all this guarantees
+Readers (eval_sts.py, the analyses, --distill) use run_of and reading; checkpoint.pt is read with
+torch.load(weights_only=True), never running code (an earlier version's: python harness.py
+--convert RUN, for a folder you trust). What all this guarantees
 (a kill at any instant, readers during saves, a full disk, --resume as the uninterrupted run) and
 how it is tested: docs/operations.md, "Run folders" and "Failure and recovery"."""
 import atexit

@@ -2102,7 +2102,7 @@ def test_harness_a_nan_dev_score_stops_the_run_saved(script, bert_dir, train_txt
     code, _, err = main_of(module, capsys, monkeypatch, *args)
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1 and "stsb_dev at step 0 is nan" in errors[0], err
-    assert torch.load(out / harness.CKPT, weights_only=False)["step"] == 0
+    assert torch.load(out / harness.CKPT, weights_only=True)["step"] == 0
     assert not (out / harness.BEST).exists()
 
 
@@ -2143,7 +2143,7 @@ def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_sav
     code, log, err = main_of(module, capsys, monkeypatch, *args)
     one_line(code, err, "loss became nan at step 5", "--resume --lr")
     assert len(calls) == 6 and "step     3" in log and "step     6" not in log, log
-    state = torch.load(out / harness.CKPT, weights_only=False)
+    state = torch.load(out / harness.CKPT, weights_only=True)
     assert state["step"] == 4 and all(v.isfinite().all() for v in state["model"].values())
 
 
@@ -3046,6 +3046,7 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
                       "--max-steps", "2", "--no-add-sick", "--no-final-eval")
     assert "step     2  loss" in o and "lr 1e-05" in o
     assert isinstance(AutoModel.from_pretrained(dd / harness.BEST), BertModel)
+    assert_card_names_no_path(dd)  # --distill's list of paths too
     monkeypatch.setattr(sys, "argv", ["eval_sts.py", "--model", str(dd), "--tasks", "STS-B"])
     eval_sts.main()
     assert "STS-B" in capsys.readouterr().out
@@ -3099,7 +3100,7 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
     jt_train(jt_env, tmp_path / "ln", capsys, monkeypatch, "--drop-layernorm", "1")
     meta = json.loads((tmp_path / "ln" / harness.BEST / common.META).read_text())
     assert meta["drop_layernorm"] == 1
-    last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=False)["model"]  # step 3
+    last = torch.load(tmp_path / "ln" / "checkpoint.pt", weights_only=True)["model"]  # step 3
     for i, t in enumerate("ab"):  # the last training state, not the best one (maybe step 0)
         before = BertModel.from_pretrained(d / t).state_dict()
         after = {k[len(f"towers.{i}."):]: v for k, v in last.items()
@@ -3564,6 +3565,7 @@ def test_bellm_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
                              "in one word:\"")
     assert code == 0, err
     assert "csts_dev" in out
+    assert_card_names_no_path(tmp_path / "run")  # --csts, --train: file names
     code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "run",
                              "--data-dir", # STS has no condition: left empty, said
                              tmp_path / "senteval", "--tasks", "STS-B")
@@ -3899,7 +3901,7 @@ def banners(script):
 
 
 # lines
-SIZES = {"sscl": 450, "jtcse": 600, "bellm": 700, "harness": 650, "common": 850}
+CORE = ("sscl", "jtcse", "bellm", "harness", "common")  # the five files a run needs
 
 
 def names_of(node, owners):
@@ -3920,16 +3922,16 @@ def test_tools_the_readme_is_a_front_page():
 
 
 def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch():
-    """The three layers, each a file: the paper files, harness.py, common.py, each within its size
-    and the five within 3,285 lines. Each script's main() is a page (at most 100 lines) taking at
+    """The three layers, each a file: the paper files, harness.py, common.py, the five within 3,600
+    lines (plain code may be longer; no file has an aim of its own). Each script's main() is a page (at most 100 lines) taking at
     most 15 names of common.py and harness.py; its training loop (the DDP wrap before it) reads at
     most 10 names from other files, harness.py's run folder and meter included, and calls the
     update in plain torch: no_sync, the gradient scaler's unscale_ before clip_grad_norm_, its
     step and update, scheduler.step; train() before the loop (the dev score's encode switches
     dropout off itself: test_tools_each_scripts_encode_runs_without_dropout_...)."""
     import ast
-    sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in SIZES}
-    assert all(sizes[n] <= SIZES[n] for n in SIZES) and sum(sizes.values()) <= 3285, sizes
+    sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in CORE}
+    assert sum(sizes.values()) <= 3600, sizes
     for script in ("sscl", "jtcse", "bellm"):
         tree = ast.parse((ROOT / f"{script}.py").read_text())
         main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
@@ -4120,7 +4122,7 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
     assert len(losses(eager.stdout)) == 3
     assert ([float(x) for x in losses(compiled.stdout)]
             == pytest.approx([float(x) for x in losses(eager.stdout)], abs=2e-4))
-    w1, w2 = (torch.load(tmp_path / r / "checkpoint.pt", weights_only=False)["model"]
+    w1, w2 = (torch.load(tmp_path / r / "checkpoint.pt", weights_only=True)["model"]
               for r in ("eager", "compiled"))
     assert w1.keys() == w2.keys() and len(w1) > 0
     for k in w1:  # the trained weights after 3 steps
@@ -4327,6 +4329,102 @@ def test_harness_bellm_copied_beside_common_and_harness_trains_is_killed_resumes
         "STS-B"], tmp_path)
 
 
+# ---- harness: reading a run folder never runs its code ----
+class LeavesMarker:
+    """What a checkpoint.pt from elsewhere may hold: a pickle whose reading creates a file (as any
+    code could run)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def readers_of(method, run_dir, tmp_path):
+    """Every command that reads a run folder of method: (module, its arguments)."""
+    data = {"sscl": TPL.sts, "jtcse": JT_DATA["sts"], "bellm": TPL.bl_sts}[method]
+    evaluate = ["--tasks", "STS-B", "--data-dir", data]
+    readers = [(eval_sts, ["--model", run_dir, *evaluate]),
+               (eval_sts, ["--model", run_dir / harness.BEST, *evaluate]),
+               (eval_sts, ["--model", run_dir, "--curves", "--plot", tmp_path / "c.png"]),
+               (eval_sts, ["--model", run_dir, "--export-st", tmp_path / "st"])]
+    if method == "sscl":
+        readers += [(sscl, SSCL_RUN(TPL, run_dir, "--resume")),
+                    (sscl_analysis, ["--model", run_dir, "--data-dir", data]),
+                    (sscl_analysis, ["--convergence", "--model", run_dir])]
+    if method == "jtcse":
+        readers += [(jtcse, JT(Namespace(**{**vars(TPL), "out": run_dir}), "--resume")),
+                    (jtcse, JT(Namespace(**{**vars(TPL), "out": tmp_path / "student"}),
+                               "--distill", run_dir)),
+                    (jtcse_analysis, ["--compare", run_dir, "--data-dir", data])]
+    if method == "bellm":
+        readers += [(bellm, BL_RUN(TPL, run_dir, "--resume")),
+                    (bellm_analysis, ["--representative-words", "--model", run_dir])]
+    return readers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sscl", "jtcse", "bellm"])
+def test_harness_a_run_folder_never_runs_its_code_when_read(method, run_templates, tmp_path,
+                                                           capsys, monkeypatch):
+    """checkpoint.pt replaced by a pickle that would leave a marker file when read: every reader
+    (eval_sts.py on RUN and RUN/best, --curves, --export-st, --resume, --distill, the analyses)
+    refuses it in one line, and the marker never appears: torch.load(weights_only=True). SSCL's
+    best/proj.pt alike. seeds.py reads only JSON: the folder is refused."""
+    run_dir, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(run_templates[method], run_dir)
+    assert torch.load(run_dir / harness.CKPT, weights_only=True)["method"] == method  # as saved
+    torch.save({"method": method, "step": 1, "x": LeavesMarker(marker)}, run_dir / harness.CKPT)
+    monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    for module, args in readers_of(method, run_dir, tmp_path):
+        code, _, err = main_of(module, capsys, monkeypatch, *args)
+        one_line(code, err, "holds more than tensors, numbers and strings", "--convert")
+        assert not marker.exists(), (module.__name__, args)
+    code, _, err = main_of(seeds, capsys, monkeypatch, run_dir)
+    assert code == 2 and not marker.exists(), err
+    if method == "sscl":  # best/'s own .pt
+        shutil.copy(run_templates[method] / harness.CKPT, run_dir / harness.CKPT)
+        torch.save(LeavesMarker(marker), run_dir / harness.BEST / "proj.pt")
+        code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", run_dir, "--tasks",
+                               "STS-B", "--data-dir", TPL.sts)
+        one_line(code, err, "proj.pt")
+        assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_harness_an_earlier_versions_checkpoint_is_refused_then_converted(run_templates, tmp_path,
+                                                                        capsys, monkeypatch):
+    """A checkpoint.pt as the version before this one saved it (NumPy's RNG keys an ndarray, the
+    dev scores NumPy floats) is refused in one line naming the conversion; python harness.py
+    --convert RUN rewrites it (the same values, as weights_only reads them); then eval_sts.py
+    scores it and --resume trains on from it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_templates["sscl"], run_dir)
+    state = torch.load(run_dir / harness.CKPT, weights_only=True)
+    name, keys, *rest = state["rng"][2]
+    old = {**state, "best": np.float64(state["best"]),
+           "rng": (state["rng"][0], state["rng"][1], (name, keys.numpy().astype(np.uint32), *rest))}
+    torch.save(old, run_dir / harness.CKPT)
+    evaluate = ["--model", run_dir, "--tasks", "STS-B", "--data-dir", TPL.sts]
+    code, _, err = main_of(eval_sts, capsys, monkeypatch, *evaluate)
+    one_line(code, err, "an earlier version", f"python harness.py --convert {run_dir}")
+    r = run("harness.py", "--convert", run_dir)
+    assert r.returncode == 0 and "converted" in r.stdout, r.stderr
+    new = torch.load(run_dir / harness.CKPT, weights_only=True)
+    assert type(new["best"]) is float and new["best"] == state["best"]
+    assert torch.equal(new["rng"][2][1], keys) and new["rng"][2][2:] == state["rng"][2][2:]
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, *evaluate)
+    assert code == 0 and "STS-B" in out, err
+    code, out, err = main_of(sscl, capsys, monkeypatch, *SSCL_RUN(TPL, run_dir, "--resume"))
+    assert code == 0 and "nothing to train" in out, err
+    code, out, err = main_of(sscl, capsys, monkeypatch, *SSCL_RUN(TPL, run_dir, "--resume",
+                                                                   "--max-steps", 3))
+    assert code == 0 and "step     3" in out, err
+    r = run("harness.py", "--convert", tmp_path / "none")
+    assert_bad_input(r, "--convert: no")
+
+
 # ---- harness: the update (optimiser, clipping, schedule) over 20 steps, against the authors' ----
 def adamw_4_2_1(groups, state, lr, betas=(0.9, 0.999), eps=1e-8):
     """transformers 4.2.1's AdamW.step (optimization.py L318-367), transcribed: the groups as its
@@ -4381,7 +4479,7 @@ def trained(model):
 def update_gap(run_dir, w0, ref):
     """|Δ_run - Δ_ref| / |Δ_ref| over every trained weight, Δ = its change from w0: the weights the
     run saved (checkpoint.pt) after its last step against the transcribed loop's."""
-    saved = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    saved = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
     assert sorted(saved) == sorted(ref)
     d_run = torch.cat([(saved[k].float() - w0[k]).flatten() for k in sorted(ref)])
     d_ref = torch.cat([(ref[k] - w0[k]).flatten() for k in sorted(ref)])
@@ -4641,7 +4739,7 @@ def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_lose
     checkpoint, and --resume ends with the uninterrupted run's curve, each step once."""
     for method, folder in run_templates.items():
         curve = eval_sts.read_curve(folder)
-        state = torch.load(folder / harness.CKPT, weights_only=False)
+        state = torch.load(folder / harness.CKPT, weights_only=True)
         assert curve == state["curve"] and curve[-1]["step"] == state["step"], method
         assert {e["metric"] for e in curve} == {"stsb_dev"}, method
     args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
@@ -4839,7 +4937,7 @@ def harness_state(method, v):
     return {"model": {"w": torch.full((4000,), float(v))}, "opt": {"state": {}, "param_groups": []},
             "sched": {}, "method": method, "meta": {"method": method, "v": v},
             "args": {"lr": 1.0}, "step": v, "world": 1,
-            "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())}
+            "rng": (torch.get_rng_state(), random.getstate(), harness.numpy_rng_state())}
 
 
 def record(state):
@@ -4998,7 +5096,7 @@ def left_by_kill(out):
     """Which of KILL_STATES a run folder is in."""
     if (out / harness.NEW).exists():
         committed = (out / harness.CKPT).exists() and harness.save_id(out / harness.NEW) == \
-            torch.load(out / harness.CKPT, weights_only=False, mmap=True)["save"]
+            torch.load(out / harness.CKPT, weights_only=True, mmap=True)["save"]
         return "committed" if committed else "new"
     names = {"old": harness.OLD, "ckpt": harness.CKPT + ".tmp", "curve": harness.CURVE + ".tmp",
              "metrics": harness.METRICS + ".tmp"}
@@ -5105,7 +5203,7 @@ def test_harness_a_run_folder_of_the_earlier_layout_is_evaluated_and_not_resumed
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
     old = tmp_path / "old"
     shutil.copytree(tmp_path / "whole" / harness.BEST, old)
-    state = torch.load(tmp_path / "whole" / harness.CKPT, weights_only=False)
+    state = torch.load(tmp_path / "whole" / harness.CKPT, weights_only=True)
     torch.save({k: v for k, v in state.items() if k not in ("save", "curve", "meta")},
                old / harness.CKPT)
     meta = json.loads((old / common.META).read_text())
@@ -5226,7 +5324,7 @@ def text(log):
 
 
 def weights(out, key):
-    return torch.load(out / harness.CKPT, weights_only=False)[key]
+    return torch.load(out / harness.CKPT, weights_only=True)[key]
 
 
 @pytest.mark.slow
@@ -5401,7 +5499,7 @@ def test_harness_resume_with_a_larger_max_steps_is_the_longer_run(script, bert_d
     tail = lambda log: [l for l in numbers(log) if int(l.split()[1]) > 2]  # noqa: E731
     assert len(tail(longer)) >= 2 and tail(resumed) == tail(longer)
     assert "lr 0.00e+00" not in resumed.split("step     3")[1].splitlines()[0]
-    w = [torch.load(tmp_path / r / "checkpoint.pt", weights_only=False)["model"]
+    w = [torch.load(tmp_path / r / "checkpoint.pt", weights_only=True)["model"]
          for r in ("long", "res")]
     assert w[0].keys() == w[1].keys()
     for k in w[0]:
@@ -5666,7 +5764,7 @@ def test_harness_a_run_folder_with_no_committed_save_is_named_so_by_every_reader
     shutil.rmtree(out)
     shutil.copytree(run_templates[script], out)  # a checkpoint that names no save yet
     shutil.rmtree(out / harness.BEST)
-    state = torch.load(out / harness.CKPT, weights_only=False)
+    state = torch.load(out / harness.CKPT, weights_only=True)
     torch.save({**state, "save": None, "best": -math.inf, "curve": []}, out / harness.CKPT)
     (out / harness.CURVE).write_text("")
     before = tree_of(out)
@@ -5754,7 +5852,7 @@ def test_harness_resume_compares_the_commands_model_with_the_one_the_checkpoint_
     monkeypatch.setenv("SENTEMB_DATA", str(RUN_DATA[script]()))
     out = tmp_path / "run"
     shutil.copytree(run_templates[script], out)
-    recorded = torch.load(out / harness.CKPT, weights_only=False)["meta"][flag]
+    recorded = torch.load(out / harness.CKPT, weights_only=True)["meta"][flag]
     edit_args(out / harness.CKPT, **{flag: value})
     before = tree_of(out)
     cli = f"--{flag.replace('_', '-')}"
@@ -5763,7 +5861,7 @@ def test_harness_resume_compares_the_commands_model_with_the_one_the_checkpoint_
     one_line(code, err, "--resume", f"has {flag} {json.dumps(value)}",
              f"records has {flag} {json.dumps(recorded)}")
     assert tree_of(out) == before
-    state = torch.load(out / harness.CKPT, weights_only=False)
+    state = torch.load(out / harness.CKPT, weights_only=True)
     torch.save({**state, "args": {"lr": state["args"]["lr"]}}, out / harness.CKPT)
     before = tree_of(out)
     code, _, err = main_of(MAINS[script], capsys, monkeypatch, *resume_args(script, out))
@@ -5963,8 +6061,8 @@ def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, tra
         assert float(x) == pytest.approx(float(y), abs=2e-4)
     assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
     assert min(step_gnorms(one.stdout)) > 0.1  # clipping acts on every step
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)["model"]
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
 
@@ -5996,8 +6094,8 @@ def test_harness_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tm
     for x, y in zip(terms(one.stdout), terms(two.stdout), strict=True):
         # the log prints 4 decimals: two runs' float sums may round to neighbours, 1e-4 apart
         assert x[:4] == pytest.approx(y[:4], abs=2e-4) and x[4] == y[4]
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)["model"]
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4, msg=k)
 
@@ -6051,8 +6149,8 @@ def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
             and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
     assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
     assert max(step_gnorms(one.stdout)) > 1.0  # clipping acts
-    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)["model"]
+    w2 = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)["model"]
     assert w1.keys() == w2.keys() and len(w1) > 0
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
@@ -6318,6 +6416,19 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     assert all(int(s["step"]) == 1 for s in optimizer.state.values())
 
 
+def assert_strict_metrics(run_dir, capsys, monkeypatch):
+    """metrics.jsonl is strict JSON (no NaN, Infinity): the gradient norm of a step that fp16's
+    scaler skipped is null; eval_sts.py --curves reads the file and draws it."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    lines = (run_dir / harness.METRICS).read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert any("gnorm" in e and e["gnorm"] is None for e in rows), rows
+    code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", run_dir, "--curves",
+                             "--plot", run_dir.parent / "curves.png")
+    assert code == 0 and "4 step line(s)" in out, err
+
+
 @pytest.mark.slow
 def test_harness_fp16_run_skips_goes_on_and_resumes_with_the_scalers_state(
         bert_nodrop_dir, train_txt, sts_dir, tmp_path, capsys, monkeypatch):
@@ -6336,6 +6447,7 @@ def test_harness_fp16_run_skips_goes_on_and_resumes_with_the_scalers_state(
     assert code == 0, err[-2000:]
     assert "fp16: 1 of 1 steps skipped (inf/NaN" in whole and ", fp16" in whole
     assert len(losses(whole)) == 4 and all(math.isfinite(float(x)) for x in losses(whole))
+    assert_strict_metrics(tmp_path / "whole", capsys, monkeypatch)
     state = weights(tmp_path / "whole", "opt")["scaler"]
     assert state["scale"] == 2.0**10 * 2**3 and state["_growth_tracker"] == 0
     out = tmp_path / "resumed"
@@ -6624,7 +6736,7 @@ def test_harness_cuda_torchrun_nccl_trains_two_steps_and_resumes(
     again = torchrun(f"{script}.py", 1, *args(3), "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"step\s+(\d+)\s+loss", again.stdout) == ["3"]
-    assert torch.load(out / "checkpoint.pt", weights_only=False, map_location="cpu")["step"] == 3
+    assert torch.load(out / "checkpoint.pt", weights_only=True, map_location="cpu")["step"] == 3
 
 
 # ---------------------------------------------------------------- bad inputs: one line, exit 2,
@@ -6657,7 +6769,7 @@ def drop_tensor(path, prefix=""):
 def edit_args(path, **changes):
     """A checkpoint whose recorded settings differ: each flag given its value, or dropped (None: a
     run from before the flag existed)."""
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     state["args"] = {k: v for k, v in {**state["args"], **changes}.items()
                      if k not in changes or changes[k] is not None}
     torch.save(state, path)
@@ -6668,7 +6780,7 @@ DROP = object()  # edit_state: the key removed
 
 def edit_state(path, **changes):
     """A checkpoint whose training state holds other values (not its flags: edit_args)."""
-    state = {**torch.load(path, weights_only=False), **changes}
+    state = {**torch.load(path, weights_only=True), **changes}
     torch.save({k: v for k, v in state.items() if v is not DROP}, path)
 
 
@@ -6980,7 +7092,7 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "model"],
      lambda c: fake_state(c.srun / harness.CKPT, "sscl")),  # a torch file of another structure
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["checkpoint.pt", "damaged", "step"],
-     lambda c: torch.save({**torch.load(c.srun / harness.CKPT, weights_only=False), "step": "2"},
+     lambda c: torch.save({**torch.load(c.srun / harness.CKPT, weights_only=True), "step": "2"},
                           c.srun / harness.CKPT)),
     ("sscl", lambda c: SSCL_RUN(c, c.srun, "--resume"), ["sentemb.json does not name the save"],
      lambda c: (c.srun / harness.BEST / common.META).unlink()),
@@ -7676,11 +7788,22 @@ def test_harness_every_best_holds_our_model_card(method, run_templates):
     assert harness.PAPERS[method] in card and f"step {meta['step']}: stsb_dev " \
         f"{meta['stsb_dev']:.2f}" in card and "On the test sets" not in card
     assert ("trust_remote_code=True" in card) == (method != "sscl")
-    args = torch.load(run_templates[method] / harness.CKPT, weights_only=False)["args"]
-    paths = [v for v in args.values() if isinstance(v, str) and os.path.isabs(v)]
-    assert paths and not any(v in card for v in paths) and str(run_templates[method].parent) \
-        not in card and "/tmp" not in card
+    assert_card_names_no_path(run_templates[method])
     assert "| `--lr` |" in card and "base_model:" not in card  # the tiny test models: no hub name
+
+
+def assert_card_names_no_path(run_dir):
+    """best/README.md of a run names no path of the machine it was trained on: each flag that
+    names a local path (lists of them too) is shown by its file name."""
+    card = (run_dir / harness.BEST / "README.md").read_text()
+    args = torch.load(run_dir / harness.CKPT, weights_only=True)["args"]
+    values = [x for v in args.values() for x in (v if isinstance(v, list) else [v])]
+    paths = [v for v in values if isinstance(v, str) and os.path.isabs(v)]
+    assert paths and not any(v in card for v in paths), card
+    assert not re.search(r"`\[?'?/", card) and "/tmp" not in card, card
+    for k, v in args.items():
+        if isinstance(v, str) and os.path.isabs(v) and k != "output_dir":
+            assert f"| `--{k.replace('_', '-')}` | `{os.path.basename(v)}` |" in card
 
 
 def test_harness_a_model_card_names_a_hub_base_and_no_path_of_this_machine(tmp_path):
@@ -7699,7 +7822,17 @@ def test_harness_a_model_card_names_a_hub_base_and_no_path_of_this_machine(tmp_p
     (tmp_path / "st_module.py").write_text("")
     harness.write_card(tmp_path, meta, {"model_a": str(tmp_path)}, "stsb_dev")
     card = (tmp_path / "README.md").read_text()
-    assert "base_model" not in card and "trust_remote_code=True" in card and "test sets" not in card
+    assert "base_model" not in card and "trust_remote_code=True" not in card  # no modules.json
+    (tmp_path / "modules.json").write_text('[{"type": "st_module.JTCSETwin"}]')
+    harness.write_card(tmp_path, meta, {"distill": [str(tmp_path / "twin"), "org/simcse"]},
+                       "stsb_dev")
+    card = (tmp_path / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "test sets" not in card and str(tmp_path) \
+        not in card and "| `--distill` | `['twin', 'org/simcse']` |" in card
+    (tmp_path / "st_module.py").unlink()  # a copied script without it: the card says so
+    harness.write_card(tmp_path, meta, {}, "stsb_dev")
+    card = (tmp_path / "README.md").read_text()
+    assert "trust_remote_code=True)" not in card and "lacks the `st_module.py`" in card
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def main():
         t0 = time.perf_counter()
         run.save(r + 1, "stsb_dev", float(r), write)
         t1 = time.perf_counter()
-        state = torch.load(root / "run" / harness.CKPT, weights_only=False)  # what it saved
+        state = torch.load(root / "run" / harness.CKPT, weights_only=True)  # what it saved
         plain = root / f"plain{r}"
         t2 = time.perf_counter()
         plain.mkdir()
