@@ -262,8 +262,9 @@ p.add_argument("--quiet", action="store_true",
 p.add_argument("--json", default=None, help="also write the results to this JSON file")
 p.add_argument("--export-st", metavar="DIR", default=None,
                help="evaluate nothing: copy the run's best model to DIR, a new folder, with the "
-               "sentence-transformers files and the model card its script writes today (for runs "
-               "saved before it wrote them)")
+               "sentence-transformers files that encode it as eval_sts.py does (written from its "
+               "sentemb.json, any earlier ones replaced) and the model card (for runs saved "
+               "before their scripts wrote them)")
 common.show_ranges(p)
 
 def hf_encoder(name, pooler, max_len, device, num_layers=None):
@@ -390,13 +391,14 @@ def check_num_layers(num_layers, names, poolers):
         common.check_num_layers(num_layers, common.load_pretrained(AutoConfig, name), name)
 
 
-def export_st(names, dest):
-    """--export-st: a run's best model copied to dest, then what its script writes into best/
-    today (the sentence-transformers files: st_module.py for a twin and a BeLLM adapter, CLS for
-    each tower; the card), their fingerprints added to dest/sentemb.json."""
+def export_st(names, dest, num_layers=None):
+    """--export-st: a run's best model copied to dest, with the sentence-transformers files that
+    encode it as its load_encoder does (write_run_st_files) and the card; the fingerprints of the
+    files written replace theirs in dest/sentemb.json (as harness.save_step fingerprints them)."""
     if len(names) != 1 or not run_folder(names[0]):
         common.die("--export-st copies one run of ours (a run folder or its best/): pass one "
                    "--model RUN")
+    check_num_layers(num_layers, names, ["cls"])  # a run is exported as it was trained
     if os.path.lexists(dest):
         common.die(f"--export-st '{dest}' exists: pass a new folder")
     with reading(names[0]) as (script, folder, meta):
@@ -405,21 +407,58 @@ def export_st(names, dest):
     run_dir = run_folder(names[0])[1]
     args = harness.read_checkpoint(run_dir, meta["method"])["args"] if run_dir and \
         os.path.lexists(os.path.join(run_dir, harness.CKPT)) else {}
-    twin = meta["method"] == "jtcse" and meta["towers"] != ["."]
-    for tower in meta.get("towers", []):  # JTCSE: each tower's CLS
-        config = common.read_json(os.path.join(dest, tower, "config.json"), dest, common.REFETCH)
-        common.write_st_files(os.path.join(dest, tower), config["hidden_size"], meta["max_len"],
-                              "cls")
-    if twin or meta["method"] == "bellm":
-        common.write_st_files(dest, pooler="JTCSETwin" if twin else "BeLLM")
-    meta.setdefault("fingerprints", {}).update({f: common.fingerprint(os.path.join(dest, f))
-                                 for f in ("st_module.py", "modules.json")
-                                 if os.path.isfile(os.path.join(dest, f))})
+    custom = write_run_st_files(dest, meta)
+    prints = meta.setdefault("fingerprints", {})
+    for tower in sorted({".", *meta.get("towers", [])}):
+        for name in ("modules.json", "st_module.py", os.path.join("2_Dense", "model.safetensors")):
+            rel = os.path.normpath(os.path.join(tower, name))
+            if os.path.isfile(os.path.join(dest, rel)):
+                prints[rel] = common.fingerprint(os.path.join(dest, rel))
+            else:
+                prints.pop(rel, None)
     with open(os.path.join(dest, common.META), "w") as f:
         json.dump(meta, f, indent=2)
     harness.write_card(dest, meta, args, next(k for k in meta if k.endswith("_dev")))
-    print(f"{dest}: SentenceTransformer({dest!r}"
-          f"{', trust_remote_code=True' * (twin or meta['method'] == 'bellm')}) loads it")
+    trust = ", trust_remote_code=True" if custom else ""
+    print(f"{dest}: SentenceTransformer({dest!r}{trust}) loads it")
+
+
+def write_run_st_files(folder, meta):
+    """The sentence-transformers files of the model in folder that meta (its sentemb.json)
+    describes, written now from meta (a best/ saved before, or another encoder's: replaced):
+    SSCL's Transformer -> Pooling [-> Dense, proj.pt] (sscl.write_st_files); a JTCSE tower's CLS;
+    st_module.py's JTCSETwin for a twin, and for a distilled tower whose last LayerNorms are
+    dropped (Fig. 8: no Transformer module computes it); st_module.BeLLM for a BeLLM adapter.
+    -> st_module.py's class, or None"""
+    method, towers = meta["method"], meta.get("towers", ["."])
+    for tower in sorted({".", *towers}):  # the model's folder and its towers'
+        for stale in ("sentence_bert_config.json", "1_Pooling", "2_Dense"):
+            path = os.path.join(folder, tower, stale)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+    custom = None  # where no Transformer -> Pooling chain encodes it
+    if method == "bellm":
+        custom = "BeLLM"
+    if method == "jtcse" and (towers != ["."] or meta.get("drop_layernorm", 0)):
+        custom = "JTCSETwin"
+    if method == "sscl":
+        config = common.read_json(os.path.join(folder, "config.json"), folder, common.REFETCH)
+        proj = None
+        if meta["proj_dim"]:
+            proj = torch.load(os.path.join(folder, "proj.pt"), map_location="cpu",
+                              weights_only=True)
+        sscl.write_st_files(folder, config["hidden_size"], meta["max_len"], meta["pooler"], proj)
+    for tower in towers if method == "jtcse" else []:  # JTCSE: each tower's CLS
+        if custom and tower == ".":  # the distilled tower's own folder is st_module's
+            continue
+        path = os.path.join(folder, tower)
+        config = common.read_json(os.path.join(path, "config.json"), folder, common.REFETCH)
+        common.write_st_files(path, config["hidden_size"], meta["max_len"], "cls")
+    if custom:
+        common.write_st_files(folder, pooler=custom)
+    return custom
 
 
 def bf16_note():
@@ -452,7 +491,7 @@ def draw_curves(names, path):
 def main():
     a = common.parse(p)
     if a.export_st:
-        return export_st(a.model, a.export_st)
+        return export_st(a.model, a.export_st, a.num_layers)
     if a.curves:
         return draw_curves(a.model, a.plot)
     no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for

@@ -314,20 +314,30 @@ def make_encode(encoder, tokenizer, max_len, device, compiled=False, precision=N
 
 
 def save_model(encoder, tokenizer, max_len, folder):
-    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder, so that
-    SentenceTransformer(folder) encodes as we evaluate (CLS without the training MLP, or the masked
-    mean; then the projection)."""
+    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (write_st_files)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    proj = encoder.proj
-    if proj is not None:  # ours, and sentence-transformers' Dense
+    proj = None
+    if encoder.proj is not None:  # ours, and sentence-transformers' Dense
+        proj = encoder.proj.state_dict()
+        torch.save(proj, os.path.join(folder, "proj.pt"))
+    write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler, proj)
+
+
+def write_st_files(folder, hidden, max_len, pooler, proj=None):
+    """The sentence-transformers files of a saved model (save_model; eval_sts.py --export-st for a
+    best/ saved before them): Transformer -> Pooling (pooler: cls or avg) [-> Dense: proj, the
+    projection's state, its weights into 2_Dense/model.safetensors], so that SentenceTransformer(
+    folder) encodes as we evaluate (CLS without the training MLP, or the masked mean; then the
+    projection). hidden: the model's hidden size; max_len: the tokens read (sentemb.json's)."""
+    dense = None
+    if proj is not None:
         from safetensors.torch import save_file
-        torch.save(proj.state_dict(), os.path.join(folder, "proj.pt"))
+        dense = proj["weight"].shape[0]
         os.makedirs(os.path.join(folder, "2_Dense"))
-        save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in
-                   proj.state_dict().items()}, os.path.join(folder, "2_Dense", "model.safetensors"))
-    common.write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler,
-                          proj and proj.out_features)
+        weights = {f"linear.{k}": v.detach().contiguous().cpu() for k, v in proj.items()}
+        save_file(weights, os.path.join(folder, "2_Dense", "model.safetensors"))
+    common.write_st_files(folder, hidden, max_len, pooler, dense)
 
 
 META_TYPES = {  # sentemb.json: the keys (those of older runs may lack are optional) and their types
