@@ -11,6 +11,7 @@
       runs/bellm
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -59,8 +60,9 @@ common.show_ranges(p)
 def main():
     """--degradation / --dependency / --representative-words: the analysis asked for, with its
     figure (--plot)."""
-    a, device = common.parse(p), common.pick_device()
-    if a.degradation + a.dependency + a.representative_words != 1:
+    a = common.parse(p)
+    device = common.pick_device()
+    if sum([a.degradation, a.dependency, a.representative_words]) != 1:
         common.die("pass one of --degradation, --dependency and --representative-words")
     figures.check(a.plot)  # a bad --plot path stops before the data is looked for
     tasks = check_tasks(a.tasks)
@@ -70,22 +72,47 @@ def main():
         return dependency(a, device, data)
     if a.representative_words:
         return representative_words(a, device, data)
+    check_degradation(a)
+    tok, dec = load_decoder(a.model[0], 0, "convert", device)
+    degradation(a, tok, dec.eval(), device, data, tasks)
+
+
+def check_degradation(a):
+    """--degradation takes one plain causal LLM, --prompt a sentence's: else one line, exit 2."""
     check_prompt(a.prompt, False)
     if len(a.model) > 1:
         common.die(f"--degradation cuts one decoder and --model got {len(a.model)}: run it once "
                    "per model")
-    if (meta := eval_sts.read_meta(a.model[0]) if os.path.isdir(a.model[0]) else None):
+    meta = eval_sts.read_meta(a.model[0]) if os.path.isdir(a.model[0]) else None
+    if meta:
         base = f" (this run's base model: {meta['base_model']})" if "base_model" in meta else ""
         common.die(f"--degradation cuts a plain causal LLM and '{a.model[0]}' is a run of "
                    f"{meta['method']}.py: pass a decoder{base}")
-    tok, dec = load_decoder(a.model[0], 0, "convert", device)
-    degradation(a, tok, dec.eval(), device, data, tasks)
 
 
 # ================================================================ degradation (Fig. 4) ==========
 def degradation(a, tok, dec, device, data, tasks):
     """STS score of the causal LLM cut after layer k, for every k: one pass keeps all hidden states
     and the final norm is applied to each (h_k -> norm(h_k), last token)."""
+    encode_k = layer_encoders(a.prompt, tok, dec, device)
+    n = len(dec.layers)
+    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), "
+          f"prompt {a.prompt!r}")
+    curve = {}
+    for k in range(1, n + 1):
+        r = common.evaluate(encode_k(k), data, tasks)
+        curve[k] = r
+        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items())
+              + f"  avg {np.mean([*r.values()]):.2f}")
+    if a.plot:
+        draw_degradation(a, curve, tasks, n)
+    return curve
+
+
+def layer_encoders(prompt, tok, dec, device):
+    """encode_k(k) -> the encode function of the decoder cut after layer k (the final norm of h_k
+    at the last token). One pass a sentence keeps every layer's vector, each sentence encoded
+    once for all k."""
     memo = {}
 
     @torch.no_grad()
@@ -96,8 +123,9 @@ def degradation(a, tok, dec, device, data, tasks):
 
     def encode_k(k):
         def encode(sentences):
-            if missing := [s for s in dict.fromkeys(sentences) if s not in memo]:
-                texts, max_len = prompted(tok, {"prompt": a.prompt,
+            missing = [s for s in dict.fromkeys(sentences) if s not in memo]
+            if missing:
+                texts, max_len = prompted(tok, {"prompt": prompt,
                                                 "max_len": dec.config.max_position_embeddings},
                                           missing)  # evaluation does not cut sentences
                 with common.autocast(device, common.pick_precision(device)):
@@ -105,29 +133,23 @@ def degradation(a, tok, dec, device, data, tasks):
                                                                       max_len, device, 64)))
             return torch.stack([memo[s][k - 1] for s in sentences])
         return encode
+    return encode_k
 
-    n = len(dec.layers)
-    print(f"degradation: the causal LLM cut after layer k (--bi-layers is not used), "
-          f"prompt {a.prompt!r}")
-    curve = {}
-    for k in range(1, n + 1):
-        curve[k] = r = common.evaluate(encode_k(k), data, tasks)
-        print(f"k {k:>3}  " + "  ".join(f"{t} {v:.2f}" for t, v in r.items())
-              + f"  avg {np.mean([*r.values()]):.2f}")
-    if a.plot:
-        avg = [float(np.mean([*curve[k].values()])) for k in curve]
-        top = int(np.argmax(avg))  # the turning point: after it, deeper layers lose STS quality
-        series = {t: (list(curve), [curve[k][t] for k in curve]) for t in tasks}
-        if len(tasks) > 1:
-            series["avg."] = (list(curve), avg)
-        figures.draw(a.plot, [dict(kind="lines",
-                                   title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
-                                   xlabel="layer k", ylabel="Spearman × 100", series=series,
-                                   marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
-                     f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} "
-                     f"({', '.join(tasks)} test)",
-                     ncols=1)
-    return curve
+
+def draw_degradation(a, curve, tasks, n):
+    """Fig. 4 into --plot: a line a task (and their average), the turning point marked."""
+    avg = [float(np.mean([*curve[k].values()])) for k in curve]
+    top = int(np.argmax(avg))  # the turning point: after it, deeper layers lose STS quality
+    series = {t: (list(curve), [curve[k][t] for k in curve]) for t in tasks}
+    if len(tasks) > 1:
+        series["avg."] = (list(curve), avg)
+    figures.draw(a.plot, [dict(kind="lines",
+                               title=f"Fig. 4: the causal LLM cut after layer k ({n} layers)",
+                               xlabel="layer k", ylabel="Spearman × 100", series=series,
+                               marks=[(top + 1, avg[top], f"turning point: k = {top + 1}")])],
+                 f"Degradation of {os.path.basename(os.path.normpath(a.model[0]))} "
+                 f"({', '.join(tasks)} test)",
+                 ncols=1)
 
 
 # ================================================================ dependency (Fig. 2, Fig. 5) ====
@@ -178,62 +200,125 @@ def dependency(a, device, data):
     """For each --model (a decoder at each --bi-layers K, a bellm.py run, or a BERT-like encoder:
     also an sscl.py or jtcse.py run, a twin's towers each alone), the distribution over STS-B test
     sentences of the pivot's mean Spearman rho with the sentence's tokens."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
-    res, labels = {}, figures.labels(a.model)
+    res = {}
+    labels = figures.labels(a.model)
     for name in a.model:
-        meta, short = eval_sts.read_meta(name) if os.path.isdir(name) else None, labels[name]
-        if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
-            configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg)]
-        elif meta or (common.load_pretrained(AutoConfig, name).model_type
-                      in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
-            # pivot = CLS, bare sentence; an sscl.py or jtcse.py run (RUN or RUN/best): its BERT
-            # as its encoder runs it, a twin's towers each alone
-            berts, tok = jtcse_analysis.load_model(name, jtcse_analysis.towers_of(name)) if meta \
-                else ([common.load_pretrained(AutoModel, name)],
-                      common.load_pretrained(AutoTokenizer, name))
-            for i, bert in enumerate(t.to(device).eval() for t in berts):
-                part = f", tower {'I' * (i + 1)}" if len(berts) > 1 else ""
-                res[f"{short} (CLS{part})"] = dependency_scores(
-                    lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state,
-                    tok, sents, [(0, len(s)) for s in sents], False, device)
-            continue
-        else:  # a causal LLM, zero-shot, at each K
-            check_prompt(a.prompt, False)
-            configs = [(f"{short} (K={k})", *load_decoder(name, k, a.bi_strategy, device)[::-1],
-                        dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy,
-                             prompt=a.prompt))
-                       for k in a.bi_layers]
-        for label, dec, tok, cfg in configs:
-            net = BeLLM(dec.eval(), cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
-            # the sentence's first character
-            lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))
-            res[label] = dependency_scores(lambda ids, am: forward(net.dec, ids, am, *net.bi), tok,
-                                           [fill(cfg["prompt"], s) for s in sents],
-                                           [(lead, lead + len(s)) for s in sents], True, device)
+        meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
+        if is_encoder(name, meta):
+            res.update(encoder_dependency(name, meta, labels[name], sents, device))
+        else:
+            configs = decoders(a, name, labels[name], meta, device)
+            res.update(decoder_dependency(configs, sents, device))
+    valid = {k: (without_nan(v), without_nan(c)) for k, (v, c) in res.items()}
+    print_dependency(a.prompt, len(sents), valid)
+    if a.plot:
+        draw_dependency(a.plot, valid, len(sents))
+    return res
+
+
+def without_nan(scores):
+    """The scores but NaN (a one-token sentence's), as an array."""
+    return np.array([x for x in scores if x == x])
+
+
+def print_dependency(prompt, n, valid):
+    """The dependency table: a row a configuration of valid ({label: (scores, controls)}, NaN
+    dropped): the mean and quartiles of its scores, and its controls' mean; n: the sentences."""
     print(f"dependency (Fig. 2/5): mean Spearman rho between the pivot token and the sentence's "
-          f"tokens, {len(sents)} STS-B test sentences; decoders with prompt {a.prompt!r} "
+          f"tokens, {n} STS-B test sentences; decoders with prompt {prompt!r} "
           "(runs: their own)")
     print(f"{'model':<40} {'mean':>7} {'Q1':>7} {'median':>7} {'Q3':>7}   "
           "control: another sentence's tokens")
-    valid = {k: (np.array([x for x in v if x == x]), np.array([x for x in c if x == x]))
-             for k, (v, c) in res.items()}
     for label, (v, c) in valid.items():  # NaN dropped: one-token sentences
         print(f"{label:<40} {v.mean():7.4f} "
               + " ".join(f"{q:7.4f}" for q in np.percentile(v, [25, 50, 75]))
               + f"   {c.mean():7.4f}  (difference {v.mean() - c.mean():+.4f})")
-    if a.plot:
-        marks = [(i + 1, c.mean(), "control: another sentence's tokens (mean)")
-                 for i, (_, c) in enumerate(valid.values())]
-        figures.draw(a.plot, [dict(kind="boxes",
-                                   title="Fig. 2 / Fig. 5: dependency of the pivot token",
-                                   groups={k: v for k, (v, _) in valid.items()}, marks=marks,
-                                   rotate=20, xlabel="model (pivot: last token; CLS)",
-                                   ylabel="mean Spearman rho, pivot vs. sentence tokens")],
-                     f"Backward dependency on STS-B test ({len(sents)} sentences)", ncols=1)
+
+
+def is_encoder(name, meta):
+    """Whether --dependency reads --model `name` as a BERT-like encoder (pivot: CLS): an sscl.py or
+    jtcse.py run (meta: its sentemb.json), or a model whose config is a masked LM's; else it is a
+    decoder (a bellm.py run, or a causal LLM)."""
+    if meta:
+        return meta["method"] != "bellm"
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return common.load_pretrained(AutoConfig, name).model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def decoders(a, name, short, meta, device):
+    """The decoder configurations of --model `name` (labelled `short`): a bellm.py run's (meta: its
+    sentemb.json; its own K, mode and prompt), else the causal LLM's at each --bi-layers K
+    (zero-shot, --bi-mode, --bi-strategy, --prompt). -> [(label, decoder in eval mode, tokenizer,
+    cfg, base model)]"""
+    if meta:  # a trained run: its own K, mode and prompt
+        dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
+        return [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg, meta["base_model"])]
+    check_prompt(a.prompt, False)
+    configs = []
+    for k in a.bi_layers:  # a causal LLM, zero-shot, at each K
+        tok, dec = load_decoder(name, k, a.bi_strategy, device)
+        cfg = dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy, prompt=a.prompt,
+                   max_len=dec.config.max_position_embeddings)
+        configs.append((f"{short} (K={k})", dec.eval(), tok, cfg, name))
+    return configs
+
+
+def bert_states(bert, ids, am):
+    """A BERT's last hidden states (b, L, H) of ids (b, L) under the attention mask am."""
+    return bert(input_ids=ids, attention_mask=am).last_hidden_state
+
+
+def decoder_states(net, ids, am):
+    """A BeLLM net's final-norm hidden states (b, L, H) of ids (b, L) (bellm.forward)."""
+    return forward(net.dec, ids, am, *net.bi)
+
+
+def encoder_dependency(name, meta, short, sents, device):
+    """dependency_scores of a BERT-like --model, pivot = CLS, the bare sentence: an sscl.py or
+    jtcse.py run (RUN or RUN/best; meta: its sentemb.json) as its encoder runs it, a twin's towers
+    each alone. -> {label: (scores, controls)}"""
+    from transformers import AutoModel, AutoTokenizer
+    if meta:
+        berts, tok = jtcse_analysis.load_model(name, jtcse_analysis.towers_of(name))
+    else:
+        berts = [common.load_pretrained(AutoModel, name)]
+        tok = common.load_pretrained(AutoTokenizer, name)
+    res = {}
+    for i, bert in enumerate(t.to(device).eval() for t in berts):
+        part = f", tower {'I' * (i + 1)}" if len(berts) > 1 else ""
+        res[f"{short} (CLS{part})"] = dependency_scores(
+            functools.partial(bert_states, bert), tok, sents, [(0, len(s)) for s in sents], False,
+            device)
     return res
+
+
+def decoder_dependency(configs, sents, device):
+    """dependency_scores of each decoder configuration (decoders()), pivot = the last token of the
+    prompted sentence. -> {label: (scores, controls)}"""
+    res = {}
+    for label, dec, tok, cfg, _ in configs:
+        net = BeLLM(dec.eval(), cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
+        # the sentence's first character
+        lead = len(fill(cfg["prompt"].split("{sentence}")[0], ""))
+        res[label] = dependency_scores(functools.partial(decoder_states, net), tok,
+                                       [fill(cfg["prompt"], s) for s in sents],
+                                       [(lead, lead + len(s)) for s in sents], True, device)
+    return res
+
+
+def draw_dependency(plot, valid, n):
+    """Figs. 2 / 5 into plot: a box a configuration of valid ({label: (scores, controls)}, NaN
+    dropped), its control's mean marked; n: the sentences."""
+    marks = [(i + 1, c.mean(), "control: another sentence's tokens (mean)")
+             for i, (_, c) in enumerate(valid.values())]
+    figures.draw(plot, [dict(kind="boxes",
+                             title="Fig. 2 / Fig. 5: dependency of the pivot token",
+                             groups={k: v for k, (v, _) in valid.items()}, marks=marks,
+                             rotate=20, xlabel="model (pivot: last token; CLS)",
+                             ylabel="mean Spearman rho, pivot vs. sentence tokens")],
+                 f"Backward dependency on STS-B test ({n} sentences)", ncols=1)
 
 
 # ================================================================ representative words (App. A) =
@@ -278,7 +363,8 @@ def lm_head(name, dec):
         find("model.safetensors")
     if path:
         with safe_open(path, "pt") as f:
-            if key in f.keys():
+            stored = f.keys()  # (safe_open has keys(), no `in`)
+            if key in stored:
                 return f.get_tensor(key).to(dec.embed_tokens.weight.device)
     common.die(f"'{name}' has no {key} in a safetensors file: --representative-words needs the LM "
                "head of a causal LM checkpoint (…ForCausalLM, saved as safetensors)")
@@ -301,37 +387,43 @@ def representative_words(a, device, data):
     if a.plot:
         common.die("--representative-words prints a table, no figure: drop --plot")
     sents = sorted({s for r in common.load_sts(data, "STS-B")["test"] for s in r[:2]})
-    source = "the STS-B test sentences" if not a.train else f"'{os.path.basename(a.train)}'"
-    counts = word_counts(sents if not a.train else
-                         [t for r in read_csv(a.train)[1] for t in r if isinstance(t, str)])
-    res, labels = {}, figures.labels(a.model)
+    if a.train:
+        source = f"'{os.path.basename(a.train)}'"
+        counts = word_counts([t for r in read_csv(a.train)[1] for t in r if isinstance(t, str)])
+    else:
+        source = "the STS-B test sentences"
+        counts = word_counts(sents)
+    res = predicted_tokens(a, device, sents)
+    print_representative_words(a.prompt, sents, source, counts, res)
+    return res, counts
+
+
+def predicted_tokens(a, device, sents):
+    """The LM head's top next token after each prompted sentence, for each decoder configuration
+    of each --model. -> {label: [the tokens' texts]}"""
+    precision = "bf16" if a.bf16 else common.pick_precision(device)
+    res = {}
+    labels = figures.labels(a.model)
     for name in a.model:
-        meta, short = eval_sts.read_meta(name) if os.path.isdir(name) else None, labels[name]
-        if meta and meta["method"] == "bellm":  # a trained run: its own K, mode and prompt
-            dec, tok, cfg = load_adapted(eval_sts.model_folder(name), meta, device)
-            configs = [(f"{short} (trained, K={cfg['bi_layers']})", dec, tok, cfg,
-                        meta["base_model"])]
-        elif meta:
+        meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
+        if meta and meta["method"] != "bellm":
             common.die(f"--representative-words reads a decoder's LM head and '{name}' is a run "
                        f"of {meta['method']}.py: pass decoders and bellm.py runs")
-        else:  # a causal LLM, zero-shot, at each K
-            check_prompt(a.prompt, False)
-            configs = []
-            for k in a.bi_layers:
-                tok, dec = load_decoder(name, k, a.bi_strategy, device)
-                configs.append((f"{short} (K={k})", dec.eval(), tok,
-                                dict(bi_layers=k, bi_mode=a.bi_mode, bi_strategy=a.bi_strategy,
-                                     prompt=a.prompt, max_len=dec.config.max_position_embeddings),
-                                name))
-        for label, dec, tok, cfg, base in configs:
-            ids = next_tokens(make_encode(dec, tok, cfg, device, "bf16" if a.bf16 else
-                                          common.pick_precision(device)),
-                              lm_head(base, dec), sents)
+        for label, dec, tok, cfg, base in decoders(a, name, labels[name], meta, device):
+            ids = next_tokens(make_encode(dec, tok, cfg, device, precision), lm_head(base, dec),
+                              sents)
             res[label] = [tok.decode([i]) for i in ids]  # the tokens' texts
+    return res
+
+
+def print_representative_words(prompt, sents, source, counts, res):
+    """App. A's table: per configuration of res ({label: the predicted tokens' texts}), the share
+    of its words that are not among the N most frequent of counts (TOP_N), of no word at all, and
+    its 20 most common."""
     total = sum(counts.values())
     cover = [sum(c for _, c in counts.most_common(n)) / total for n in TOP_N]
     print(f"representative words (App. A): the LM head's top next token after the prompt, "
-          f"{len(sents)} distinct STS-B test sentences; decoders with prompt {a.prompt!r} "
+          f"{len(sents)} distinct STS-B test sentences; decoders with prompt {prompt!r} "
           "(runs: their own)")
     print(f"high-frequency word: one of the N = {TOP_N[1]} most frequent words of {source} "
           f"({total:,} words, {len(counts):,} distinct; lowercased, letters only), N = "
@@ -346,7 +438,6 @@ def representative_words(a, device, data):
               + f" {100 * words.count(None) / len(words):7.2f} %")
         top = Counter(w or repr(t) for w, t in zip(words, texts)).most_common(20)
         print("  the 20 most common: " + ", ".join(f"{w} {c}" for w, c in top))
-    return res, counts
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class MTEBEncoder:
     them (BeLLM's prompt is part of its encode). Similarity: cosine, as our STS evaluation uses."""
 
     def __init__(self, encode, name):
-        self.model_name, self._encode = name, encode
+        self.model_name = name
+        self._encode = encode
 
     def encode(self, inputs, *, task_metadata=None, hf_split=None, hf_subset=None,
                prompt_type=None, **kwargs):
@@ -86,44 +87,65 @@ def mteb_tasks(spec, data, split):
     """--mteb -> [mteb task]: task names, benchmark names (their tasks, with the benchmark's
     subsets and splits) and SentEval:TASK. Every task's data is fetched now, before any model, so
     that a name mteb does not know, or data the hub cannot give, stops here with one line."""
-    import re
     try:
         import mteb
     except ImportError:
         common.die("--mteb needs mteb, an optional extra: pip install -r requirements-mteb.txt")
-    # commas separate names, except inside a benchmark's parentheses: "MTEB(eng, v1)"
+    tasks = {}  # name -> task, each once
+    for name in _mteb_names(spec):
+        if name.startswith(SENTEVAL_PREFIX):
+            tasks.setdefault(name, _senteval_task_named(name, data, split))
+            continue
+        for t in _mteb_tasks_named(mteb, name):
+            tasks.setdefault(t.metadata.name, t)
+    for t in tasks.values():
+        _fetch_data(t)
+    return list(tasks.values())
+
+
+def _mteb_names(spec):
+    """The names --mteb lists: commas separate them, except inside a benchmark's parentheses
+    ("MTEB(eng, v1)")."""
+    import re
     names = [t.strip() for t in re.split(r",(?![^(]*\))", spec) if t.strip()]
     if not names:
         common.die("--mteb is empty: pass MTEB task names, e.g. --mteb STSBenchmark,SICK-R")
-    tasks = {}  # name -> task, each once
-    for name in names:
-        if name.startswith(SENTEVAL_PREFIX):
-            if (ours := name[len(SENTEVAL_PREFIX):]) not in common.TASKS:
-                common.die(f"unknown task '{name}': {SENTEVAL_PREFIX}TASK takes TASK from "
-                           f"{','.join(common.TASKS)}")
-            tasks.setdefault(name, senteval_task(ours, data, split))
-            continue
+    return names
+
+
+def _senteval_task_named(name, data, split):
+    """SentEval:TASK -> senteval_task(TASK), TASK one of our 7 STS tasks."""
+    ours = name[len(SENTEVAL_PREFIX):]
+    if ours not in common.TASKS:
+        common.die(f"unknown task '{name}': {SENTEVAL_PREFIX}TASK takes TASK from "
+                   f"{','.join(common.TASKS)}")
+    return senteval_task(ours, data, split)
+
+
+def _mteb_tasks_named(mteb, name):
+    """[mteb task]: the task of that name, else the tasks of the benchmark of that name."""
+    try:
+        return [mteb.get_task(name)]
+    except KeyError as e:  # mteb's message names the closest task, when there is one
         try:
-            found = [mteb.get_task(name)]
-        except KeyError as e:  # mteb's message names the closest task, when there is one
-            try:
-                found = list(mteb.get_benchmark(name).tasks)
-            except KeyError:
-                common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names "
-                           "from mteb's lists (python -m mteb available-tasks, or "
-                           f"available-benchmarks), or {SENTEVAL_PREFIX}TASK for one of our STS "
-                           "tasks")
-        for t in found:
-            tasks.setdefault(t.metadata.name, t)
-    for t in tasks.values():
-        try:
-            t.load_data()  # into the datasets cache on disk; mteb loads it again for its run
-        except OSError as e:  # offline, hub unreachable, dataset gone
-            common.die(f"--mteb {t.metadata.name}: its data did not load from the Hugging Face "
-                       f"hub ({str(e).splitlines()[0]}): connect once without HF_HUB_OFFLINE=1 "
-                       "(the data is then cached), or check the task name")
-        t.unload_data()  # one task in memory at a time
-    return list(tasks.values())
+            return list(mteb.get_benchmark(name).tasks)
+        except KeyError:
+            common.die(f"--mteb: {str(e.args[0]).removeprefix('KeyError: ')} Pass names "
+                       "from mteb's lists (python -m mteb available-tasks, or "
+                       f"available-benchmarks), or {SENTEVAL_PREFIX}TASK for one of our STS "
+                       "tasks")
+
+
+def _fetch_data(task):
+    """The task's data into the datasets cache on disk (mteb loads it again for its run), then out
+    of memory: one task in memory at a time."""
+    try:
+        task.load_data()
+    except OSError as e:  # offline, hub unreachable, dataset gone
+        common.die(f"--mteb {task.metadata.name}: its data did not load from the Hugging Face "
+                   f"hub ({str(e).splitlines()[0]}): connect once without HF_HUB_OFFLINE=1 "
+                   "(the data is then cached), or check the task name")
+    task.unload_data()
 
 
 def run_mteb(encode, name, tasks):
@@ -169,7 +191,8 @@ def read_groups(path):
             common.die(f"'{path}', line {i}: expected group_id<TAB>caption, got {line[:60]!r}; "
                        "fix or delete the line")
         groups.setdefault(gid.strip(), []).append(caption.strip())
-    if small := [g for g, cs in groups.items() if len(cs) < 2]:
+    small = [g for g, cs in groups.items() if len(cs) < 2]
+    if small:
         common.die(f"'{path}': group '{small[0]}' has one caption ({len(small)} such group(s)); "
                    "a group's first caption queries its others: give each group 2 or more "
                    "captions, or drop it")
@@ -194,7 +217,9 @@ def retrieval(encode, groups, show=0, batch=256):
     first = torch.cumsum(size, 0) - size  # (G,) each group's first caption
     e = F.normalize(encode(captions).float().cpu(), dim=-1)  # (N, H)
     k = min(max(max(RECALL_AT), int(size.max()) - 1), len(captions) - 1)
-    strict, recall, shown = [], {r: [] for r in RECALL_AT}, []
+    strict = []
+    recall = {r: [] for r in RECALL_AT}
+    shown = []
     for i in range(0, len(first), batch):
         q = first[i:i + batch]  # (b,) query rows
         sim = e[q] @ e.T  # (b, N) cosines
@@ -205,14 +230,24 @@ def retrieval(encode, groups, show=0, batch=256):
         strict += [bool(s[:n].all()) for s, n in zip(same, m.tolist())]
         for r in RECALL_AT:
             recall[r] += same[:, :r].any(1).tolist()
-        for j in range(min(len(q), show - len(shown))):
-            shown.append({"query": captions[int(q[j])], "top": [
-                (captions[c], round(v, 4), bool(s)) for c, v, s in
-                zip(top.indices[j, :m[j]].tolist(), top.values[j, :m[j]].tolist(), same[j])]})
+        shown += _top_of_queries(captions, q, top, same, m, show - len(shown))
     out = {"queries": len(first), "captions": len(captions),
            "strict": 100 * float(np.mean(strict))}
     out.update({f"recall@{r}": 100 * float(np.mean(v)) for r, v in recall.items()})
-    return {**out, "shown": shown} if show else out
+    if show:
+        out["shown"] = shown
+    return out
+
+
+def _top_of_queries(captions, q, top, same, m, n):
+    """The first n queries of a batch as retrieval shows them: {"query", "top": [(caption,
+    cosine, of the query's group)]}, the query's top m[j]."""
+    shown = []
+    for j in range(min(len(q), n)):
+        found = zip(top.indices[j, :m[j]].tolist(), top.values[j, :m[j]].tolist(), same[j])
+        shown.append({"query": captions[int(q[j])],
+                      "top": [(captions[c], round(v, 4), bool(s)) for c, v, s in found]})
+    return shown
 
 
 def format_retrieval(r):

@@ -129,18 +129,26 @@ def curves(runs):
                            ("dev score", "score"))]
     names = set()  # the dev scores' names
     for label, rows in runs.items():
-        dev = [(e["step"], k, v) for e in rows if "loss" not in e for k, v in e.items()
-               if k != "step"]
-        for pn, key in zip(panels, ("loss", "gnorm", None)):
-            if key:  # a value not finite is null in metrics.jsonl: left out
-                points = [(e["step"], e[key]) for e in rows if e.get(key) is not None]
-            else:
-                points = [(s, v) for s, _, v in dev]
-            if points:
-                pn["series"][label] = list(zip(*points))
+        dev = dev_scores(rows)
+        points = [step_values(rows, "loss"), step_values(rows, "gnorm"),
+                  [(step, v) for step, _, v in dev]]
+        for pn, xy in zip(panels, points):
+            if xy:
+                pn["series"][label] = list(zip(*xy))
         names |= {k for _, k, _ in dev}
     panels[2]["ylabel"] = ", ".join(sorted(names)) or "score"
     return [pn for pn in panels if pn["series"]]
+
+
+def step_values(rows, key):
+    """[(step, value)] of the step lines' `key`; a value not finite is null in metrics.jsonl: left
+    out."""
+    return [(e["step"], e[key]) for e in rows if e.get(key) is not None]
+
+
+def dev_scores(rows):
+    """[(step, name, score)] of the dev lines (those without a loss)."""
+    return [(e["step"], k, v) for e in rows if "loss" not in e for k, v in e.items() if k != "step"]
 
 
 if __name__ == "__main__":  # a module of eval_sts.py and the analyses: nothing to run alone

@@ -133,8 +133,9 @@ def drop_layernorm(tower, n):
 
 
 def cls(encoder, batch):
-    """The [CLS] vector of an encoder's last hidden state: (N, H)."""
-    return encoder(**batch).last_hidden_state[:, 0]
+    """The [CLS] vector of an encoder's last hidden state: (N, H); its mask 4-D (Twin.forward)."""
+    mask = additive_mask(batch["attention_mask"], next(encoder.parameters()).dtype)
+    return encoder(**{**batch, "attention_mask": mask}).last_hidden_state[:, 0]
 
 
 def additive_mask(attention_mask, dtype):
@@ -216,12 +217,15 @@ class Twin(torch.nn.Module):
         self.k = n // num_cael if num_cael else 0
 
     def forward(self, batch):
-        outs = [t(**batch, output_hidden_states=self.k > 0) for t in self.towers]  # primitive
+        # transformers' masking_utils reads a 2-D mask's padding_mask.all() back to the host (on a
+        # GPU: a wait in every step); a 4-D mask it takes as it is (the same outputs)
+        mask = additive_mask(batch["attention_mask"], self.towers[0].dtype)  # (N, 1, 1, L)
+        outs = [t(**{**batch, "attention_mask": mask}, output_hidden_states=self.k > 0)
+                for t in self.towers]  # primitive
         h, hP = [o.last_hidden_state[:, 0] for o in outs], [o.pooler_output for o in outs]
         if not self.k:
             return h, hP, None
         # the cross stream: as the primitive one up to layer k (the first CAEL), then eq. 10
-        mask = additive_mask(batch["attention_mask"], outs[0].last_hidden_state.dtype)
         xs = [o.hidden_states[self.k - 1] for o in outs]
         for j in range(self.k, self.n + 1):
             layers = [t.encoder.layer[j - 1] for t in self.towers]

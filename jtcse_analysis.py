@@ -55,26 +55,14 @@ def analyze(a, device):
     """--analyze: one twin (E_CLS per layer and Fig. 5) or the models of --compare
     (Fig. 10; --cost: Table VII; --attention: Fig. 9; --modulus: Fig. 8)."""
     figures.check(a.plot)  # a bad --plot path stops before any model is loaded
-    if a.attention is not None and not a.attention.strip():
-        common.die("--attention is empty: pass a sentence, e.g. --attention \"This is an example "
-                   "sentence for visualizing attention scores.\"")
+    check_flags(a)
     if a.compare is None:
-        if a.cost is not None or a.attention is not None or a.modulus:
-            common.die("--cost, --attention and --modulus compare models: add --compare MODEL "
-                       "[MODEL ...]")
         return twin(a, device)
-    if a.analyze:
-        common.die(f"--analyze '{a.analyze}' analyses one twin and --compare several models: "
-                   "pass the twin to --compare instead")
-    if (a.cost is not None) + (a.attention is not None) + a.modulus > 1:
-        common.die("--cost, --attention and --modulus are three analyses: run one at a time")
-    if a.cost is not None and a.plot:
-        common.die("--cost prints Table VII and draws nothing: drop --plot")
     towers = {name: towers_of(name) for name in a.compare}  # every model checked before any work
     for name, names in towers.items():
         jtcse.check_towers(names)
-        common.check_max_len(a.cost or a.max_len, load_config(names[0]), name,
-                             "--cost" if a.cost else "--max-len")
+        length_flag = "--cost" if a.cost else "--max-len"
+        common.check_max_len(a.cost or a.max_len, load_config(names[0]), name, length_flag)
     if a.cost is not None:
         return cost_table(a, towers, device)
     if a.attention is not None:
@@ -82,6 +70,27 @@ def analyze(a, device):
     if a.modulus:
         return modulus_figure(a, towers, device)
     return e_cls_against_sts(a, towers, device)
+
+
+def check_flags(a):
+    """The flags that cannot go together (--analyze with --compare, two of --cost, --attention
+    and --modulus, ...), or an empty --attention: one line, exit 2."""
+    if a.attention is not None and not a.attention.strip():
+        common.die("--attention is empty: pass a sentence, e.g. --attention \"This is an example "
+                   "sentence for visualizing attention scores.\"")
+    analyses = [a.cost is not None, a.attention is not None, a.modulus]  # of --compare
+    if a.compare is None:
+        if any(analyses):
+            common.die("--cost, --attention and --modulus compare models: add --compare MODEL "
+                       "[MODEL ...]")
+        return
+    if a.analyze:
+        common.die(f"--analyze '{a.analyze}' analyses one twin and --compare several models: "
+                   "pass the twin to --compare instead")
+    if sum(analyses) > 1:
+        common.die("--cost, --attention and --modulus are three analyses: run one at a time")
+    if a.cost is not None and a.plot:
+        common.die("--cost prints Table VII and draws nothing: drop --plot")
 
 
 # ---------------------------------------------------------------- the models --------------------
@@ -152,17 +161,27 @@ def e_cls(models, sents, max_len, device, batch_size=128):
         for key, (ts, tokenizer, k) in models.items():
             batch = tokenizer(sents[i:i + batch_size], padding=True, truncation=True,
                               max_length=max_len, return_tensors="pt").to(device)
-            m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens but CLS
-            xs = [t.embeddings(input_ids=batch["input_ids"],
-                               token_type_ids=batch.get("token_type_ids")) for t in ts]  # (b, L, H)
-            mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
-            for j in range(1, ts[0].config.num_hidden_layers + 1):
-                xs, ctxs = layer_forward([t.encoder.layer[j - 1] for t in ts], xs, mask,
-                                         k > 0 and j % k == 0)  # one (b, L, H) context a tower
-                for t, ctx in enumerate(ctxs):  # eq. 6 per sentence, summed over the batch
-                    E[key][t, j - 1] += (ctx[:, 0].norm(dim=-1)
-                                         / (ctx[:, 1:] * m).flatten(1).norm(dim=-1)).sum().cpu()
+            E[key] += e_cls_of_batch(ts, batch, k)
     return {key: e / len(sents) for key, e in E.items()}
+
+
+def e_cls_of_batch(towers, batch, k):
+    """eq. 6 of each sentence of one tokenised batch, summed over the batch: (T, n), the towers
+    walked layer by layer together, a CAEL at every k-th layer (k = 0: none)."""
+    n = towers[0].config.num_hidden_layers
+    sums = torch.zeros(len(towers), n)
+    m = batch["attention_mask"].float()[:, 1:, None]  # (b, L-1, 1): real tokens but CLS
+    xs = [t.embeddings(input_ids=batch["input_ids"],
+                       token_type_ids=batch.get("token_type_ids")) for t in towers]  # (b, L, H)
+    mask = jtcse.additive_mask(batch["attention_mask"], xs[0].dtype)  # (b, 1, 1, L)
+    for j in range(1, n + 1):
+        cael = k > 0 and j % k == 0
+        xs, ctxs = layer_forward([t.encoder.layer[j - 1] for t in towers], xs, mask,
+                                 cael)  # one (b, L, H) context a tower
+        for t, ctx in enumerate(ctxs):  # eq. 6 per sentence, summed over the batch
+            ratio = ctx[:, 0].norm(dim=-1) / (ctx[:, 1:] * m).flatten(1).norm(dim=-1)  # (b,)
+            sums[t, j - 1] = ratio.sum().cpu()
+    return sums
 
 
 def stsb_sentences(data):
@@ -175,19 +194,17 @@ def twin(a, device):
     """E_CLS per layer (eq. 6) of --model-a alone and of the twin (TWIN_DIR's towers, or --model-a
     and --model-b) without and with its cross streams; Fig. 5: the cosines of STS-B test pairs by
     gold score under each tower and the twin."""
-    twin_names = towers_of(a.analyze) if a.analyze else [a.model_a, a.model_b]  # RUN or RUN/best
-    if len(twin_names) != 2:
-        common.die(f"--analyze '{a.analyze}' is not a jtcse.py twin's run: pass one (RUN or "
-                   "RUN/best), or no TWIN_DIR and the towers as --model-a and --model-b")
-    jtcse.check_towers(twin_names, num_cael=a.num_cael)
-    jtcse.check_towers([a.model_a])
-    towers, tokenizer = load_model(a.analyze, twin_names) if a.analyze else \
-        jtcse.load_towers(twin_names)
+    twin_names = twin_towers(a)
+    if a.analyze:
+        towers, tokenizer = load_model(a.analyze, twin_names)
+    else:
+        towers, tokenizer = jtcse.load_towers(twin_names)
     single, single_tok = jtcse.load_towers([a.model_a])
     common.check_max_len(a.max_len, towers[0].config, twin_names[0])
     n = towers[0].config.num_hidden_layers
     k = Twin(towers, a.num_cael).k
-    towers, single = ([t.to(device).eval() for t in ts] for ts in (towers, single))
+    towers = [t.to(device).eval() for t in towers]
+    single = [t.to(device).eval() for t in single]
     cols = {"single": ["single"], "twin": ["I", "II"], "twin+CA": ["I+CA", "II+CA"]}
     sents, rows = stsb_sentences(common.senteval_dir(a.data_dir))
     by_run = e_cls({"single": (single, single_tok, 0), "twin": (towers, tokenizer, 0),
@@ -199,37 +216,65 @@ def twin(a, device):
     print(f"{'layer':>5} " + " ".join(f"{col:>8}" for col in E))
     for j in range(n):
         print(f"{j + 1:5d} " + " ".join(f"{E[col][j]:8.4f}" for col in E))
-    # Fig. 5: cos of each STS-B test pair under tower I, tower II and the twin, by gold score
+    cos = cosines_by_gold(towers, tokenizer, a.max_len, device, sents, rows)
+    print_cosines_by_gold(cos)
+    if a.plot:
+        draw_twin(a.plot, E, cos, n)
+
+
+def twin_towers(a):
+    """The twin's two tower folders (TWIN_DIR's, or --model-a and --model-b), checked with
+    --model-a: one line, exit 2, for anything else."""
+    twin_names = towers_of(a.analyze) if a.analyze else [a.model_a, a.model_b]  # RUN or RUN/best
+    if len(twin_names) != 2:
+        common.die(f"--analyze '{a.analyze}' is not a jtcse.py twin's run: pass one (RUN or "
+                   "RUN/best), or no TWIN_DIR and the towers as --model-a and --model-b")
+    jtcse.check_towers(twin_names, num_cael=a.num_cael)
+    jtcse.check_towers([a.model_a])
+    return twin_names
+
+
+GOLD_BINS = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.01)]  # Fig. 5's gold score groups; 5.0: the last
+
+
+def cosines_by_gold(towers, tokenizer, max_len, device, sents, rows):
+    """Fig. 5: the cos of each STS-B test pair (rows) under tower I, tower II and the twin, CLS(I)
+    + CLS(II), in GOLD_BINS. -> {name: {bin: [cos, ...]}}"""
     precision = common.pick_precision(device)  # eval_sts.py's default
-    e1, e2 = (make_encode([t], tokenizer, a.max_len, device, precision=precision)(sents)
-              for t in towers)  # (N, H) each
+    e1, e2 = [make_encode([t], tokenizer, max_len, device, precision=precision)(sents)
+              for t in towers]  # (N, H) each
     # the twin's embedding: CLS(I) + CLS(II)
     emb = {"tower I": e1, "tower II": e2, "twin (I + II)": e1 + e2}
     at = {s: i for i, s in enumerate(sents)}
     i, j = torch.tensor([[at[r[0]], at[r[1]]] for r in rows]).T  # (P,) each: the pairs' sentences
     gold = torch.tensor([r[2] for r in rows])  # (P,)
-    bins = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.01)]  # gold score groups; 5.0 joins the last
     cos = {name: F.cosine_similarity(e[i].float(), e[j].float()).cpu()  # (P,)
            for name, e in emb.items()}
-    cos = {name: {b: c[(gold >= b[0]) & (gold < b[1])].tolist() for b in bins}
-           for name, c in cos.items()}
+    return {name: {b: c[(gold >= b[0]) & (gold < b[1])].tolist() for b in GOLD_BINS}
+            for name, c in cos.items()}
+
+
+def print_cosines_by_gold(cos):
+    """Fig. 5 as a table: a row a gold score group, a column a model, and the group's pairs."""
     print("Fig. 5: mean cos of STS-B test pairs by gold score (pairs in the group)")
     print(f"{'gold':>8} " + " ".join(f"{name:>14}" for name in cos))
-    for b in bins:
+    for b in GOLD_BINS:
         print(f"{f'{b[0]}-{min(b[1], 5):g}':>8} "
               + " ".join(f"{np.mean(c[b]):14.4f}" for c in cos.values())
               + f"  ({len(cos['tower I'][b])})")
-    if a.plot:
-        panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer",
-                       ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
-                       series={col: (range(1, n + 1), E[col].tolist()) for col in E})]
-        panels += [dict(kind="boxes", title=f"Fig. 5: {name}",
-                        xlabel="gold similarity score (STS-B test)",
-                        ylabel="cosine similarity of the pair",
-                        groups={f"{lo}-{min(hi, 5):g}": c[lo, hi] for lo, hi in bins})
-                   for name, c in cos.items()]
-        figures.draw(a.plot, panels,
-                     "JTCSE: attention to CLS and similarity distributions, STS-B test")
+
+
+def draw_twin(plot, E, cos, n):
+    """E_CLS per layer (a line a column of E) and Fig. 5 (a box plot a model of cos) into plot."""
+    panels = [dict(kind="lines", title="E_CLS per layer (eq. 6)", xlabel="layer",
+                   ylabel="‖ctx_CLS‖ / ‖ctx_rest‖_F",
+                   series={col: (range(1, n + 1), E[col].tolist()) for col in E})]
+    panels += [dict(kind="boxes", title=f"Fig. 5: {name}",
+                    xlabel="gold similarity score (STS-B test)",
+                    ylabel="cosine similarity of the pair",
+                    groups={f"{lo}-{min(hi, 5):g}": c[lo, hi] for lo, hi in GOLD_BINS})
+               for name, c in cos.items()]
+    figures.draw(plot, panels, "JTCSE: attention to CLS and similarity distributions, STS-B test")
 
 
 def e_cls_against_sts(a, towers, device):
@@ -239,7 +284,8 @@ def e_cls_against_sts(a, towers, device):
     plots the last layer's."""
     data = common.sts_data(a.data_dir)  # every file, before the work
     sents, _ = stsb_sentences(data)
-    E, avg = {}, {}
+    E = {}
+    avg = {}
     for name, names in towers.items():
         ts, tokenizer = load_model(name, names)
         ts = [t.to(device).eval() for t in ts]
@@ -255,18 +301,7 @@ def e_cls_against_sts(a, towers, device):
     for name in towers:
         print(f"{name:<{width}} " + " ".join(f"{e:8.4f}" for e in E[name].tolist())
               + " " * 9 * (n - len(E[name])) + f" {avg[name]:8.2f}")
-    x, y = [float(E[m][-1]) for m in towers], [avg[m] for m in towers]
-    corr = ""
-    if len(towers) >= 3:
-        if len({len(e) for e in E.values()}) == 1:  # one layer count: each layer's correlation
-            for what, f in (("Spearman", spearmanr), ("Pearson", pearsonr)):
-                print(f"{what:<{width}} " + " ".join(
-                    f"{f([float(E[m][j]) for m in towers], y).statistic:8.3f}" for j in range(n)))
-        rho, r = spearmanr(x, y).statistic, pearsonr(x, y).statistic
-        corr = f"Spearman {rho:.3f}, Pearson {r:.3f}"
-        print(f"last layer's E_CLS against the 7-STS average over {len(towers)} models: {corr}")
-    else:
-        print("correlation: needs 3 models or more")
+    corr = print_correlations(towers, E, avg, width, n)
     if a.plot:
         label = figures.labels(list(towers))
         figures.draw(a.plot, [dict(
@@ -275,6 +310,26 @@ def e_cls_against_sts(a, towers, device):
             ylabel="7-STS Avg. (Spearman x 100)",
             points={label[m]: (float(E[m][-1]), avg[m]) for m in towers})],
             "JTCSE: attention to CLS against STS", ncols=1)
+
+
+def print_correlations(towers, E, avg, width, n):
+    """Fig. 10's correlations over the models (3 or more): Spearman and Pearson of each layer's
+    E_CLS with the 7-STS average where every model has n layers, then of the last layer's.
+    -> the last layer's in words ("" under 3 models)"""
+    if len(towers) < 3:
+        print("correlation: needs 3 models or more")
+        return ""
+    y = [avg[m] for m in towers]
+    if len({len(e) for e in E.values()}) == 1:  # one layer count: each layer's correlation
+        for what, f in (("Spearman", spearmanr), ("Pearson", pearsonr)):
+            print(f"{what:<{width}} " + " ".join(
+                f"{f([float(E[m][j]) for m in towers], y).statistic:8.3f}" for j in range(n)))
+    x = [float(E[m][-1]) for m in towers]
+    rho = spearmanr(x, y).statistic
+    r = pearsonr(x, y).statistic
+    corr = f"Spearman {rho:.3f}, Pearson {r:.3f}"
+    print(f"last layer's E_CLS against the 7-STS average over {len(towers)} models: {corr}")
+    return corr
 
 
 # ---------------------------------------------------------------- Table VII: inference cost -----
@@ -288,19 +343,31 @@ def inference_cost(name, tokens):
     lookups, LayerNorm, softmax, GELU and residual additions are not counted. Linear MACs: what
     thop's nn.Linear rule counts, in_features per output element. The towers are built from their
     configs (random weights): shapes are all a count needs. An ensemble costs its members."""
-    from torch.utils.flop_counter import FlopCounterMode
     if len(members(name)) > 1:
         return tuple(map(sum, zip(*(inference_cost(m, tokens) for m in members(name)))))
     meta = eval_sts.read_meta(name) if os.path.isdir(name) else None
     nets = [AutoModel.from_config(load_config(n), attn_implementation="eager").eval()
             for n in towers_of(name)]
     H = nets[0].config.hidden_size
-    proj = torch.nn.Linear(H, meta["proj_dim"]) if meta and meta.get("proj_dim") else None
+    proj = None
+    if meta and meta.get("proj_dim"):
+        proj = torch.nn.Linear(H, meta["proj_dim"])
+    modules = nets if proj is None else nets + [proj]
+    macs, linear = count_macs(nets, proj, modules, tokens)
+    params = sum(p.numel() for net in modules for p in net.parameters())
+    return params, macs, linear
+
+
+def count_macs(nets, proj, modules, tokens):
+    """One embedding of a `tokens`-token sentence: each tower of nets, then proj (None: none) on
+    its CLS. -> (MACs of every matmul: FlopCounterMode's FLOPs / 2, MACs of the Linear layers of
+    modules: thop's count)"""
+    from torch.utils.flop_counter import FlopCounterMode
     linear = [0]
 
     def count(module, inputs, out):  # thop's count_linear
         linear[0] += module.in_features * out.numel()
-    hooks = [m.register_forward_hook(count) for net in nets + [proj] if net is not None
+    hooks = [m.register_forward_hook(count) for net in modules
              for m in net.modules() if isinstance(m, torch.nn.Linear)]
     ids = torch.ones(1, tokens, dtype=torch.long)  # (1, L): the ids do not change the count
     batch = {"input_ids": ids, "attention_mask": ids, "token_type_ids": torch.zeros_like(ids)}
@@ -311,14 +378,14 @@ def inference_cost(name, tokens):
                 proj(h)
     for hook in hooks:
         hook.remove()
-    params = sum(p.numel() for net in nets + [proj] if net is not None for p in net.parameters())
-    return params, counter.get_total_flops() // 2, linear[0]
+    return counter.get_total_flops() // 2, linear[0]
 
 
 def cost_table(a, towers, device):
     """Table VII: per model, its parameters, GMACs for one sentence of --cost tokens, the 7-STS
     average and η = Avg. / GMACs."""
-    data, rows = common.sts_data(a.data_dir), {}
+    data = common.sts_data(a.data_dir)
+    rows = {}
     for name in towers:
         params, macs, linear = inference_cost(name, a.cost)
         rows[name] = (len(towers[name]), params, macs, linear, sts_average(name, data, device))
@@ -335,6 +402,11 @@ def cost_table(a, towers, device):
 
 
 # ---------------------------------------------------------------- Fig. 9: attention maps --------
+def split_heads(t, d):
+    """(N, L, heads · d) -> (N, heads, L, d): one attention head's d dimensions a slice."""
+    return t.view(*t.shape[:-1], -1, d).transpose(1, 2)
+
+
 @torch.no_grad()
 def attention_maps(tower, batch):
     """eq. 8 per layer, heads averaged: [(N, L, L)] x layers, row i = query token i's attention
@@ -347,8 +419,8 @@ def attention_maps(tower, batch):
     for layer in tower.encoder.layer:
         att = layer.attention.self
         d = att.attention_head_size
-        heads = lambda t: t.view(*t.shape[:-1], -1, d).transpose(1, 2)  # noqa: E731
-        q, k = heads(att.query(x)), heads(att.key(x))  # (N, heads, L, d)
+        q = split_heads(att.query(x), d)  # (N, heads, L, d)
+        k = split_heads(att.key(x), d)  # (N, heads, L, d)
         sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # (N, heads, L, L)
         maps.append(sa.mean(1))
         (x,), _ = layer_forward([layer], [x], mask, False)
@@ -359,7 +431,24 @@ def attention_figure(a, towers, device):
     """Fig. 9: each tower's head-averaged attention map of --attention per layer; printed: each
     layer's share of attention (mean over the query rows) on [CLS], [SEP] and the sentence's final
     punctuation token."""
-    rows, label = [], figures.labels(list(towers))  # rows: (label, key, tokens, [(L, L)] a layer)
+    rows = attention_rows(a, towers, device)
+    print(f"Fig. 9: attention of {a.attention!r}, heads averaged; per layer the share of "
+          "attention (mean over the query tokens) on [CLS], [SEP] and the final punctuation token")
+    for _, key, tokens, maps in rows:
+        print_attention_shares(key, tokens, maps)
+    if a.plot:
+        panels = [dict(kind="heat", title=f"{row}, layer {j}", matrix=m.numpy(), labels=tokens,
+                       vmin=0, colorbar=False, xlabel="key", ylabel="query")
+                  for row, _, tokens, maps in rows for j, m in enumerate(maps, 1)]
+        figures.draw(a.plot, panels, f"Fig. 9: attention maps of {a.attention!r}, heads averaged "
+                     "(colour: 0 to the panel's largest weight)",
+                     ncols=max(len(r[3]) for r in rows), size=(3.0, 3.0))
+
+
+def attention_rows(a, towers, device):
+    """Fig. 9's rows, a tower of each model: (label, key, tokens, [(L, L) map] a layer)."""
+    rows = []
+    label = figures.labels(list(towers))
     for name, names in towers.items():
         ts, tokenizer = load_model(name, names)
         batch = tokenizer([a.attention], padding=True, truncation=True, max_length=a.max_len,
@@ -369,25 +458,29 @@ def attention_figure(a, towers, device):
             suffix = "" if len(ts) == 1 else " " + "I" * (t + 1)
             maps = [m[0].cpu() for m in attention_maps(tower.to(device).eval(), batch)]
             rows.append((label[name] + suffix, name + suffix, tokens, maps))
-    print(f"Fig. 9: attention of {a.attention!r}, heads averaged; per layer the share of "
-          "attention (mean over the query tokens) on [CLS], [SEP] and the final punctuation token")
-    for _, key, tokens, maps in rows:
-        punct = len(tokens) - 2  # the token before [SEP], if it is punctuation
-        punct = punct if punct > 0 and not any(c.isalnum() for c in tokens[punct]) else None
-        print(f"{key} ({len(tokens)} tokens: {' '.join(tokens)})")
-        print(f"{'layer':>5} {'[CLS]':>7} {'[SEP]':>7} "
-              + (f"{repr(tokens[punct]):>7}" if punct else f"{'punct.':>7}"))
-        for j, m in enumerate(maps, 1):
-            share = m.mean(0)  # (L,): mean over the query rows
-            print(f"{j:5d} {share[0]:7.3f} {share[-1]:7.3f} "
-                  + (f"{share[punct]:7.3f}" if punct else f"{'-':>7}"))
-    if a.plot:
-        panels = [dict(kind="heat", title=f"{row}, layer {j}", matrix=m.numpy(), labels=tokens,
-                       vmin=0, colorbar=False, xlabel="key", ylabel="query")
-                  for row, _, tokens, maps in rows for j, m in enumerate(maps, 1)]
-        figures.draw(a.plot, panels, f"Fig. 9: attention maps of {a.attention!r}, heads averaged "
-                     "(colour: 0 to the panel's largest weight)",
-                     ncols=max(len(r[3]) for r in rows), size=(3.0, 3.0))
+    return rows
+
+
+def final_punctuation(tokens):
+    """The position of the token before [SEP] when it is punctuation (no letter, no digit), else
+    None."""
+    punct = len(tokens) - 2
+    if punct > 0 and not any(c.isalnum() for c in tokens[punct]):
+        return punct
+    return None
+
+
+def print_attention_shares(key, tokens, maps):
+    """One row of Fig. 9 as a table: a line a layer, the share of attention (mean over the query
+    rows) on [CLS], [SEP] and the final punctuation token."""
+    punct = final_punctuation(tokens)
+    print(f"{key} ({len(tokens)} tokens: {' '.join(tokens)})")
+    punct_title = f"{repr(tokens[punct]):>7}" if punct else f"{'punct.':>7}"
+    print(f"{'layer':>5} {'[CLS]':>7} {'[SEP]':>7} " + punct_title)
+    for j, m in enumerate(maps, 1):
+        share = m.mean(0)  # (L,): mean over the query rows
+        punct_share = f"{share[punct]:7.3f}" if punct else f"{'-':>7}"
+        print(f"{j:5d} {share[0]:7.3f} {share[-1]:7.3f} " + punct_share)
 
 
 # ---------------------------------------------------------------- Fig. 8: LayerNorm removed -----

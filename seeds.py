@@ -40,7 +40,8 @@ p.add_argument("--against", nargs="+", default=None, metavar="RUN.json",
 def number(path, out, *keys):
     """The score out[keys[0]][keys[1]]... of the file: a number (NaN allowed: eval_sts.py writes
     one for a constant embedding), or one line naming the file and the key."""
-    v, key = out, ".".join(keys)
+    v = out
+    key = ".".join(keys)
     for k in keys:
         if not isinstance(v, dict) or k not in v:
             common.die(f"'{path}': {key} is missing: the file is not as eval_sts.py --json writes "
@@ -64,20 +65,8 @@ def scores(path):
     × 100), transfer and probing tasks (test accuracy; probing by the papers' names), each of the
     two families' Avg. when it has all 7 tasks, MTEB tasks (main score × 100, "MTEB TASK"),
     alignment, uniformity, retrieval (strict, recall@k) and C-STS."""
-    try:
-        out = json.loads(common.read_text(path))
-    except ValueError:
-        out = None
-    if not isinstance(out, dict) or not any(k in out for k in KINDS):  # e.g. a run's sentemb.json
-        common.die(f"'{path}' is not an eval_sts.py --json result (it holds no "
-                   f"{', '.join(KINDS)}): write one with eval_sts.py --json FILE")
-    for k in (*PER_TASK, "retrieval"):
-        if not isinstance(out.get(k, {}), dict):
-            common.die(f"'{path}' is not an eval_sts.py --json result: its {k} is "
-                       f"{json.dumps(out[k])[:40]}, not an object; write it again with "
-                       "eval_sts.py --json FILE")
-    task = {k: {t: number(path, out, k, t, *[field] if field else []) for t in out.get(k, {})}
-            for k, field in PER_TASK.items()}
+    out = read_result(path)
+    task = {k: task_scores(path, out, k, field) for k, field in PER_TASK.items()}
     row = dict(task["results"])
     if len(task["results"]) == len(common.TASKS):
         row["STS Avg."] = float(np.mean(list(task["results"].values())))
@@ -94,22 +83,73 @@ def scores(path):
     return row
 
 
+def read_result(path):
+    """The object of one eval_sts.py --json file, or one line saying the file is not one."""
+    try:
+        out = json.loads(common.read_text(path))
+    except ValueError:
+        out = None
+    if not isinstance(out, dict) or not any(k in out for k in KINDS):  # e.g. a run's sentemb.json
+        common.die(f"'{path}' is not an eval_sts.py --json result (it holds no "
+                   f"{', '.join(KINDS)}): write one with eval_sts.py --json FILE")
+    for k in (*PER_TASK, "retrieval"):
+        if not isinstance(out.get(k, {}), dict):
+            common.die(f"'{path}' is not an eval_sts.py --json result: its {k} is "
+                       f"{json.dumps(out[k])[:40]}, not an object; write it again with "
+                       "eval_sts.py --json FILE")
+    return out
+
+
+def task_scores(path, out, kind, field):
+    """{task: score} of one kind of PER_TASK: each task's entry out[kind][task][field], or the
+    entry itself when field is None."""
+    keys = [field] if field else []
+    return {t: number(path, out, kind, t, *keys) for t in out.get(kind, {})}
+
+
 def table(groups):
     """groups: {name: [row, ...]} -> {name: {column: (mean, sample std, n)}} over the columns every
     run has."""
     cols = [c for c in next(iter(groups.values()))[0]
             if all(c in r for rows in groups.values() for r in rows)]
-    return cols, {g: {c: (np.mean([r[c] for r in rows]),
-                          np.std([r[c] for r in rows], ddof=1) if len(rows) > 1 else float("nan"),
-                          len(rows)) for c in cols} for g, rows in groups.items()}
+    stats = {g: {c: mean_std([r[c] for r in rows]) for c in cols} for g, rows in groups.items()}
+    return cols, stats
+
+
+def mean_std(values):
+    """(mean, sample standard deviation (ddof 1; NaN for one value), n)."""
+    std = np.std(values, ddof=1) if len(values) > 1 else float("nan")
+    return np.mean(values), std, len(values)
+
+
+def check_files(paths):
+    """Each path a file, or one line saying what it is."""
+    for path in paths:
+        if not os.path.isfile(path):
+            what = "is a folder" if os.path.isdir(path) else "does not exist"
+            common.die(f"'{path}' {what}: pass eval_sts.py --json files")
+
+
+def print_table(cols, stats, groups, width):
+    """The header, then a line per group: each column's mean ± std."""
+    print(f"{'':<12}" + "".join(f"{c:>{width[c]}}" for c in cols))
+    for g, st in stats.items():
+        name = f"{g} ({len(groups[g])})"
+        print(f"{name:<12}" + "".join(f"{f'{st[c][0]:.2f} ± {st[c][1]:<4.2f}':>{width[c]}}"
+                                      for c in cols))
+
+
+def print_t_test(cols, groups, width):
+    """The paired t-test's t and p per column: run i of each group shares its seed."""
+    tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]])
+             for c in cols}
+    print(f"{'t':<12}" + "".join(f"{tests[c].statistic:>{width[c]}.3f}" for c in cols))
+    print(f"{'p':<12}" + "".join(f"{tests[c].pvalue:>{width[c]}.4f}" for c in cols))
 
 
 def main():
     a = p.parse_args()
-    for path in a.runs + (a.against or []):
-        if not os.path.isfile(path):
-            common.die(f"'{path}' " + ("is a folder" if os.path.isdir(path) else "does not exist")
-                       + ": pass eval_sts.py --json files")
+    check_files(a.runs + (a.against or []))
     if a.against and len(a.against) != len(a.runs):
         common.die(f"--against has {len(a.against)} files for {len(a.runs)} runs: "
                    "a paired test needs one per run")
@@ -119,19 +159,14 @@ def main():
     cols, stats = table(groups)
     if not cols:
         common.die("the files share no task: evaluate every run on the same --tasks")
-    w = {c: max(16, len(c) + 2) for c in cols}  # MTEB's task names are long
-    print(f"{'':<12}" + "".join(f"{c:>{w[c]}}" for c in cols))
-    for g, st in stats.items():
-        name = f"{g} ({len(groups[g])})"
-        print(f"{name:<12}" + "".join(f"{f'{st[c][0]:.2f} ± {st[c][1]:<4.2f}':>{w[c]}}"
-                                      for c in cols))
-    if a.against:  # paired over runs: run i of each group shares its seed
-        tests = {c: ttest_rel([r[c] for r in groups["runs"]], [r[c] for r in groups["against"]])
-                 for c in cols}
-        print(f"{'t':<12}" + "".join(f"{tests[c].statistic:>{w[c]}.3f}" for c in cols))
-        print(f"{'p':<12}" + "".join(f"{tests[c].pvalue:>{w[c]}.4f}" for c in cols))
-    print(f"mean ± sample std (ddof 1) over runs; files: {', '.join(a.runs)}"
-          + (f"; against: {', '.join(a.against)} (paired t-test, two-sided)" if a.against else ""))
+    width = {c: max(16, len(c) + 2) for c in cols}  # MTEB's task names are long
+    print_table(cols, stats, groups, width)
+    if a.against:
+        print_t_test(cols, groups, width)
+    summary = f"mean ± sample std (ddof 1) over runs; files: {', '.join(a.runs)}"
+    if a.against:
+        summary += f"; against: {', '.join(a.against)} (paired t-test, two-sided)"
+    print(summary)
     return stats
 
 

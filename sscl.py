@@ -142,7 +142,12 @@ class SentenceEncoder(torch.nn.Module):
 
     def forward(self, batch, layers=()):
         """-> (last layer pooled (N, D), [hidden_states[M] pooled (N, D) for M in layers])"""
-        out, mask = self.bert(**batch, output_hidden_states=bool(layers)), batch["attention_mask"]
+        mask, dtype = batch["attention_mask"], self.bert.dtype  # (N, L), 1 = real token
+        # transformers' masking_utils reads a 2-D mask's padding_mask.all() back to the host (on a
+        # GPU: a wait in every step); a 4-D mask it takes as it is: 0 / the most negative float,
+        # added to the attention scores (the same outputs)
+        bias = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min  # (N, 1, 1, L)
+        out = self.bert(**{**batch, "attention_mask": bias}, output_hidden_states=bool(layers))
         return self.pool(out.last_hidden_state, mask), [self.pool(out.hidden_states[m], mask)
                                                          for m in layers]
 

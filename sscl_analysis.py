@@ -51,7 +51,8 @@ def over_smoothing(name, a, sents, device):
         bert = common.load_pretrained(AutoModel, folder).to(device).eval()
     common.check_max_len(a.max_len, bert.config, name)
     n = bert.config.num_hidden_layers
-    tok_sim, layer_sim = torch.zeros(n + 1), torch.zeros(n)
+    tok_sim = torch.zeros(n + 1)  # eq. 1, summed over the sentences
+    layer_sim = torch.zeros(n)  # eq. 2, summed over the sentences
     for i in common.progress(range(0, len(sents), 128), "analyze", unit="batch"):
         batch = tokenizer(sents[i:i + 128], padding=True, truncation=True, max_length=a.max_len,
                           return_tensors="pt").to(device)
@@ -61,16 +62,18 @@ def over_smoothing(name, a, sents, device):
         off_diagonal = 1 - torch.eye(mask.shape[1], device=device)
         pair = mask.unsqueeze(1) * mask.unsqueeze(2) * off_diagonal  # (b, L, L): real tokens, i ≠ j
         pooled = []
-        for l, h in enumerate(hs):
+        for layer, h in enumerate(hs):
             h = F.normalize(h.float(), dim=-1)
             cos = h @ h.transpose(1, 2)  # (b, L, L)
-            tok_sim[l] += ((cos * pair).sum((1, 2)) / pair.sum((1, 2)).clamp(min=1)).sum().cpu()
+            mean_cos = (cos * pair).sum((1, 2)) / pair.sum((1, 2)).clamp(min=1)  # (b,): eq. 1
+            tok_sim[layer] += mean_cos.sum().cpu()
             if a.pooler == "cls":
                 pooled.append(h[:, 0])
             else:
                 pooled.append((h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True))
-        for l in range(n):
-            layer_sim[l] += F.cosine_similarity(pooled[l], pooled[l + 1], dim=-1).sum().cpu()
+        for layer in range(n):
+            layer_sim[layer] += F.cosine_similarity(pooled[layer], pooled[layer + 1],
+                                                    dim=-1).sum().cpu()
     heat = None
     if a.sentence:  # Fig. 5: (L, L) cosines of the last layer's tokens, special tokens included
         batch = tokenizer([a.sentence], padding=True, truncation=True, max_length=a.max_len,
@@ -90,17 +93,29 @@ def analyze(a, device):
     rows = common.load_sts(common.senteval_dir(a.data_dir), "STS-B")["test"]
     sents = sorted({s for r in rows for s in r[:2]})
     res = {name: over_smoothing(name, a, sents, device) for name in a.model}
+    print_over_smoothing(a, sents, res)
+    if a.plot:
+        draw_over_smoothing(a, sents, res)
+
+
+def print_over_smoothing(a, sents, res):
+    """Per model of res ({name: over_smoothing's result}): eqs. 1-2 a layer, and Fig. 5's mean
+    off-diagonal cosine."""
     for name, (tok_sim, layer_sim, heat) in res.items():
         print(f"over-smoothing of {name} on {len(sents)} STS-B test sentences ({a.pooler} pooling)")
         print(f"{'layer':>5} {'token-wise sim (eq. 1)':>23} {'sim to next layer (eq. 2)':>26}")
-        for l, t in enumerate(tok_sim):
-            print(f"{l:5d} {t:23.4f} " + (f"{layer_sim[l]:26.4f}" if l < len(layer_sim) else ""))
+        for layer, t in enumerate(tok_sim):
+            next_sim = f"{layer_sim[layer]:26.4f}" if layer < len(layer_sim) else ""
+            print(f"{layer:5d} {t:23.4f} " + next_sim)
         if heat:
             m, k = heat[0], len(heat[1])
             print(f"Fig. 5, last-layer token cosines of {a.sentence!r}: mean off-diagonal "
                   f"{(m.sum() - m.trace()) / (k ** 2 - k):.4f}")
-    if not a.plot:
-        return
+
+
+def draw_over_smoothing(a, sents, res):
+    """Fig. 1 (eq. 2) and Fig. 4 (eq. 1), a line a model, and a Fig. 5 heat map a model that has
+    one, into --plot."""
     label = figures.labels(a.model)
     panels = [dict(kind="lines", title="Fig. 1: similarity of adjacent layers (eq. 2)",
                    xlabel="layer l", ylabel=f"cos(s^l, s^(l+1)), {a.pooler} pooling",
@@ -119,31 +134,54 @@ def convergence(a):
     evaluation of training, any of our scripts), printed as one table, step by step; --plot draws
     the curves against steps, one panel per dev metric (stsb_dev, transfer_dev, ...)."""
     figures.check(a.plot)
+    curves = read_curves(a.model)
+    label = figures.labels(a.model)
+    metrics = {m: sorted({e["metric"] for e in c}) for m, c in curves.items()}
+    print_curves(a.model, curves, metrics, label)
+    if a.plot:
+        draw_curves(a.plot, curves, metrics, label)
+
+
+def read_curves(runs):
+    """{run folder: its dev curve (eval_sts.read_curve)}; a run without one stops, in one line."""
     curves = {}
-    for m in a.model:
+    for m in runs:
         curves[m] = eval_sts.read_curve(m) if os.path.isdir(m) else []
         if not curves[m]:
             common.die(f"'{m}' holds no dev curve ({harness.CURVE}): --convergence takes run "
                        "folders of sscl.py, jtcse.py or bellm.py, trained with this version")
-    label = figures.labels(a.model)
+    return curves
+
+
+def print_curves(runs, curves, metrics, label):
+    """The dev curves as one table: a row a step, a column a run ("-" where it has no score)."""
     score = {m: {e["step"]: e["score"] for e in c} for m, c in curves.items()}
-    metrics = {m: sorted({e["metric"] for e in c}) for m, c in curves.items()}
     print("Fig. 6: dev score against training steps (" + "; ".join(
-        f"{label[m]}: {', '.join(metrics[m])}" for m in a.model) + ")")
+        f"{label[m]}: {', '.join(metrics[m])}" for m in runs) + ")")
     width = max(9, *map(len, label.values()))
-    print(f"{'step':>6} " + " ".join(f"{label[m]:>{width}}" for m in a.model))
+    print(f"{'step':>6} " + " ".join(f"{label[m]:>{width}}" for m in runs))
     for step in sorted({s for sc in score.values() for s in sc}):
-        print(f"{step:6d} " + " ".join(f"{score[m][step]:{width}.2f}" if step in score[m]
-                                       else " " * (width - 1) + "-" for m in a.model))
-    if not a.plot:
-        return
-    panels = [dict(kind="lines", title=f"Fig. 6: convergence ({metric})", xlabel="training step",
-                   ylabel=f"{metric} (x 100)",
-                   series={label[m]: tuple(zip(*[(e["step"], e["score"]) for e in c
-                                                 if e["metric"] == metric]))
-                           for m, c in curves.items() if metric in metrics[m]})
-              for metric in sorted({x for ms in metrics.values() for x in ms})]
-    figures.draw(a.plot, panels, "Dev score during training", ncols=len(panels))
+        cells = []
+        for m in runs:
+            if step in score[m]:
+                cells.append(f"{score[m][step]:{width}.2f}")
+            else:
+                cells.append(" " * (width - 1) + "-")
+        print(f"{step:6d} " + " ".join(cells))
+
+
+def draw_curves(plot, curves, metrics, label):
+    """Fig. 6 into `plot`: one panel per dev metric, a line a run that has it."""
+    panels = []
+    for metric in sorted({x for ms in metrics.values() for x in ms}):
+        series = {}
+        for m, c in curves.items():
+            if metric in metrics[m]:
+                series[label[m]] = tuple(zip(*[(e["step"], e["score"]) for e in c
+                                               if e["metric"] == metric]))
+        panels.append(dict(kind="lines", title=f"Fig. 6: convergence ({metric})",
+                           xlabel="training step", ylabel=f"{metric} (x 100)", series=series))
+    figures.draw(plot, panels, "Dev score during training", ncols=len(panels))
 
 
 def main():

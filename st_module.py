@@ -55,12 +55,15 @@ def drop_layernorm(tower, n):
 class JTCSETwin(SentembModule):
     """JTCSE's embedding (jtcse.make_encode): e = CLS(I) + CLS(II), each tower's last hidden state
     at [CLS]; no pooler, no cross-attention (the authors' evaluation). sentemb.json: towers (their
-    folders in best/), max_len (tokens read, truncated), drop_layernorm N (Fig. 8)."""
+    folders in best/; ["."]: one distilled tower, here when drop_layernorm drops LayerNorms, which
+    no Transformer module does: eval_sts.py --export-st), max_len (tokens read, truncated),
+    drop_layernorm N (Fig. 8)."""
 
     def __init__(self, folder, meta):
         super().__init__()
         from transformers import AutoModel, AutoTokenizer
-        self.meta, paths = meta, [os.path.join(folder, t) for t in meta["towers"]]
+        self.meta = meta
+        paths = [os.path.join(folder, t) for t in meta["towers"]]
         self.towers = torch.nn.ModuleList(
             drop_layernorm(AutoModel.from_pretrained(p), meta.get("drop_layernorm", 0))
             for p in paths)
@@ -118,11 +121,13 @@ def bidirectional(dec, input_ids, attention_mask, K, mode, strategy):
         causal, bi = dec.layers, (dec.bellm_added if K else [])
     else:
         causal, bi = dec.layers[:n - K], dec.layers[n - K:]
-    h, m = x, attn_mask(attention_mask, True, x.dtype)  # (b, 1, L, L)
+    h = x
+    m = attn_mask(attention_mask, True, x.dtype)  # (b, 1, L, L)
     for layer in causal:  # LLM->: eq. 3
         h = layer(h, attention_mask=m, **kw)
     if K:
-        g, m = (x if mode == "parallel" else h), attn_mask(attention_mask, False, x.dtype)
+        g = x if mode == "parallel" else h
+        m = attn_mask(attention_mask, False, x.dtype)
         for layer in bi:  # BiLLM<->: eq. 4
             g = layer(g, attention_mask=m, **kw)
         h = g if mode == "sequential" or len(causal) == 0 else h + g  # eq. 5
@@ -160,7 +165,8 @@ class BeLLM(SentembModule):
         super().__init__()
         from peft import PeftModel
         from transformers import AutoModel, AutoTokenizer
-        self.meta = cfg = {"bi_strategy": "convert", **meta}
+        cfg = {"bi_strategy": "convert", **meta}
+        self.meta = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["base_model"])
         if self.tokenizer.pad_token is None:  # padding is masked everywhere
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -181,7 +187,9 @@ class BeLLM(SentembModule):
         """Sentences (a sentence-transformers prompt prepended) -> the prompted texts' tokens
         (bellm.prompted): a sentence is cut before it enters the prompt, never the prompt's end
         (`is:"`, read by the pooled last token)."""
-        tok, n, template = self.tokenizer, self.max_seq_length, self.meta["prompt"]
+        tok = self.tokenizer
+        n = self.max_seq_length  # tokens of a sentence
+        template = self.meta["prompt"]
 
         def cut(s):
             ids = tok(s, add_special_tokens=False)["input_ids"]

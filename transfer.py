@@ -29,7 +29,9 @@ TRANSFER_MODES = {  # SimCSE's evaluation.py: --mode test (the papers' tables) a
     "fasttest": dict(kfold=5, optim="rmsprop", batch_size=128, tenacity=3, epoch_size=2),
 }
 # SentEval's defaults (engine.py, tools/classifier.py)
-SEED, MAX_EPOCH, VALIDATION_SPLIT = 1111, 200, 0.05
+SEED = 1111
+MAX_EPOCH = 200
+VALIDATION_SPLIT = 0.05
 # SentEval's L2 grid for its PyTorch classifier: 1e-5 ... 1e-2
 REGS = [10**t for t in range(-5, -1)]
 TREC_CLASSES = {"ABBR": 0, "DESC": 1, "ENTY": 2, "HUM": 3, "LOC": 4, "NUM": 5}
@@ -67,57 +69,85 @@ def _sorted(*columns):
             np.array([r[-1] for r in rows]))
 
 
+# MR, CR, SUBJ, MPQA: one file a class, label 1 = the first file (SUBJ: objective)
+BINARY_FILES = {"MR": ("rt-polarity.pos", "rt-polarity.neg"),
+                "CR": ("custrev.pos", "custrev.neg"),
+                "SUBJ": ("subj.objective", "subj.subjective"),
+                "MPQA": ("mpqa.pos", "mpqa.neg")}
+
+
 def load_transfer(data, task):
     """{split: (texts, labels)} read as SentEval reads them (senteval/binary.py, sst.py, trec.py,
     mrpc.py); texts = [sentences], or [sentences A, sentences B] for MRPC; each split in SentEval's
     sample order."""
-    d = lambda *p: os.path.join(data, task if task != "SST2" else "SST", *p)  # noqa: E731
-    if task in ("MR", "CR", "SUBJ", "MPQA"):  # label 1 = the first file (SUBJ: objective)
-        files = {"MR": ("rt-polarity.pos", "rt-polarity.neg"),
-                 "CR": ("custrev.pos", "custrev.neg"),
-                 "SUBJ": ("subj.objective", "subj.subjective"),
-                 "MPQA": ("mpqa.pos", "mpqa.neg")}[task]
-        pos, neg = ([line.split() for line in _read(d(f), "latin-1").splitlines()] for f in files)
-        return {"all": _sorted(pos + neg, [1] * len(pos) + [0] * len(neg))}
+    if task in BINARY_FILES:
+        return _load_binary(os.path.join(data, task), BINARY_FILES[task])
     if task == "SST2":
-        out = {}
-        for split in ("train", "dev", "test"):
-            path, rows = d("binary", f"sentiment-{split}"), []
-            for i, line in enumerate(_file_lines(_read(path, "utf-8")), 1):
-                t = line.strip().split("\t")
-                if len(t) < 2 or t[1] not in ("0", "1"):
-                    common.die(f"{path}, line {i}: malformed line "
-                               "(expected 'sentence<TAB>0 or 1'); re-download senteval.tar")
-                rows.append((t[0].split(), int(t[1])))
-            out[split] = _sorted(*zip(*rows))
-        return out
+        return _load_sst2(os.path.join(data, "SST"))
     if task == "TREC":
-        out = {}
-        for split, name in (("train", "train_5500.label"), ("test", "TREC_10.label")):
-            path, rows = d(name), []
-            for i, line in enumerate(_file_lines(_read(path, "latin-1")), 1):
-                target, _, rest = line.strip().partition(":")  # 'COARSE:fine question words'
-                if target not in TREC_CLASSES or " " not in rest:
-                    common.die(f"{path}, line {i}: malformed line (expected 'COARSE:fine question' "
-                               f"with COARSE one of {', '.join(TREC_CLASSES)}); "
-                               "re-download senteval.tar")
-                rows.append((rest.split(" ", 1)[1].split(), TREC_CLASSES[target]))
-            out[split] = _sorted(*zip(*rows))
-        return out
-    if task == "MRPC":  # header line; 'label<TAB>id1<TAB>id2<TAB>sentence 1<TAB>sentence 2'
-        out = {}
-        for split in ("train", "test"):
-            path, rows = d(f"msr_paraphrase_{split}.txt"), []
-            for i, line in enumerate(_file_lines(_read(path, "utf-8"))[1:], 2):
-                t = line.strip().split("\t")
-                if len(t) < 5 or t[0] not in ("0", "1"):
-                    common.die(f"{path}, line {i}: malformed line (expected "
-                               "'label<TAB>id1<TAB>id2<TAB>sentence 1<TAB>sentence 2'); "
-                               "re-download senteval.tar")
-                rows.append((t[3].split(), t[4].split(), int(t[0])))
-            out[split] = _sorted(*zip(*rows))
-        return out
+        return _load_trec(os.path.join(data, task))
+    if task == "MRPC":
+        return _load_mrpc(os.path.join(data, task))
     common.die(f"unknown transfer task '{task}': choose from {', '.join(TRANSFER)}")
+
+
+def _load_binary(folder, files):
+    """senteval/binary.py: {"all": ...}, the lines of the positive file, then the negative one."""
+    pos_file, neg_file = files
+    pos = [line.split() for line in _read(os.path.join(folder, pos_file), "latin-1").splitlines()]
+    neg = [line.split() for line in _read(os.path.join(folder, neg_file), "latin-1").splitlines()]
+    return {"all": _sorted(pos + neg, [1] * len(pos) + [0] * len(neg))}
+
+
+def _load_sst2(folder):
+    """senteval/sst.py: train, dev, test, each 'sentence<TAB>0 or 1' lines."""
+    out = {}
+    for split in ("train", "dev", "test"):
+        path = os.path.join(folder, "binary", f"sentiment-{split}")
+        rows = []
+        for i, line in enumerate(_file_lines(_read(path, "utf-8")), 1):
+            t = line.strip().split("\t")
+            if len(t) < 2 or t[1] not in ("0", "1"):
+                common.die(f"{path}, line {i}: malformed line "
+                           "(expected 'sentence<TAB>0 or 1'); re-download senteval.tar")
+            rows.append((t[0].split(), int(t[1])))
+        out[split] = _sorted(*zip(*rows))
+    return out
+
+
+def _load_trec(folder):
+    """senteval/trec.py: train and test, each 'COARSE:fine question words' lines."""
+    out = {}
+    for split, name in (("train", "train_5500.label"), ("test", "TREC_10.label")):
+        path = os.path.join(folder, name)
+        rows = []
+        for i, line in enumerate(_file_lines(_read(path, "latin-1")), 1):
+            target, _, rest = line.strip().partition(":")
+            if target not in TREC_CLASSES or " " not in rest:
+                common.die(f"{path}, line {i}: malformed line (expected 'COARSE:fine question' "
+                           f"with COARSE one of {', '.join(TREC_CLASSES)}); "
+                           "re-download senteval.tar")
+            rows.append((rest.split(" ", 1)[1].split(), TREC_CLASSES[target]))
+        out[split] = _sorted(*zip(*rows))
+    return out
+
+
+def _load_mrpc(folder):
+    """senteval/mrpc.py: train and test, each a header line, then
+    'label<TAB>id1<TAB>id2<TAB>sentence 1<TAB>sentence 2' lines."""
+    out = {}
+    for split in ("train", "test"):
+        path = os.path.join(folder, f"msr_paraphrase_{split}.txt")
+        rows = []
+        for i, line in enumerate(_file_lines(_read(path, "utf-8"))[1:], 2):
+            t = line.strip().split("\t")
+            if len(t) < 5 or t[0] not in ("0", "1"):
+                common.die(f"{path}, line {i}: malformed line (expected "
+                           "'label<TAB>id1<TAB>id2<TAB>sentence 1<TAB>sentence 2'); "
+                           "re-download senteval.tar")
+            rows.append((t[3].split(), t[4].split(), int(t[0])))
+        out[split] = _sorted(*zip(*rows))
+    return out
 
 
 def stratified_kfold(y, k, seed=SEED):
@@ -162,105 +192,193 @@ def fit_logreg(X, y, runs, nclasses, cfg):
     same number of minibatches per epoch are trained as one batched model, W: (M, C, D), one row per
     run with its own data, permutations, L2 and early stopping (a shorter last minibatch is masked):
     the same maths as M separate runs. A run that stops leaves the batch with its best weights."""
-    bs, results, groups = cfg["batch_size"], [None] * len(runs), {}
+    results = [None] * len(runs)
+    for members in _groups_by_minibatches(runs, cfg["batch_size"]):
+        model = BatchedLogReg(X, y, [runs[r] for r in members], nclasses, cfg)
+        for r, result in zip(members, model.fit()):
+            results[r] = result
+    return results
+
+
+def _groups_by_minibatches(runs, batch_size):
+    """[[run index]]: the runs grouped by their number of minibatches per epoch, each group one
+    batched model."""
+    groups = {}
     for r, (tr, dev, _) in enumerate(runs):
-        n = len(tr) - (int(VALIDATION_SPLIT * len(tr)) if dev is None else 0)  # training rows
-        groups.setdefault(-(-n // bs), []).append(r)
-    for members in groups.values():
-        rngs, split_perm, tr, dev, stream = {}, {}, [], [], []
-        for r in members:
-            t, d, _ = runs[r]
-            key = (len(t), d is None)  # what a run's RNG stream depends on
-            if key not in rngs:
-                # = np.random.seed(1111) in the classifier's constructor
-                rngs[key] = np.random.RandomState(SEED)
-                # prepare_split(validation_split=0.05): one permutation, the first 5% are dev
-                if d is None:
-                    split_perm[key] = rngs[key].permutation(len(t))
+        n = len(tr)  # training rows
+        if dev is None:
+            n -= int(VALIDATION_SPLIT * len(tr))
+        groups.setdefault(-(-n // batch_size), []).append(r)
+    return list(groups.values())
+
+
+def _prepare_split(runs):
+    """Each run's RNG stream, training rows and dev rows. -> (rngs {(len(train_idx), dev_idx is
+    None): RandomState}: one stream per distinct key, since a run's draws depend on nothing else;
+    [train rows], [dev rows], [the run's stream: its key's position in rngs])."""
+    rngs = {}
+    split_perm = {}
+    train = []
+    dev = []
+    stream = []
+    for t, d, _ in runs:
+        key = (len(t), d is None)  # what a run's RNG stream depends on
+        if key not in rngs:
+            # = np.random.seed(1111) in the classifier's constructor
+            rngs[key] = np.random.RandomState(SEED)
+            # prepare_split(validation_split=0.05): one permutation, the first 5% are dev
             if d is None:
-                cut = int(VALIDATION_SPLIT * len(t))
-                t, d = t[split_perm[key][cut:]], t[split_perm[key][:cut]]
-            tr.append(t)
-            dev.append(d)
-            stream.append(list(rngs).index(key))
-        M, n_tr, n_dev = len(members), [len(t) for t in tr], [len(d) for d in dev]
-        rows_per_stream = [n - int(VALIDATION_SPLIT * n) if split else n for n, split in rngs]
+                split_perm[key] = rngs[key].permutation(len(t))
+        if d is None:
+            cut = int(VALIDATION_SPLIT * len(t))
+            d = t[split_perm[key][:cut]]  # dev first: both are cut from the run's whole train_idx
+            t = t[split_perm[key][cut:]]
+        train.append(t)
+        dev.append(d)
+        stream.append(list(rngs).index(key))
+    return rngs, train, dev, stream
 
-        def pad(rows):  # list of 1-d int arrays -> (len(rows), longest), zero-padded
-            longest = max(map(len, rows))
-            return torch.as_tensor(np.stack([np.pad(a, (0, longest - len(a))) for a in rows]),
-                                   device=X.device)
 
-        tr_idx, dev_idx, stream = pad(tr), pad(dev), torch.tensor(stream, device=X.device)
-        tr_mask = (torch.arange(tr_idx.shape[1], device=X.device)
-                   < torch.tensor(n_tr, device=X.device)[:, None])
-        dev_mask = (torch.arange(dev_idx.shape[1], device=X.device)
-                    < torch.tensor(n_dev, device=X.device)[:, None])
-        X_dev, y_dev = X[dev_idx], y[dev_idx]  # (M, n_dev, D), (M, n_dev)
+def _pad(rows, device):
+    """List of 1-d int arrays -> (len(rows), longest) tensor, zero-padded."""
+    longest = max(map(len, rows))
+    return torch.as_tensor(np.stack([np.pad(a, (0, longest - len(a))) for a in rows]),
+                           device=device)
+
+
+def _mask(lengths, width, device):
+    """(len(lengths), width) bool: True at the first lengths[i] places of row i."""
+    return torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]
+
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}  # cfg["optim"]
+
+
+class BatchedLogReg:
+    """M runs of SentEval's PyTorchClassifier (tools/classifier.py) with the same number of
+    minibatches per epoch, as one model: W (M, C, D), b (M, C), a row per run still training
+    (`live`: their indices among the M). The methods are SentEval's: fit, trainepoch, score."""
+
+    def __init__(self, X, y, runs, nclasses, cfg):
+        self.X = X
+        self.y = y
+        self.cfg = cfg
+        device = X.device
+        self.rngs, train, dev, stream = _prepare_split(runs)
+        self.rows_per_stream = [n - int(VALIDATION_SPLIT * n) if split else n
+                                for n, split in self.rngs]
+        self.n_dev = [len(d) for d in dev]
+        M = len(runs)
+        # the live runs' rows: training indices, their mask, stream, L2, dev set
+        self.tr_idx = _pad(train, device)  # (M, n_train)
+        dev_idx = _pad(dev, device)  # (M, n_dev)
+        self.stream = torch.tensor(stream, device=device)  # (M,)
+        self.tr_mask = _mask([len(t) for t in train], self.tr_idx.shape[1], device)
+        self.dev_mask = _mask(self.n_dev, dev_idx.shape[1], device)
+        self.X_dev = X[dev_idx]  # (M, n_dev, D)
+        self.y_dev = y[dev_idx]  # (M, n_dev)
         # torch.manual_seed(1111); nn.Linear(D, C): SentEval's init
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             linear = torch.nn.Linear(X.shape[1], nclasses)
-        W = linear.weight.detach().to(X.device).repeat(M, 1, 1).requires_grad_()  # (M, C, D)
-        b = linear.bias.detach().to(X.device).repeat(M, 1).requires_grad_()  # (M, C)
-        l2 = torch.tensor([runs[r][2] for r in members], device=X.device)  # (M,)
-        # torch defaults
-        opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[cfg["optim"]]([W, b])
-        best_acc, best_W, best_b = [-1.0] * M, W.detach().clone(), b.detach().clone()
-        bad_checks, live, nepoch = [0] * M, list(range(M)), 0
+        self.W = linear.weight.detach().to(device).repeat(M, 1, 1).requires_grad_()  # (M, C, D)
+        self.b = linear.bias.detach().to(device).repeat(M, 1).requires_grad_()  # (M, C)
+        self.l2 = torch.tensor([l2 for _, _, l2 in runs], device=device)  # (M,)
+        self.opt = OPTIMIZERS[cfg["optim"]]([self.W, self.b])  # torch defaults
+        # per run: the best dev accuracy and its weights, the checks without a new best
+        self.best_acc = [-1.0] * M
+        self.best_W = self.W.detach().clone()
+        self.best_b = self.b.detach().clone()
+        self.bad_checks = [0] * M
+        self.live = list(range(M))
         # X_batch = X[idx], (M, bs, D), written in place: a fresh tensor of that size every step
         # (40 MB for MR's 400 runs) costs more than the step itself
-        buf = torch.empty(M * bs, X.shape[1], device=X.device)
-        while live and nepoch <= MAX_EPOCH:  # live: the runs still training, one row of W each
-            for _ in range(cfg["epoch_size"]):
-                # per stream
-                perms = pad([rng.permutation(n) for rng, n in zip(rngs.values(), rows_per_stream)])
-                # (M, n_train): each run's rows in its epoch's order
-                order = tr_idx.gather(1, perms[stream])
-                for i in range(0, order.shape[1], bs):
-                    idx, mask = order[:, i:i + bs], tr_mask[:, i:i + bs]  # (M, bs)
-                    X_batch = torch.index_select(X, 0, idx.flatten(),
-                                                 out=buf[:idx.numel()]).view(*idx.shape, -1)
-                    logits = torch.baddbmm(b.unsqueeze(1), X_batch, W.transpose(1, 2))  # (M, bs, C)
-                    ce = F.cross_entropy(logits.transpose(1, 2), y[idx],
-                                         reduction="none") * mask  # (M, bs)
-                    # sum of the runs' mean losses: each gradient its own
-                    loss = (ce.sum(1) / mask.sum(1)).sum()
-                    opt.zero_grad()
-                    loss.backward()
-                    # weight_decay as torch's optimizers apply it: grad + l2 * param
-                    with torch.no_grad():
-                        W.grad.add_(W * l2[:, None, None])
-                        b.grad.add_(b * l2[:, None])
-                    opt.step()
-            nepoch += cfg["epoch_size"]
-            with torch.no_grad():
-                pred = torch.baddbmm(b.unsqueeze(1), X_dev,
-                                     W.transpose(1, 2)).argmax(-1)  # (M, n_dev)
-                correct = ((pred == y_dev) & dev_mask).sum(1).tolist()
-            stop = [False] * len(live)
-            for j, m in enumerate(live):
-                acc = correct[j] / n_dev[m]
-                if acc > best_acc[m]:
-                    best_acc[m], best_W[m], best_b[m] = acc, W[j].detach(), b[j].detach()
-                else:
-                    stop[j] = bad_checks[m] >= cfg["tenacity"]
-                    bad_checks[m] += 1
-            # drop the stopped runs' rows from the batch, and from the optimizer's state
+        self.buf = torch.empty(M * cfg["batch_size"], X.shape[1], device=device)
+
+    def fit(self):
+        """Train until every run has stopped, or after epoch 200. -> [(best dev accuracy, W, b)]."""
+        nepoch = 0
+        while self.live and nepoch <= MAX_EPOCH:
+            self.trainepoch()
+            nepoch += self.cfg["epoch_size"]
+            stop = self.early_stop(self.score())
             if any(stop):
-                keep = [j for j, s in enumerate(stop) if not s]
-                live = [live[j] for j in keep]
-                tr_idx, tr_mask, stream, l2 = tr_idx[keep], tr_mask[keep], stream[keep], l2[keep]
-                X_dev, y_dev, dev_mask = X_dev[keep], y_dev[keep], dev_mask[keep]
-                state = [opt.state[p] for p in (W, b)]
-                W, b = W.detach()[keep].requires_grad_(), b.detach()[keep].requires_grad_()
-                opt = type(opt)([W, b])
-                # Adam: step, exp_avg, exp_avg_sq; RMSprop: step, square_avg
-                for p, s in zip((W, b), state):
-                    opt.state[p] = {k: v[keep] if v.dim() else v for k, v in s.items()}
-        for m, r in enumerate(members):
-            results[r] = (best_acc[m], best_W[m], best_b[m])
-    return results
+                self.drop(stop)
+        return [(acc, self.best_W[m], self.best_b[m]) for m, acc in enumerate(self.best_acc)]
+
+    def trainepoch(self):
+        """`epoch_size` epochs: each a fresh permutation of each stream's training rows, then its
+        minibatches."""
+        bs = self.cfg["batch_size"]
+        for _ in range(self.cfg["epoch_size"]):
+            perms = _pad([rng.permutation(n)
+                          for rng, n in zip(self.rngs.values(), self.rows_per_stream)],
+                         self.X.device)  # per stream
+            # (M, n_train): each run's rows in its epoch's order
+            order = self.tr_idx.gather(1, perms[self.stream])
+            for i in range(0, order.shape[1], bs):
+                self.step(order[:, i:i + bs], self.tr_mask[:, i:i + bs])
+
+    def step(self, idx, mask):
+        """One minibatch of every live run: idx, mask (M, bs), its rows and which of them are
+        real (a shorter last minibatch is padded)."""
+        W = self.W
+        b = self.b
+        X_batch = torch.index_select(self.X, 0, idx.flatten(),
+                                     out=self.buf[:idx.numel()]).view(*idx.shape, -1)
+        logits = torch.baddbmm(b.unsqueeze(1), X_batch, W.transpose(1, 2))  # (M, bs, C)
+        ce = F.cross_entropy(logits.transpose(1, 2), self.y[idx],
+                             reduction="none") * mask  # (M, bs)
+        # sum of the runs' mean losses: each gradient its own
+        loss = (ce.sum(1) / mask.sum(1)).sum()
+        self.opt.zero_grad()
+        loss.backward()
+        # weight_decay as torch's optimizers apply it: grad + l2 * param
+        with torch.no_grad():
+            W.grad.add_(W * self.l2[:, None, None])
+            b.grad.add_(b * self.l2[:, None])
+        self.opt.step()
+
+    @torch.no_grad()
+    def score(self):
+        """[dev accuracy] of the live runs."""
+        pred = torch.baddbmm(self.b.unsqueeze(1), self.X_dev,
+                             self.W.transpose(1, 2)).argmax(-1)  # (M, n_dev)
+        correct = ((pred == self.y_dev) & self.dev_mask).sum(1).tolist()
+        return [c / self.n_dev[m] for c, m in zip(correct, self.live)]
+
+    def early_stop(self, accs):
+        """Keep each live run's best model; -> [whether the run stops], True at the (tenacity +
+        1)-th check without a new best."""
+        stop = [False] * len(self.live)
+        for j, m in enumerate(self.live):
+            if accs[j] > self.best_acc[m]:
+                self.best_acc[m] = accs[j]
+                self.best_W[m] = self.W[j].detach()
+                self.best_b[m] = self.b[j].detach()
+            else:
+                stop[j] = self.bad_checks[m] >= self.cfg["tenacity"]
+                self.bad_checks[m] += 1
+        return stop
+
+    def drop(self, stop):
+        """Drop the stopped runs' rows from the batch, and from the optimizer's state."""
+        keep = [j for j, s in enumerate(stop) if not s]
+        self.live = [self.live[j] for j in keep]
+        self.tr_idx = self.tr_idx[keep]
+        self.tr_mask = self.tr_mask[keep]
+        self.stream = self.stream[keep]
+        self.l2 = self.l2[keep]
+        self.X_dev = self.X_dev[keep]
+        self.y_dev = self.y_dev[keep]
+        self.dev_mask = self.dev_mask[keep]
+        state = [self.opt.state[p] for p in (self.W, self.b)]
+        self.W = self.W.detach()[keep].requires_grad_()
+        self.b = self.b.detach()[keep].requires_grad_()
+        self.opt = type(self.opt)([self.W, self.b])
+        # Adam: step, exp_avg, exp_avg_sq; RMSprop: step, square_avg
+        for p, s in zip((self.W, self.b), state):
+            self.opt.state[p] = {k: v[keep] if v.dim() else v for k, v in s.items()}
 
 
 def classify(task, X, y, cfg):
@@ -274,44 +392,66 @@ def classify(task, X, y, cfg):
     the grid's model for that L2, which SentEval retrains with the same seed and data, i.e. the same
     model). The probing tasks: SplitClassifier, as SST2, one class per training label (SentEval's
     probing.py: labels 0 .. n-1)."""
-    k, nclasses = cfg["kfold"], 6 if task == "TREC" else 2
+    nclasses = 6 if task == "TREC" else 2
     if task in PROBING:
         nclasses = int(y["train"].max()) + 1
-    if task in ("MR", "CR", "SUBJ", "MPQA"):
-        Xa, ya, outer = X["all"], y["all"], stratified_kfold(y["all"].cpu().numpy(), k)
-        inner = [stratified_kfold(ya[tr].cpu().numpy(), k) for tr, _ in outer]
-        grid = fit_logreg(Xa, ya, [(tr[itr], tr[ite], l2)
-                                   for (tr, _), folds in zip(outer, inner)
-                                   for l2 in REGS for itr, ite in folds], nclasses, cfg)
-        dev, best_l2 = [], []
-        # scores per L2: round(100 * mean over inner folds, 2), first best wins
-        for o in range(k):
-            accs = (np.array([g[0] for g in grid[o * len(REGS) * k:(o + 1) * len(REGS) * k]])
-                    .reshape(len(REGS), k))
-            scores = [np.round(100 * np.mean(a), 2) for a in accs]
-            dev.append(np.max(scores))
-            best_l2.append(REGS[int(np.argmax(scores))])
-        final = fit_logreg(Xa, ya, [(tr, None, l2) for (tr, _), l2 in zip(outer, best_l2)],
-                           nclasses, cfg)
-        test = [round(100 * accuracy(W, b, Xa[te], ya[te]), 2)
-                for (_, W, b), (_, te) in zip(final, outer)]
-        return {"devacc": float(np.round(np.mean(dev), 2)),
-                "acc": float(np.round(np.mean(test), 2))}
+    if task in BINARY_FILES:
+        return inner_kfold_classifier(X["all"], y["all"], nclasses, cfg)
     if task in ("TREC", "MRPC"):
-        folds = stratified_kfold(y["train"].cpu().numpy(), k)
-        grid = fit_logreg(X["train"], y["train"],
-                          [(tr, te, l2) for l2 in REGS for tr, te in folds], nclasses, cfg)
-        scores = [np.round(100 * np.mean([g[0] for g in grid[i * k:(i + 1) * k]]), 2)
-                  for i in range(len(REGS))]
-        (_, W, b), = fit_logreg(X["train"], y["train"],
-                                [(np.arange(len(y["train"])), None, REGS[int(np.argmax(scores))])],
-                                nclasses, cfg)
-        return {"devacc": float(np.max(scores)),
-                "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
+        return kfold_classifier(X, y, nclasses, cfg)
     # SST2, probing tasks: train / dev / test
+    return split_classifier(X, y, nclasses, cfg)
+
+
+def inner_kfold_classifier(X, y, nclasses, cfg):
+    """SentEval's InnerKFoldClassifier on X, y: (N, D), (N,) (MR, CR, SUBJ, MPQA)."""
+    k = cfg["kfold"]
+    outer = stratified_kfold(y.cpu().numpy(), k)
+    inner = [stratified_kfold(y[tr].cpu().numpy(), k) for tr, _ in outer]
+    runs = []  # per outer fold, per L2, per inner fold
+    for (tr, _), folds in zip(outer, inner):
+        for l2 in REGS:
+            for itr, ite in folds:
+                runs.append((tr[itr], tr[ite], l2))
+    grid = fit_logreg(X, y, runs, nclasses, cfg)
+    dev = []
+    best_l2 = []
+    # scores per L2: round(100 * mean over inner folds, 2), first best wins
+    for o in range(k):
+        accs = (np.array([g[0] for g in grid[o * len(REGS) * k:(o + 1) * len(REGS) * k]])
+                .reshape(len(REGS), k))
+        scores = [np.round(100 * np.mean(a), 2) for a in accs]
+        dev.append(np.max(scores))
+        best_l2.append(REGS[int(np.argmax(scores))])
+    final = fit_logreg(X, y, [(tr, None, l2) for (tr, _), l2 in zip(outer, best_l2)],
+                       nclasses, cfg)
+    test = [round(100 * accuracy(W, b, X[te], y[te]), 2)
+            for (_, W, b), (_, te) in zip(final, outer)]
+    return {"devacc": float(np.round(np.mean(dev), 2)),
+            "acc": float(np.round(np.mean(test), 2))}
+
+
+def kfold_classifier(X, y, nclasses, cfg):
+    """SentEval's KFoldClassifier on X, y: {"train", "test": tensor} (TREC, MRPC)."""
+    k = cfg["kfold"]
+    folds = stratified_kfold(y["train"].cpu().numpy(), k)
+    grid = fit_logreg(X["train"], y["train"],
+                      [(tr, te, l2) for l2 in REGS for tr, te in folds], nclasses, cfg)
+    scores = [np.round(100 * np.mean([g[0] for g in grid[i * k:(i + 1) * k]]), 2)
+              for i in range(len(REGS))]
+    everything = np.arange(len(y["train"]))
+    _, W, b = fit_logreg(X["train"], y["train"],
+                         [(everything, None, REGS[int(np.argmax(scores))])], nclasses, cfg)[0]
+    return {"devacc": float(np.max(scores)),
+            "acc": round(100 * accuracy(W, b, X["test"], y["test"]), 2)}
+
+
+def split_classifier(X, y, nclasses, cfg):
+    """SentEval's SplitClassifier on X, y: {"train", "dev", "test": tensor} (SST2, probing)."""
     Xs = torch.cat([X["train"], X["dev"]])
     ys = torch.cat([y["train"], y["dev"]])
-    n, n_dev = len(y["train"]), len(y["dev"])
+    n = len(y["train"])
+    n_dev = len(y["dev"])
     grid = fit_logreg(Xs, ys, [(np.arange(n), np.arange(n, n + n_dev), l2) for l2 in REGS],
                       nclasses, cfg)
     scores = [round(100 * g[0], 2) for g in grid]
@@ -339,7 +479,8 @@ def evaluate_transfer(encode, data, tasks, mode="test", device=None, loaded=None
                                         for texts, _ in splits.values()
                                         for col in texts for s in col}, device)
     seconds = {"encode": time.perf_counter() - t0}
-    t0, results = time.perf_counter(), {}
+    t0 = time.perf_counter()
+    results = {}
     for t, splits in common.progress(loaded.items(), "classifiers", total=len(loaded), unit="task"):
         X = {s: mrpc_features(embed(texts[0]), embed(texts[1])) if t == "MRPC" else embed(texts[0])
              for s, (texts, _) in splits.items()}
@@ -379,7 +520,16 @@ def load_probing(data, task):
     `split<TAB>label<TAB>...<TAB>sentence` with split tr, va or te, the last field the sentence
     (words joined by single spaces, as SimCSE's batcher joins them); labels numbered in the sorted
     order of the training labels' strings ('10' < '5'); each split sorted by (word count, label)."""
-    path, rows = probing_file(data, task), {s: [] for s in PROBING_SPLITS.values()}
+    path = probing_file(data, task)
+    rows = _probing_rows(path)
+    number = _probing_classes(path, rows)
+    return {s: _sorted([w for w, _, _ in r], [number[lab] for _, lab, _ in r])
+            for s, r in rows.items()}
+
+
+def _probing_rows(path):
+    """{split: [(words, label string, line number)]} of a probing file, every split present."""
+    rows = {s: [] for s in PROBING_SPLITS.values()}
     try:
         with open(path, encoding="utf-8") as f:  # newlines as `for line in open(...)` sees them
             text = f.read()
@@ -392,17 +542,24 @@ def load_probing(data, task):
             common.die(f"{path}, line {i}: malformed line (expected 'tr, va or te<TAB>label<TAB>"
                        f"sentence'); copy the file again from {PROBING_SOURCE}")
         rows[PROBING_SPLITS[t[0]]].append((t[-1].split(), t[1], i))
-    if empty := [k for k, s in PROBING_SPLITS.items() if not rows[s]]:
+    empty = [k for k, s in PROBING_SPLITS.items() if not rows[s]]
+    if empty:
         common.die(f"{path} has no '{empty[0]}' lines (SentEval trains on tr, chooses L2 on va, "
                    f"tests on te); copy the file again from {PROBING_SOURCE}")
+    return rows
+
+
+def _probing_classes(path, rows):
+    """{label string: class}: the training labels numbered in sorted order; a label of dev or
+    test that training lacks stops here."""
     number = {label: n for n, label in enumerate(sorted({lab for _, lab, _ in rows["train"]}))}
-    if unknown := [(i, lab) for r in rows.values() for _, lab, i in r if lab not in number]:
+    unknown = [(i, lab) for r in rows.values() for _, lab, i in r if lab not in number]
+    if unknown:
         i, lab = min(unknown)
         common.die(f"{path}, line {i}: label '{lab}' is not among the training labels "
                    f"({', '.join(number)}), which number SentEval's classes; copy the file "
                    f"again from {PROBING_SOURCE}")
-    return {s: _sorted([w for w, _, _ in r], [number[lab] for _, lab, _ in r])
-            for s, r in rows.items()}
+    return number
 
 
 def format_probing(results):

@@ -21,7 +21,8 @@ def env_rows(var, default, n, read):
     """The first n rows of the training file an environment variable names (bench/: WIKI, NLI),
     read(path) -> its rows; a missing or shorter file is one line naming the variable."""
     path = env_input(var, default, "file")
-    if len(rows := read(path)) < n:
+    rows = read(path)
+    if len(rows) < n:
         common.die(f"{var}='{path}' has {len(rows)} rows; {n} are needed here: set {var} to a "
                    "longer file")
     return rows[:n]

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import bellm  # noqa: E402
-import common  # noqa: E402
+import bellm
+import common
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("model", help="hub name or folder with a config.json")
@@ -38,7 +38,8 @@ if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "norm")):
 # LoRA on every Linear of the layers (A: r x in, B: out x r)
 n_lora = sum(a.lora_r * (m.in_features + m.out_features) for m in dec.layers.modules()
              if isinstance(m, torch.nn.Linear))
-s, longest = (2 if a.dtype == "bfloat16" else 4), a.max_len + a.prompt_tokens
+s = 2 if a.dtype == "bfloat16" else 4  # bytes a weight
+longest = a.max_len + a.prompt_tokens
 tokens = 3 * a.batch_size * longest
 print(f"{a.model}: {len(dec.layers)} layers, {a.dtype} weights, LoRA r {a.lora_r} "
       f"({n_lora / 1e6:.1f} M parameters), {a.batch_size} triplets x {longest} tokens = "

@@ -19,9 +19,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import bellm  # noqa: E402
-import common  # noqa: E402
-from _inputs import env_input, env_rows  # noqa: E402
+import bellm
+import common
+from _inputs import env_input, env_rows
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +39,8 @@ opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1
 texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32},
                           [s for r in rows for s in r])
 b = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt").to(dev)
-ntok, times = int(b["attention_mask"].sum()), {0: [], 1: []}
+ntok = int(b["attention_mask"].sum())
+times = {0: [], 1: []}
 for rep in range(6):
     for K in (0, 1):
         t = time.perf_counter()

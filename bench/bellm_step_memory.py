@@ -19,9 +19,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import bellm  # noqa: E402
-import common  # noqa: E402
-from _inputs import env_input, env_rows  # noqa: E402
+import bellm
+import common
+from _inputs import env_input, env_rows
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +31,8 @@ p.add_argument("--bf16-weights", action="store_true", help="the base model's wei
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, as bellm.py --bf16")
 common.show_ranges(p)
 a = p.parse_args()
-ckpt, bf16 = a.grad_ckpt, a.bf16
+ckpt = a.grad_ckpt
+bf16 = a.bf16
 dtype = torch.bfloat16 if a.bf16_weights else torch.float32
 dev = torch.device("cpu")
 rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])

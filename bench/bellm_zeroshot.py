@@ -7,9 +7,14 @@ a SPEC: K bidirectional layers, their wiring, the prompt.
 """
 import argparse
 import sys
+import time
 from pathlib import Path
+
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import time, torch, common, bellm
+import bellm
+import common
 from _inputs import env_input
 
 

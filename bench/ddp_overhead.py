@@ -25,16 +25,17 @@ from transformers import AutoTokenizer, BertConfig, BertModel, LlamaConfig, Llam
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import bellm  # noqa: E402
-import common  # noqa: E402
-from _inputs import env_input, env_rows  # noqa: E402
+import bellm
+import common
+from _inputs import env_input, env_rows
 
 SCRIPTS = ("sscl", "jtcse", "bellm")
 
 
 def scripts(s):
     """--scripts: a comma list of SCRIPTS, checked before the models are built."""
-    if bad := [x for x in s.split(",") if x not in SCRIPTS]:
+    bad = [x for x in s.split(",") if x not in SCRIPTS]
+    if bad:
         raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(SCRIPTS)}")
     return s.split(",")
 
@@ -53,7 +54,8 @@ if {"sscl", "jtcse"} & {*a.scripts}:  # a step's rows, at least (the scripts run
     env_rows("WIKI", "wiki1m_head.txt", 64, common.read_sentences)
 if "bellm" in a.scripts:
     env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
-WIKI, NLI = os.environ.get("WIKI", "wiki1m_head.txt"), os.environ.get("NLI", "snli_devtest.csv")
+WIKI = os.environ.get("WIKI", "wiki1m_head.txt")
+NLI = os.environ.get("NLI", "snli_devtest.csv")
 tmp = Path(tempfile.mkdtemp(prefix="ddp_overhead_"))
 transformers.logging.disable_progress_bar()
 
@@ -91,7 +93,9 @@ def throughput(script, nproc, threads, batch):
            "TRANSFORMERS_VERBOSITY": "error"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:  # its own error line, else its last
-        said = [l for l in r.stderr.splitlines() if l.startswith("error:")] or r.stderr.splitlines()
+        said = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        if not said:
+            said = r.stderr.splitlines()
         common.die(f"{script}.py ({nproc} process(es)) failed: "
                    f"{(said or ['?'])[-1].removeprefix('error: ')}")
     return float(re.findall(rf"{unit} (\S+)", r.stdout)[-1])
@@ -100,8 +104,9 @@ def throughput(script, nproc, threads, batch):
 print(f"{'script':6} {'global batch':>12} {'1 proc x 1 thread':>18} {'1 proc x 2 threads':>19} "
       f"{'2 procs x 1 thread (DDP)':>25} {'DDP / 1x2':>9}")
 for script in a.scripts:
-    batch, unit = runs[script][1], runs[script][2]
-    one1, one2 = throughput(script, 1, 1, batch), throughput(script, 1, 2, batch)
+    _, batch, unit = runs[script]
+    one1 = throughput(script, 1, 1, batch)
+    one2 = throughput(script, 1, 2, batch)
     two = throughput(script, 2, 1, batch // 2)
     print(f"{script:6} {batch:>12} {one1:>14.1f} {unit[:4]:>3} {one2:>15.1f} {unit[:4]:>3} "
           f"{two:>21.1f} {unit[:4]:>3} {two / one2:>9.2f}", flush=True)

@@ -5,12 +5,26 @@ batch by batch.
 
   python bench/jtcse_baselines.py TOWER_I TOWER_II
 """
-import argparse, sys, time
+import argparse
+import sys
+import time
 from pathlib import Path
+
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import common, jtcse
 from transformers import AutoTokenizer, BertModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+import common
+import jtcse
+
+
+def encoder(vector):
+    """The encode function (sentences -> (N, H)) whose rows are vector(sentence), a sentence's
+    cached embedding."""
+    def encode(ss):
+        return torch.stack([vector(s) for s in ss])
+    return encode
+
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,9 +47,9 @@ for n in names:
     m = common.load_pretrained(BertModel, n).eval()
     emb.append(dict(zip(sents, jtcse.make_encode([m], tok, 512, torch.device("cpu"))(sents))))
     print(f"encoded {len(sents)} sentences with {n} in {time.time() - t0:.0f} s", flush=True)
-for label, f in [("tower I", lambda s: emb[0][s]), ("tower II", lambda s: emb[1][s]),
-                 ("untrained twin", lambda s: emb[0][s] + emb[1][s])]:
-    enc = lambda ss: torch.stack([f(s) for s in ss])
+for label, vector in [("tower I", lambda s: emb[0][s]), ("tower II", lambda s: emb[1][s]),
+                      ("untrained twin", lambda s: emb[0][s] + emb[1][s])]:
+    enc = encoder(vector)
     dev = common.evaluate(enc, data, ["STS-B"], split="dev")["STS-B"]
     print(f"{label}: STS-B dev {dev:.2f}")
     print(common.format_table(common.evaluate(enc, data)), flush=True)

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import bellm  # noqa: E402
-import common  # noqa: E402
-from _inputs import env_input, env_rows  # noqa: E402
-import jtcse  # noqa: E402
-import sscl  # noqa: E402
+import bellm
+import common
+from _inputs import env_input, env_rows
+import jtcse
+import sscl
 
 
 def costs(s):
@@ -45,10 +45,26 @@ costs.range = "integers >= 0"  # for show_ranges
 def one_of(*allowed):
     """A comma-separated list of the allowed words (another would be ignored silently)."""
     def parse(s):
-        if bad := [w for w in s.split(",") if w not in allowed]:
+        bad = [w for w in s.split(",") if w not in allowed]
+        if bad:
             raise argparse.ArgumentTypeError(f"{bad[0]!r} is not {' or '.join(allowed)}")
         return s.split(",")
     return parse
+
+
+def bellm_forward(net):
+    """forward(batch) of a BeLLM net (bellm.BeLLM): its embeddings of a tokenised batch."""
+    def forward(b):
+        return net(b["input_ids"], b["attention_mask"])
+    return forward
+
+
+def token_slots(lengths, cost):
+    """The token slots a step computes: one padded forward (cost None), else length groups at
+    GROUP_COST cost, each padded to its own longest."""
+    if cost is None:
+        return len(lengths) * max(lengths)
+    return sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, cost))
 
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -86,8 +102,7 @@ if a.method == "bellm":
     for f, m in models.items():  # f: the dtype of the frozen base Linears
         if f == "bfloat16":
             bellm.cast_frozen_linears(m.base_model.model)
-        forwards[f] = (lambda net: lambda b: net(b["input_ids"], b["attention_mask"]))(
-            bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
+        forwards[f] = bellm_forward(bellm.BeLLM(m.base_model.model, 1, "parallel", "convert"))
     texts = [s for r in rows[:16] for s in r]  # 16 triplets: 48 texts
     texts, n = bellm.prompted(tok, {"prompt": bellm.PROMPT, "max_len": 32}, texts)
     batch = tok(texts, padding=True, truncation=True, max_length=n, return_tensors="pt")
@@ -126,9 +141,7 @@ lengths = batch["attention_mask"].sum(1).tolist()
 real = sum(lengths)
 attns = a.attn if a.method == "bellm" else [None]
 configs = [(c, at, f) for f in forwards for at in attns for c in [None, *a.costs]]
-slots = {c: len(lengths) * max(lengths) if c is None else  # c None: one padded forward
-         sum(len(g) * max(lengths[i] for i in g) for g in common.length_groups(lengths, c))
-         for c, _, _ in configs}
+slots = {c: token_slots(lengths, c) for c, _, _ in configs}  # c None: one padded forward
 times = {k: [] for k in configs}
 for rep in range(a.reps + 1):
     for c, at, f in configs:
@@ -153,8 +166,13 @@ print(f"{a.method}, {'bf16 autocast' if a.bf16 else 'fp32'}, {where}, "
 base = statistics.median(times[configs[0]])
 for c, at, f in configs:
     m = statistics.median(times[c, at, f])
-    name = (("padded (--no-length-grouping)" if c is None else
-             f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups")
-            + (f", {at}" if at else "") + (f", frozen {f}" if f else ""))
+    if c is None:
+        name = "padded (--no-length-grouping)"
+    else:
+        name = f"grouped, GROUP_COST {c}: {len(common.length_groups(lengths, c))} groups"
+    if at:
+        name += f", {at}"
+    if f:
+        name += f", frozen {f}"
     print(f"{name:<68} {slots[c]:>5} slots, {1 - real / slots[c]:5.1%} padding  {m:6.2f} s/step  "
           f"{real / m:7.0f} real tok/s  x{base / m:.2f}")

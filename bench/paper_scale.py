@@ -78,10 +78,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import bellm  # noqa: E402
-import common  # noqa: E402
-import jtcse  # noqa: E402
-import sscl  # noqa: E402
+import bellm
+import common
+import jtcse
+import sscl
 
 # huggingface.co/bert-base-uncased, config.json: the fields BertConfig reads
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -164,63 +164,117 @@ def build(name, device, gpu, bert=BERT_BASE, llama=LLAMA2_7B, layers=None, compi
     rows, its forward and backward). gpu: the scripts' CUDA configuration (bf16 autocast; BeLLM:
     bf16 base weights, gradient checkpointing), else their CPU one (fp32). compiled: as the
     scripts' --compile (the whole model; BeLLM: each decoder layer)."""
-    net = lambda m: torch.compile(m, dynamic=True) if compiled else m  # noqa: E731
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModel, BertConfig, BertModel, LlamaConfig
     run = torch.device("cpu" if device == "meta" else device)  # where the batch is copied
-    bf16 = ["--bf16"] if gpu else []
-    batch = functools.cache(lambda n: tokenizer(False)(  # n rows tokenised once, before the steps
-        texts(n), padding=True, truncation=True, max_length=sscl.p.get_default("max_len")
-        if name == "SSCL" else jtcse.p.get_default("max_len"), return_tensors="pt"))
+    bf16 = ["--bf16"] if gpu else []  # the scripts' flags
+    autocast = torch.bfloat16 if gpu else None  # their train_step's
     with torch.device(device):
-        if name == "SSCL":  # sscl.py's defaults: --layer 11, --max-len 32, cls pooler + MLP
-            a = sscl.p.parse_args(bf16)
-            enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
-            m, enc_net = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers), net(enc)
-            return enc, lambda n: sscl.train_step(
-                common.in_length_groups(enc_net, device=run), batch(n), m, run, a.temp,
-                autocast=torch.bfloat16 if gpu else None)
-        if name == "JTCSE twin":  # jtcse.py's defaults: --max-len 64, a CAEL every 2nd layer
-            a = jtcse.p.parse_args(bf16)
-            twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
-            twin_net = net(twin)
-            return twin, lambda n: jtcse.train_step(
-                common.in_length_groups(twin_net, device=run), batch(n), 1, run, a.temp,
-                autocast=torch.bfloat16 if gpu else None)
-        if name == "JTCSE D":  # a fresh tower learns the frozen twin's CLS(I) + CLS(II)
-            a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
-            student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
-            student.pooler.requires_grad_(False)  # as jtcse.py with --distill
-            teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
-                                        tokenizer(False), a.max_len, run)
-            cls = net(functools.partial(jtcse.cls, student))
-            return torch.nn.ModuleList([student, *twin]), lambda n: jtcse.train_step(
-                common.in_length_groups(cls, device=run), batch(n), 1, run,
-                autocast=torch.bfloat16 if gpu else None, teacher=teacher, sentences=texts(n))[0]
-        # BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64)
-        a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])
-        cfg = LlamaConfig(**{**llama, "num_hidden_layers": layers or llama["num_hidden_layers"]})
-        dec = AutoModel.from_config(cfg, dtype=torch.bfloat16 if gpu else torch.float32)
-        if device == "cpu":  # as bellm.load_decoder: CPU SDPA's backward with a mask is slow
-            dec.set_attn_implementation("eager")
-        if gpu:
-            dec.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        lora = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha,
-                                              lora_dropout=a.lora_dropout,
-                                              target_modules="all-linear"))
-        if gpu:
-            bellm.cast_frozen_linears(dec)
-        model = bellm.BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
-        common.compiled_layers(model, compiled)
-        tok = tokenizer(True)
-        rows = lambda n: list(zip(*(texts(n, k * n, "llama") for k in range(3))))  # noqa: E731
-        embed = functools.partial(bellm.embed, model)
-        batch = functools.cache(lambda n: bellm.prompted_batch(tok, rows(n), "nli", a.prompt,
-                                                               a.max_len)[0])  # once, as above
-        return lora, lambda n: bellm.train_step(
-            common.in_length_groups(embed, device=run), batch(n), run, a.temp,
-            autocast=torch.bfloat16 if gpu else None)[0]
+        if name == "SSCL":
+            return build_sscl(bert, run, bf16, autocast, compiled)
+        if name == "JTCSE twin":
+            return build_twin(bert, run, bf16, autocast, compiled)
+        if name == "JTCSE D":
+            return build_distilled(bert, run, bf16, autocast, compiled)
+        return build_bellm(llama, device, run, gpu, bf16, autocast, layers, compiled)
+
+
+def as_compiled(module, compiled):
+    """The module as the scripts' --compile runs it (torch.compile, dynamic shapes), or itself."""
+    if compiled:
+        return torch.compile(module, dynamic=True)
+    return module
+
+
+def bert_batches(max_len):
+    """batch(n): n stand-in sentences tokenised for BERT, cut at max_len; each n tokenised once,
+    before the steps."""
+    @functools.cache
+    def batch(n):
+        return tokenizer(False)(texts(n), padding=True, truncation=True, max_length=max_len,
+                                return_tensors="pt")
+    return batch
+
+
+def build_sscl(bert, run, bf16, autocast, compiled):
+    """SSCL: sscl.py's defaults (--layer 11, --max-len 32, cls pooler + MLP). -> (model, step)"""
+    from transformers import BertConfig, BertModel
+    a = sscl.p.parse_args(bf16)
+    batch = bert_batches(sscl.p.get_default("max_len"))
+    enc = sscl.SentenceEncoder(BertModel(BertConfig(**bert)), a.pooler, a.proj_dim)
+    m = sscl.parse_layers(a.layer, enc.bert.config.num_hidden_layers)
+    enc_net = as_compiled(enc, compiled)
+
+    def step(n):
+        return sscl.train_step(common.in_length_groups(enc_net, device=run), batch(n), m, run,
+                               a.temp, autocast=autocast)
+    return enc, step
+
+
+def build_twin(bert, run, bf16, autocast, compiled):
+    """JTCSE's twin: jtcse.py's defaults (--max-len 64, a CAEL every 2nd layer). -> (model,
+    step)"""
+    from transformers import BertConfig, BertModel
+    a = jtcse.p.parse_args(bf16)
+    batch = bert_batches(jtcse.p.get_default("max_len"))
+    twin = jtcse.Twin([BertModel(BertConfig(**bert)) for _ in "ab"], a.num_cael)
+    twin_net = as_compiled(twin, compiled)
+
+    def step(n):
+        return jtcse.train_step(common.in_length_groups(twin_net, device=run), batch(n), 1, run,
+                                a.temp, autocast=autocast)
+    return twin, step
+
+
+def build_distilled(bert, run, bf16, autocast, compiled):
+    """JTCSE D: a fresh tower learns the frozen twin's CLS(I) + CLS(II) (jtcse.py --distill).
+    -> (the student and the twin's towers, step)"""
+    from transformers import BertConfig, BertModel
+    a = jtcse.p.parse_args(["--distill", "TWIN", *bf16])
+    batch = bert_batches(jtcse.p.get_default("max_len"))
+    student, *twin = [BertModel(BertConfig(**bert)) for _ in "sab"]
+    student.pooler.requires_grad_(False)  # as jtcse.py with --distill
+    teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
+                                tokenizer(False), a.max_len, run)
+    cls = as_compiled(functools.partial(jtcse.cls, student), compiled)
+
+    def step(n):
+        return jtcse.train_step(common.in_length_groups(cls, device=run), batch(n), 1, run,
+                                autocast=autocast, teacher=teacher, sentences=texts(n))[0]
+    return torch.nn.ModuleList([student, *twin]), step
+
+
+def build_bellm(llama, device, run, gpu, bf16, autocast, layers, compiled):
+    """BeLLM: bellm.py's defaults (K = 1 parallel, LoRA r 32 on every Linear, --max-len 64),
+    `layers` of the decoder (None: all); gpu: bf16 base weights, gradient checkpointing, the
+    frozen Linears cast. -> (the peft model, step)"""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel, LlamaConfig
+    a = bellm.p.parse_args(["--prompt", PROMPT, *bf16])
+    cfg = LlamaConfig(**{**llama, "num_hidden_layers": layers or llama["num_hidden_layers"]})
+    dec = AutoModel.from_config(cfg, dtype=torch.bfloat16 if gpu else torch.float32)
+    if device == "cpu":  # as bellm.load_decoder: CPU SDPA's backward with a mask is slow
+        dec.set_attn_implementation("eager")
+    if gpu:
+        dec.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha,
+                                          lora_dropout=a.lora_dropout,
+                                          target_modules="all-linear"))
+    if gpu:
+        bellm.cast_frozen_linears(dec)
+    model = bellm.BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
+    common.compiled_layers(model, compiled)
+    tok = tokenizer(True)
+    embed = functools.partial(bellm.embed, model)
+
+    @functools.cache
+    def batch(n):  # n triplets tokenised once, before the steps
+        rows = list(zip(*(texts(n, k * n, "llama") for k in range(3))))
+        return bellm.prompted_batch(tok, rows, "nli", a.prompt, a.max_len)[0]
+
+    def step(n):
+        return bellm.train_step(common.in_length_groups(embed, device=run), batch(n), run, a.temp,
+                                autocast=autocast)[0]
+    return lora, step
 
 
 def fake(module):
@@ -229,14 +283,22 @@ def fake(module):
     computing or holding anything. (Built on meta first: a fake module cannot be moved with .to.)"""
     with FakeTensorMode(allow_non_fake_inputs=True):  # the batches stay real; the weights fake
         for m in module.modules():
-            for d in (m._parameters, m._buffers):
-                for k, t in d.items():
-                    if t is not None:
-                        e = torch.empty(t.shape, dtype=t.dtype)
-                        d[k] = torch.nn.Parameter(e, t.requires_grad) if k in m._parameters else e
+            fake_tensors(m)
             if hasattr(m, "set_attn_implementation"):  # eager: every attention matmul counted
                 m.set_attn_implementation("eager")
     return module
+
+
+def fake_tensors(m):
+    """The module's own parameters and buffers (not its children's) replaced by empty tensors of
+    their shapes and dtypes: fake ones, under FakeTensorMode."""
+    for k, t in m._parameters.items():
+        if t is not None:
+            m._parameters[k] = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype),
+                                                  t.requires_grad)
+    for k, t in m._buffers.items():
+        if t is not None:
+            m._buffers[k] = torch.empty(t.shape, dtype=t.dtype)
 
 
 def count(module, step, n):
@@ -313,7 +375,8 @@ def device_name():
     """This machine's device, and for a CPU whether it has bf16 instructions."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (CUDA)"
-    name, flags = "CPU", set()
+    name = "CPU"
+    flags = set()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             info = dict(map(str.strip, line.split(":", 1))
@@ -333,7 +396,9 @@ def si(x):  # 2.10 T, 32.9 P
     return f"{x:.3g}"
 
 
-def main():
+def arguments():
+    """The command line: the papers, the measured steps' settings; --measure and --rows (hidden)
+    are the child process's of one measurement."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", nargs="+", choices=list(PAPERS), default=list(PAPERS))
@@ -366,7 +431,11 @@ def main():
     # to --rows's hidden help (argparse.SUPPRESS) and so show it in --help
     p.add_argument("--measure", choices=list(RUNS), help=argparse.SUPPRESS)
     p.add_argument("--rows", type=common.POS_INT, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = arguments().parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
     if a.lengths == "real":
@@ -374,63 +443,118 @@ def main():
     if a.measure:
         return measure(a.measure, a.rows, a.steps, a.bellm_layers, a.compile)
     cuda = torch.cuda.is_available()
-    fraction = a.fraction if a.fraction is not None else 1.0 if cuda else 0.125
-    here = device_name()
-    print(f"torch {torch.__version__}; measured steps on: {here}"
-          + ", compiled (--compile)" * a.compile)
-    print("sentence lengths: " + ("every one cut at --max-len" if a.lengths == "max" else
-                                  f"those of {a.sample} real ones (--lengths real), in length "
-                                  "groups, FLOPs and times alike"))
-    print(f"GPU-hours = FLOPs of the epoch / (peak x {a.mfu:.0%}); dense BF16 peaks: A100 312, "
-          "H100 SXM 989 TFLOPS (NVIDIA's datasheets)")
+    if a.fraction is not None:
+        fraction = a.fraction
+    elif cuda:
+        fraction = 1.0
+    else:
+        fraction = 0.125
+    print_setting(a)
     for paper in a.paper:
         title, runs = PAPERS[paper]
         print(f"\n{title}\n\n| run | steps | FLOPs a step | FLOPs an epoch | s/step here | "
               "GPU-hours A100 / H100 | GiB per GPU |\n|---|---|---|---|---|---|---|")
         notes = []
         for name in runs:
-            r = RUNS[name]
-            steps = r["rows"] // (r["batch"] * r["gpus"])  # the global batch: batch x GPUs
-            flops, (w, o, act) = estimate(name, r["batch"], True)  # a step on one GPU
-            epoch = steps * r["gpus"] * flops
-            hours = [epoch / (PEAK[g] * a.mfu) / 3600 for g in PEAK]
-            opt = "LoRA and AdamW" if name == "BeLLM" else "gradients and AdamW"
-            gib = f"{w + o + act:.1f} (estimate)"
-            notes.append(f"{name}: GiB per GPU, estimated: weights {w:.2f} + {opt} {o:.2f} + "
-                         f"activations {act:.2f}" + (f"; FLOPs of the global step: 4 GPUs x "
-                                                     f"{si(flops)}, all 32 layers counted"
-                                                     if name == "BeLLM" else ""))
-            here = "not measured"
-            if not a.no_time:  # a fresh process: its peak memory is this run's alone
-                n = max(1, round(fraction * r["batch"]))
-                layers = a.bellm_layers if name == "BeLLM" else None
-                same = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in (
-                    "lengths", "wiki", "nli", "tokenizer", "bellm_tokenizer", "sample") and v]
-                child = subprocess.run([sys.executable, __file__, "--measure", name, "--rows",
-                                        str(n), "--steps", str(a.steps), "--bellm-layers",
-                                        str(a.bellm_layers), *same, *["--compile"] * a.compile],
-                                       capture_output=True, text=True)
-                if child.returncode:
-                    sys.exit(f"measuring {name} failed:\n{child.stderr[-3000:]}")
-                got = json.loads(child.stdout.strip().splitlines()[-1])
-                s = statistics.median(got["times"][1:])
-                f_n, (_, o_n, act_n) = estimate(name, n, cuda, layers)  # the same step, counted
-                what = (f"{n} of {r['batch']} " + ("triplets" if name == "BeLLM" else "sentences")
-                        + (f", {layers} of 32 layers" if layers else ""))
-                peak = next((v for k, v in common.GPU_PEAKS.items()
-                             if cuda and k in torch.cuda.get_device_name()), None)
-                mfu = f", {f_n / s / peak:.0%} of its dense bf16 peak" if peak else ""
-                here = f"{s:.2f} ({what}; {f_n / s / 1e12:.3f} TFLOP/s{mfu})"
-                if cuda and n == r["batch"] and name != "BeLLM":
-                    gib = f"{got['peak']:.1f} (measured)"
-                notes.append(f"{name}, measured here ({what}, {'bf16' if cuda else 'fp32'}): "
-                             f"peak +{got['delta']:.2f} GiB above the loaded model "
-                             f"({'max_memory_allocated' if cuda else 'VmHWM'}), estimated "
-                             f"+{o_n + act_n:.2f} ({opt} {o_n:.2f}, activations {act_n:.2f}); "
-                             f"first step {got['times'][0]:.2f} s")
-            print(f"| {name} | {steps:,} | {si(flops * r['gpus'])} | {si(epoch)} | {here} | "
-                  f"{hours[0]:.3g} / {hours[1]:.3g} | {gib} |")
+            row, run_notes = price(a, name, fraction, cuda)
+            print(row)
+            notes += run_notes
         print("".join("\n" + line for line in notes), flush=True)
+
+
+def print_setting(a):
+    """The lines above the tables: torch, the device of the measured steps, the sentences'
+    lengths, the GPU-hours' assumption."""
+    compiled = ", compiled (--compile)" if a.compile else ""
+    print(f"torch {torch.__version__}; measured steps on: {device_name()}" + compiled)
+    if a.lengths == "max":
+        lengths = "every one cut at --max-len"
+    else:
+        lengths = (f"those of {a.sample} real ones (--lengths real), in length groups, FLOPs and "
+                   "times alike")
+    print("sentence lengths: " + lengths)
+    print(f"GPU-hours = FLOPs of the epoch / (peak x {a.mfu:.0%}); dense BF16 peaks: A100 312, "
+          "H100 SXM 989 TFLOPS (NVIDIA's datasheets)")
+
+
+def price(a, name, fraction, cuda):
+    """One run of RUNS priced: its table row (steps, FLOPs, the measured step, GPU-hours, GiB per
+    GPU), and its notes (the estimate's parts; the measured step's). -> (row, [note, ...])"""
+    r = RUNS[name]
+    steps = r["rows"] // (r["batch"] * r["gpus"])  # the global batch: batch x GPUs
+    flops, (w, o, act) = estimate(name, r["batch"], True)  # a step on one GPU
+    epoch = steps * r["gpus"] * flops
+    hours = [epoch / (PEAK[g] * a.mfu) / 3600 for g in PEAK]
+    opt = "LoRA and AdamW" if name == "BeLLM" else "gradients and AdamW"
+    gib = f"{w + o + act:.1f} (estimate)"
+    note = (f"{name}: GiB per GPU, estimated: weights {w:.2f} + {opt} {o:.2f} + "
+            f"activations {act:.2f}")
+    if name == "BeLLM":
+        note += f"; FLOPs of the global step: 4 GPUs x {si(flops)}, all 32 layers counted"
+    notes = [note]
+    here = "not measured"
+    if not a.no_time:  # a fresh process: its peak memory is this run's alone
+        here, measured_gib, note = measured(a, name, fraction, cuda, opt)
+        if measured_gib:
+            gib = measured_gib
+        notes.append(note)
+    row = (f"| {name} | {steps:,} | {si(flops * r['gpus'])} | {si(epoch)} | {here} | "
+           f"{hours[0]:.3g} / {hours[1]:.3g} | {gib} |")
+    return row, notes
+
+
+def measured(a, name, fraction, cuda, opt):
+    """The run's steps measured in a fresh process (--measure), beside the same step counted.
+    -> (the table's "s/step here" cell, its "GiB per GPU" cell when the step measured is the
+    paper's on CUDA (SSCL, JTCSE) else None, the note)"""
+    r = RUNS[name]
+    n = max(1, round(fraction * r["batch"]))
+    layers = a.bellm_layers if name == "BeLLM" else None
+    got = measure_in_child(a, name, n)
+    s = statistics.median(got["times"][1:])
+    f_n, (_, o_n, act_n) = estimate(name, n, cuda, layers)  # the same step, counted
+    what = f"{n} of {r['batch']} " + ("triplets" if name == "BeLLM" else "sentences")
+    if layers:
+        what += f", {layers} of 32 layers"
+    peak = gpu_peak(cuda)
+    mfu = f", {f_n / s / peak:.0%} of its dense bf16 peak" if peak else ""
+    here = f"{s:.2f} ({what}; {f_n / s / 1e12:.3f} TFLOP/s{mfu})"
+    gib = None
+    if cuda and n == r["batch"] and name != "BeLLM":
+        gib = f"{got['peak']:.1f} (measured)"
+    note = (f"{name}, measured here ({what}, {'bf16' if cuda else 'fp32'}): "
+            f"peak +{got['delta']:.2f} GiB above the loaded model "
+            f"({'max_memory_allocated' if cuda else 'VmHWM'}), estimated "
+            f"+{o_n + act_n:.2f} ({opt} {o_n:.2f}, activations {act_n:.2f}); "
+            f"first step {got['times'][0]:.2f} s")
+    return here, gib, note
+
+
+def measure_in_child(a, name, n):
+    """`--measure name --rows n` in a child process (this script, the same --steps, lengths and
+    --compile), -> its JSON line; a failed child stops this run, with its error."""
+    same = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in (
+        "lengths", "wiki", "nli", "tokenizer", "bellm_tokenizer", "sample") and v]
+    compile_flag = ["--compile"] if a.compile else []
+    child = subprocess.run([sys.executable, __file__, "--measure", name, "--rows", str(n),
+                            "--steps", str(a.steps), "--bellm-layers", str(a.bellm_layers),
+                            *same, *compile_flag],
+                           capture_output=True, text=True)
+    if child.returncode:
+        sys.exit(f"measuring {name} failed:\n{child.stderr[-3000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def gpu_peak(cuda):
+    """This GPU's dense bf16 peak in FLOP/s (common.GPU_PEAKS), None on a CPU or a GPU it does not
+    know."""
+    if not cuda:
+        return None
+    for gpu, peak in common.GPU_PEAKS.items():
+        if gpu in torch.cuda.get_device_name():
+            return peak
+    return None
+
 
 if __name__ == "__main__":
     main()

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
-import common  # noqa: E402
-from _inputs import env_input  # noqa: E402
-import harness  # noqa: E402
-import sscl  # noqa: E402
+import common
+from _inputs import env_input
+import harness
+import sscl
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
