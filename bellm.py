@@ -357,7 +357,9 @@ def main():
     optimizer = torch.optim.AdamW(common.decay_groups(raw_model, a.weight_decay), lr=lr, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
     scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler)  # what every save holds
+    run.start_training(model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       lr=lr, meta=meta)  # what every save holds; signals stop at a step
+    first = run.load_resumed_state()  # --resume: each part as saved (a new run: step 0)
     check_base(meta, run.state["meta"] if run.state else {}, a.model, harness.CKPT)
     log(f"{a.model}: {len(dec.layers)} layers, K={a.bi_layers} {a.bi_mode}/{a.bi_strategy}, "
         f"{sum(q.numel() for q in params):,} LoRA parameters, {len(rows)} {kind} rows, "

@@ -337,7 +337,9 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # constant
     autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
     scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler, r_gen=r_gen)
+    run.start_training(model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       lr=lr, meta=meta, generators={"r_gen": r_gen})  # what every save holds
+    first = run.load_resumed_state()  # --resume: each part as saved (a new run: step 0)
     what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
         f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "

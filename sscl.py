@@ -264,7 +264,9 @@ def main():
     scheduler = get_linear_schedule_with_warmup(optimizer, a.warmup_steps, len(steps))
     autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
     scaler = torch.amp.GradScaler(device.type, enabled=a.precision == "fp16")  # fp16: loss × s
-    first = run.resume(raw_model, optimizer, scheduler, lr, meta, scaler)  # what every save holds
+    run.start_training(model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       lr=lr, meta=meta)  # what every save holds; signals stop at a step
+    first = run.load_resumed_state()  # --resume: each part as saved (a new run: step 0)
     log(f"SSCL: {a.model}, layers {layers or 'none (SimCSE)'}, pooler {a.pooler}, objective "
         f"{a.objective}, {len(sentences)} sentences, {len(steps)} steps of {per_step} sentences, "
         f"lr {lr:g}, {world} process(es), device {device}, {a.precision}")

@@ -6404,7 +6404,8 @@ def test_harness_fp16_scaler_skips_a_step_with_an_inf_gradient(device, bert_dir)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**40, backoff_factor=2.0**-30)
     run = harness.Run.__new__(harness.Run)  # its check_loss() alone, on this update's parts
-    run.parts, run.scaler, run.skipped = (model, optimizer, scheduler, 1e-3, {}, {}), scaler, 0
+    run.optimizer, run.scheduler, run.scaler, run.lr = optimizer, scheduler, scaler, 1e-3
+    run.skipped = 0
     run.nonfinite, said = torch.tensor([-1.0, 0.0], device=dev), []
     run.say = said.append
     for step in (1, 2):

@@ -50,9 +50,10 @@ def main():
                                      if x.dest != "help"}, "output_dir": str(root / "run")})
     run = harness.Run(args, "sscl", sscl.RESUMABLE, sscl.check_run, [], torch.device("cpu"))
     opt = torch.optim.AdamW(enc.parameters())
-    run.resume(enc, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 1e-5,
-               dict(method="sscl", pooler="cls", proj_dim=0, max_len=512),
-               torch.amp.GradScaler(enabled=False))
+    run.start_training(model=enc, optimizer=opt,
+                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       scaler=torch.amp.GradScaler(enabled=False), lr=1e-5,
+                       meta=dict(method="sscl", pooler="cls", proj_dim=0, max_len=512))
     run.save(1, "stsb_dev", 1.0, functools.partial(sscl.save_model, enc, tok, 512))
     del enc, opt
     printed, plain = root / "run" / harness.BEST, root / "plain"

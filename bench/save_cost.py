@@ -50,7 +50,8 @@ def main():
     write = functools.partial(sscl.save_model, enc, tok, 512)
     times = {"harness save (synced, committed, swapped)": [], "in place, no sync": []}
     run = harness.Run(args, "sscl", sscl.RESUMABLE, sscl.check_run, [], torch.device("cpu"))
-    run.resume(enc, opt, sched, 1e-5, meta, torch.amp.GradScaler(enabled=False))
+    run.start_training(model=enc, optimizer=opt, scheduler=sched,
+                       scaler=torch.amp.GradScaler(enabled=False), lr=1e-5, meta=meta)
     for r in range(a.reps + 1):  # round 0: a warm-up
         t0 = time.perf_counter()
         run.save(r + 1, "stsb_dev", float(r), write)
