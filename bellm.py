@@ -439,7 +439,8 @@ def base_checksums(dec):
     reduced to Σ|w| in bf16 (the precision a base may be stored in), weighted by its position;
     base_checksum, the token embeddings' and final norm's Σ|w| (all that older runs record)."""
     w = [q.detach() for n, q in dec.named_parameters() if "lora_" not in n]
-    reduce = lambda x: x.to(torch.bfloat16).float().abs().sum(dtype=torch.float64)  # noqa: E731
+    def reduce(x):  # Σ|x| in bf16
+        return x.to(torch.bfloat16).float().abs().sum(dtype=torch.float64)
     return {"base_checksum": float(sum(x.double().abs().sum() for x in (
                 dec.embed_tokens.weight.detach(), dec.norm.weight.detach()))),
             "base_fingerprint": float(sum(i * reduce(x) for i, x in enumerate(w, 1)))}
@@ -554,7 +555,8 @@ def load_adapter(dec, run_dir):
         odd = sorted(want - have) or sorted(have - want)
         said = "lacks" if want - have else "holds"
         common.die(f"{where}: adapter_model.safetensors {said} {len(odd)} adapter weights ({odd[0]}"
-                   f"{', ...' * (len(odd) > 1)}) {'that' if want - have else 'beyond what'} "
+                   f"{', ...' if len(odd) > 1 else ''}) "
+                   f"{'that' if want - have else 'beyond what'} "
                    f"adapter_config.json and the base model ask for: {harness.RECOPY}")
     return model
 

@@ -354,7 +354,8 @@ def run_kind(folder):
 
 
 def check_hf_folder(folder, kind, where, fix=REFETCH):
-    has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
+    def has(name):
+        return os.path.isfile(os.path.join(folder, name))
     needs = "config.json" if kind != "tokenizer" else "tokenizer file"
     if not (has("config.json") if kind != "tokenizer" else any(map(has, TOKENIZER_FILES))) \
             and (run := run_kind(folder)):  # say what it is before naming a missing file
@@ -442,7 +443,8 @@ def check_weights(folder, where, fix=REFETCH):
         above = sorted({i for i in map(_layer, odd) if i is not None})
         which = f"layers {above[0]}..{above[-1]}, " if above else ""
         die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
-                   f"not describe ({which}{odd[0]}{', ...' * (len(odd) > 1)}; {said}): the two "
+                   f"not describe ({which}{odd[0]}"
+                   f"{', ...' if len(odd) > 1 else ''}; {said}): the two "
                    f"files are of different models; {fix}")
     if wrong:
         key, shape, implied = wrong[0]
@@ -493,13 +495,15 @@ def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=
                  and not (cut and (_layer(own) or 0) >= cut))
     if odd:  # local folders were checked before (check_weights): this is a hub model
         die(f"{where}: its weights hold {len(odd)} tensors its config does not describe "
-                   f"({odd[0]}{', ...' * (len(odd) > 1)}): the two are of different models; "
+                   f"({odd[0]}{', ...' if len(odd) > 1 else ''}): the two are of different "
+                   "models; "
                    f"{REFETCH}")
     if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
                          and not (fresh and k.startswith(fresh))):
         weights = "model.safetensors" if local else "its weights"
         die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
-            f"{', ...' * (len(missing) > 1)}): it is damaged or another model's; {REFETCH}")
+            f"{', ...' if len(missing) > 1 else ''}): it is damaged or another model's; "
+            f"{REFETCH}")
     return model
 
 
@@ -548,7 +552,9 @@ def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
         with open(os.path.join(folder, "modules.json"), "w") as f:
             return json.dump([{"idx": 0, "name": "0", "path": "", "type": f"st_module.{pooler}"}],
                              f, indent=2)
-    modules = [("", "Transformer"), ("1_Pooling", "Pooling")] + [("2_Dense", "Dense")] * bool(dense)
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    if dense:
+        modules.append(("2_Dense", "Dense"))
     files = {"modules.json": [{"idx": i, "name": str(i), "path": path,
                                "type": f"sentence_transformers.models.{kind}"}
                               for i, (path, kind) in enumerate(modules)],

@@ -282,7 +282,9 @@ def hf_encoder(name, pooler, max_len, device, num_layers=None):
     def embed(batch):  # batch: input_ids, attention_mask (b, L)
         out = model(**batch, output_hidden_states=pooler == "avg_first_last")
         mask = batch["attention_mask"].unsqueeze(-1).float()  # (b, L, 1)
-        avg = lambda h: (h * mask).sum(1) / mask.sum(1)  # noqa: E731
+
+        def avg(h):  # the masked mean over tokens: (b, H)
+            return (h * mask).sum(1) / mask.sum(1)
         if pooler == "cls":
             return out.last_hidden_state[:, 0]
         if pooler == "avg":

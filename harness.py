@@ -718,15 +718,14 @@ def load_checkpoint(path, device="cpu"):
     lists, tuples and dicts of them; never code), or one line."""
     try:
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
-            common.die(f"{path} cannot be read (UnpicklingError); it is damaged: {RECOPY}")
     except Exception as e:  # truncated, empty, not a torch file: torch raises many types
+        if "Weights only load failed" in str(e):  # a pickle of more than these: never read
+            run_dir = os.path.dirname(path) or "."
+            common.die(f"{path} holds more than tensors, numbers and strings (a checkpoint of an "
+                       "earlier version, or not ours), and reading it could run code: it is not "
+                       "read; if you trust where it comes from, convert it: python harness.py "
+                       f"--convert {run_dir}")
         common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
-    run_dir = os.path.dirname(path) or "."
-    common.die(f"{path} holds more than tensors, numbers and strings (a checkpoint of an earlier "
-               "version, or not ours), and reading it could run code: it is not read; if you "
-               f"trust where it comes from, convert it: python harness.py --convert {run_dir}")
 
 
 def rng_state(v):

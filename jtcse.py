@@ -109,9 +109,9 @@ def layer_forward(layers, xs, mask, cael, cls_only=False):
     SA, V = [], []
     for layer, x in zip(layers, xs):
         att, d = layer.attention.self, layer.attention.self.attention_head_size
-        heads = lambda t: t.view(*t.shape[:-1], -1, d).transpose(1, 2)  # noqa: E731
-        q = heads(att.query(x[:, :1] if cls_only else x))  # (N, heads, L, d)
-        k, v = heads(att.key(x)), heads(att.value(x))
+        q = att.query(x[:, :1] if cls_only else x).unflatten(-1, (-1, d)).transpose(1, 2)
+        k = att.key(x).unflatten(-1, (-1, d)).transpose(1, 2)  # (N, heads, L, d)
+        v = att.value(x).unflatten(-1, (-1, d)).transpose(1, 2)
         sa = torch.softmax(q @ k.transpose(-1, -2) * att.scaling + mask, dim=-1)  # eq. 8
         SA.append(F.dropout(sa, att.dropout.p, att.training))
         V.append(v)

@@ -362,7 +362,7 @@ def check_run(run_dir, meta):
     config.json; every value against the weights (eval_sts.py and --resume call it)."""
     path, where = os.path.join(run_dir, common.META), f"cannot load the sscl.py run in '{run_dir}'"
     common.check_keys(path, meta, META_TYPES, META_OPTIONAL)
-    for rel in RUN_FILES + ("proj.pt",) * bool(meta["proj_dim"]):
+    for rel in RUN_FILES + (("proj.pt",) if meta["proj_dim"] else ()):
         common.check_file(run_dir, rel, where, harness.RECOPY)
     common.check_weights(run_dir, where, harness.RECOPY)
     config = common.load_pretrained(AutoConfig, run_dir)
