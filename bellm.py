@@ -11,7 +11,7 @@ last-token pooling its K = 1 cannot change the embedding (docs/bellm.md, detail 
 
   §3.3, the prompt                            PROMPT, fill, prompted
   eqs. 3-4, causal / bidirectional masks      attn_mask
-  eq. 5, h = LLM->(x) + BiLLM<->(x)           forward, BeLLM (last_token pooling)
+  eq. 5, h = LLM->(x) + BiLLM<->(x)           decoder_forward, BeLLM (last_token pooling)
   eq. 6, the contrastive loss; one step       bellm_loss, train_step (C-STS: cosent_loss)
   Figs. 2, 4, 5, App. A (no training)         bellm_analysis.py
 
@@ -42,8 +42,6 @@ import harness
 
 PROMPT = 'The representative word for {sentence} is:"'  # §3.3; C-STS, §5.1:
 CSTS_PROMPT = 'Given the context {condition}, summarize the sentence {sentence} in one word:"'
-# peft on transformers 5
-warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,18 +75,7 @@ p.add_argument("--warmup-steps", type=common.NONNEG_INT, default=100, help="the 
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
                "(paper: 64)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
-p.add_argument("--seed", type=common.SEED, default=42)
-p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
-               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
-p.add_argument("--compile", action="store_true", help="torch.compile each layer (training, eval)")
-p.add_argument("--quiet", action="store_true", help="no progress bars")
-p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
-p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *harness.TRACKERS],
-               help="also send the step lines and dev scores there (docs/operations.md)")
-p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
-               help="the 7 STS tasks of the best checkpoint at the end")
+harness.add_run_flags(p, compiled="each layer")  # --seed, --log-steps, --precision, ...
 p.add_argument("--eval-first", action=argparse.BooleanOptionalAction, default=True,
                help="evaluate step 0 (zero-shot); --no-eval-first saves one evaluation")
 p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the base LLM's weights "
@@ -113,10 +100,9 @@ p.add_argument("--lora-dropout", type=common.PROB, default=0.1, help="paper: 0.1
 p.add_argument("--csts", help="a C-STS dev csv, scored at every evaluation: selects the checkpoint")
 common.show_ranges(p)
 METHOD = "bellm"  # the "method" of its sentemb.json and checkpoint.pt
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
-             "tasks", "eval_first", "grad_ckpt", "report_to", "bf16"}  # --resume may change
-# these (bf16: an earlier version's flag)
+RESUMABLE = harness.RESUMABLE | {"lr", "epochs", "max_steps", "eval_steps", "data_dir",
+                                 "output_dir", "length_grouping", "tasks", "eval_first",
+                                 "grad_ckpt"}  # --resume may change these
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -150,7 +136,8 @@ def attn_mask(attention_mask, causal, dtype):
     return zeros.masked_fill(~keep, torch.finfo(dtype).min)
 
 
-def forward(dec, input_ids, attention_mask, bi_layers, bi_mode, bi_strategy, all_hidden=False):
+def decoder_forward(dec, input_ids, attention_mask, bi_layers, bi_mode, bi_strategy,
+                    all_hidden=False):
     """Final-norm hidden states (b, L, H); all_hidden: also the causal stack's per-layer outputs."""
     x = dec.embed_tokens(input_ids)  # (b, L, H)
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # real tokens only (left padding)
@@ -190,7 +177,8 @@ class BeLLM(torch.nn.Module):
         self.dec, self.bi = dec, (bi_layers, bi_mode, bi_strategy)
 
     def forward(self, input_ids, attention_mask):
-        return last_token(forward(self.dec, input_ids, attention_mask, *self.bi), attention_mask)
+        h = decoder_forward(self.dec, input_ids, attention_mask, *self.bi)  # (b, L, H)
+        return last_token(h, attention_mask)
 
 
 # ---------------------------------------------------------------- the prompt (§3.3) ---------------
@@ -222,10 +210,9 @@ def train_step(model, batch, device, temp=0.05, labels=None, autocast=None, worl
     """One micro-batch of B rows -> (the loss over the global batch, its real tokens); gradients
     accumulated. batch: prompted_batch's texts tokenised, on the host, 3 a row (anchor, entailment,
     contradiction: eq. 6), or with C-STS's labels (B,) 2 a row (cosent_loss). model(batch): each
-    text's last-token state (N, H) (BeLLM through embed), through common.in_length_groups;
-    autocast: the forward's dtype (None: fp32). torchrun: gather(z) = every rank's rows; the
-    gradients × world / accum (DDP averages them over the ranks), of scale(loss) (fp16: the
-    gradient scaler's)."""
+    text's last-token state (N, H) (BeLLM through embed), through common.in_length_groups; autocast:
+    the forward's dtype (None: fp32). torchrun: gather(z) = every rank's rows; the gradients ×
+    world / accum (DDP averages them over the ranks), of scale(loss) (fp16: the GradScaler's)."""
     tokens = int(batch["attention_mask"].numpy().sum())  # real ones, on the host (numpy's)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         h = model(batch).float()  # (B·3, H) or (B·2, H)
@@ -241,6 +228,10 @@ def train_step(model, batch, device, temp=0.05, labels=None, autocast=None, worl
 
 
 # ---------------------------------------------------------------- the data loader -----------------
+COLUMNS = {"nli": ("sent0", "sent1", "hard_neg"),  # a training file's kinds, by their columns
+           "csts": ("sentence1", "sentence2", "condition", "label")}
+
+
 def read_csv(path):
     """--train, --csts (and eval_sts.py --csts) files: NLI triplets (sent0, sent1, hard_neg) or
     C-STS rows (sentence1, sentence2, condition, label). -> kind ("nli" or "csts"), rows; an empty
@@ -249,46 +240,35 @@ def read_csv(path):
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field as long as the file
     reader = csv.DictReader(io.StringIO(text))
     cols = set(reader.fieldnames or [])
-    if {"sent0", "sent1", "hard_neg"} <= cols:
-        kind, need = "nli", ("sent0", "sent1", "hard_neg")
-    elif {"sentence1", "sentence2", "condition", "label"} <= cols:
-        kind, need = "csts", ("sentence1", "sentence2", "condition", "label")
-    else:
+    kinds = [kind for kind, need in COLUMNS.items() if set(need) <= cols]
+    if not kinds:
         has = ",".join(sorted(cols)) or "no header"
         common.die(f"'{path}' needs the columns sent0,sent1,hard_neg (NLI triplets) or sentence1,"
                    f"sentence2,condition,label (C-STS); it has {has}")
-    rows = []
-    for r in reader:
-        if missing := [c for c in need if not (r[c] or "").strip()]:  # short rows give None
-            common.die(f"'{path}', line {reader.line_num}: no {', '.join(missing)}: fill in or "
-                       "delete the row")
-        try:
-            label = float(r["label"]) if kind == "csts" else 0.0
-        except ValueError:
-            label = math.nan
-        if not math.isfinite(label):
-            common.die(f"'{path}', line {reader.line_num}: label {r['label']!r} is not a number; "
-                       "C-STS labels are 1-5")
-        rows.append(tuple(r[c] for c in need[:-1]) + (label,) if kind == "csts" else
-                    tuple(r[c] for c in need))
+    kind = kinds[0]
+    rows = [csv_row(path, reader.line_num, r, kind) for r in reader]
     if not rows:
         common.die(f"'{path}' has a header but no rows: pass a --train file with data")
     return kind, rows
 
 
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
+def csv_row(path, line, r, kind):
+    """One row of a kind's csv (a dict of its cells) -> a tuple of its columns, C-STS's label a
+    float; or one line naming the line."""
+    need = COLUMNS[kind]
+    missing = [c for c in need if not (r[c] or "").strip()]  # short rows give None
+    if missing:
+        common.die(f"'{path}', line {line}: no {', '.join(missing)}: fill in or delete the row")
+    if kind == "nli":
+        return tuple(r[c] for c in need)
+    try:
+        label = float(r["label"])
+    except ValueError:
+        label = math.nan
+    if not math.isfinite(label):
+        common.die(f"'{path}', line {line}: label {r['label']!r} is not a number; C-STS labels "
+                   "are 1-5")
+    return tuple(r[c] for c in need[:-1]) + (label,)
 
 
 def prompted_batch(tokenizer, rows, kind, prompt, max_len):
@@ -312,6 +292,57 @@ def micro_batches(tokenizer, rows, kind, prompt, steps, rank, world, batch_size,
                for j in range(rank * batch_size, len(ids), world * batch_size)]
 
 
+# ---------------------------------------------------------------- building the model ------------
+def base_dtype(name, device, autocast):
+    """--dtype, the base's weights; by default autocast's 16 bits on CUDA, else float32."""
+    if name:
+        return getattr(torch, name)
+    if device.type == "cuda" and autocast is not None:
+        return autocast
+    return torch.float32
+
+
+def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
+    """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
+    bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
+    tok = common.load_pretrained(AutoTokenizer, name)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dec = common.load_pretrained(AutoModel, name, dtype=dtype)
+    if device.type == "cpu":  # PyTorch's CPU SDPA backward with a mask is slow (docs/operations.md)
+        dec.set_attn_implementation("eager")
+    if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "rotary_emb", "norm")):
+        common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, "
+                   "layers, rotary_emb and norm: pass a LLaMA / Mistral / Qwen2-style model")
+    n = len(dec.layers)
+    if not 0 <= bi_layers <= n:
+        common.die(f"--bi-layers {bi_layers} is outside 0..{n} ('{name}' has {n} layers)")
+    if bi_strategy == "add":  # Table 4 "addition": new layers, copies of the last K
+        dec.bellm_added = torch.nn.ModuleList(copy.deepcopy(m) for m in dec.layers[n - bi_layers:])
+    if tok.pad_token is None:  # padding is masked everywhere, so any id will do
+        tok.pad_token = tok.eos_token
+    return tok, dec.to(device)
+
+
+def add_lora(dec, r, alpha, dropout):
+    """LoRA on every Linear of the decoder (peft; AutoModel has no LM head), in place: only the
+    adapters train. -> the peft model (save_pretrained: the adapter)"""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear")
+    with warnings.catch_warnings():  # peft reads transformers 5's deprecated name
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        return get_peft_model(dec, config)
+
+
+def cast_frozen_linears(dec, dtype=torch.bfloat16):
+    """Under bf16 autocast with float32 base weights: each frozen Linear stored in bf16 once, not
+    cast at every pass (autocast caches only trained weights' casts): the same numbers, without
+    the casts' time, in half the memory. Norms and embeddings stay float32, as autocast has them."""
+    for m in dec.modules():
+        if isinstance(m, torch.nn.Linear) and not any(q.requires_grad for q in m.parameters()):
+            m.to(dtype)
+
+
 # ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
@@ -325,23 +356,28 @@ def main():
     data = common.sts_data(a.data_dir, tasks if a.final_eval else [])
     metric = "csts_dev" if csts_dev else "stsb_dev"
     per_step = a.batch_size * world * a.grad_accum  # rows a step, all ranks together
-    steps = step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
+    steps = common.step_rows(len(rows), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder (harness.py), locked; --resume: its state, trained as this command says
     run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device, custom_module=True)
     if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
         return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 2e-4)  # the paper's, or the run's
+    lr = run.rate(a.lr, 2e-4)  # --lr, the resumed run's, or the paper's
 
-    # the model: the decoder, patched (forward), with LoRA on every Linear (peft)
+    # the model: the decoder, patched (decoder_forward), with LoRA on every Linear (peft)
     torch.manual_seed(a.seed)  # the same added layers, LoRA and dropout stream on every rank
     autocast = common.PRECISIONS[a.precision]  # the step's dtype (None: fp32)
-    dtype = getattr(torch, a.dtype) if a.dtype else device.type == "cuda" and autocast or \
-        torch.float32  # the base: on CUDA in the step's 16 bits, if any
+    dtype = base_dtype(a.dtype, device, autocast)  # the base's weights
     tokenizer, dec = load_decoder(a.model, a.bi_layers, a.bi_strategy, device, dtype)
-    longest = a.max_len + prompt_tokens(tokenizer, dec, a.prompt, a.max_len, a.model)
+    prompt = len(tokenizer(fill(a.prompt, "", ""))["input_ids"])  # its tokens around a sentence
+    longest = common.check_max_len(a.max_len, dec.config, a.model, extra=prompt) + prompt
     grad_ckpt = device.type == "cuda" if a.grad_ckpt is None else a.grad_ckpt
-    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout, grad_ckpt, autocast)
+    if grad_ckpt:  # each layer recomputed in the backward: bf16 LLaMA-2-7B fits one 80 GB GPU
+        dec.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    lora = add_lora(dec, a.lora_r, a.lora_alpha, a.lora_dropout)  # the peft model: the adapter
+    if autocast:  # the frozen Linears stored in autocast's dtype once, not cast at every pass
+        cast_frozen_linears(dec, autocast)
     raw_model = BeLLM(dec, a.bi_layers, a.bi_mode, a.bi_strategy)
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: LoRA gradients averaged
     step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
@@ -391,48 +427,26 @@ def main():
                 scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
                 scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
-        evaluate = step % a.eval_steps == 0 and (step or a.eval_first) or step == len(steps)
-        read, dev = evaluate or step % a.log_steps == 0, None  # the host reads the device here
+        evaluate = (step % a.eval_steps == 0 and (step > 0 or a.eval_first)) or step == len(steps)
+        read = evaluate or step % a.log_steps == 0  # the host reads the device here
         if read and step > 0:
             run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, gnorm=gnorm, lr=scheduler.get_last_lr()[0])
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score (encode: without dropout)
-            dev = dev_score(encode, data, csts_dev)
+        dev = dev_score(encode, data, csts_dev) if evaluate and rank == 0 else None  # no dropout
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, metric, dev, functools.partial(save_model, lora))
         if halt:
             break
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        if a.final_eval:  # the best checkpoint, loaded as eval_sts.py loads it (rank 0)
             run.final_table(load_encoder, data, tasks, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of BeLLM is saved and checked
-# ---------------------------------------------------------------- the model, its run folder -------
-def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
-    """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
-    bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
-    tok = common.load_pretrained(AutoTokenizer, name)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    dec = common.load_pretrained(AutoModel, name, dtype=dtype)
-    if device.type == "cpu":  # PyTorch's CPU SDPA backward with a mask is slow (docs/operations.md)
-        dec.set_attn_implementation("eager")
-    if not all(hasattr(dec, m) for m in ("embed_tokens", "layers", "rotary_emb", "norm")):
-        common.die(f"'{name}' ({type(dec).__name__}) is not a decoder LLM with embed_tokens, "
-                   "layers, rotary_emb and norm: pass a LLaMA / Mistral / Qwen2-style model")
-    n = len(dec.layers)
-    if not 0 <= bi_layers <= n:
-        common.die(f"--bi-layers {bi_layers} is outside 0..{n} ('{name}' has {n} layers)")
-    if bi_strategy == "add":  # Table 4 "addition": new layers, copies of the last K
-        dec.bellm_added = torch.nn.ModuleList(copy.deepcopy(m) for m in dec.layers[n - bi_layers:])
-    if tok.pad_token is None:  # padding is masked everywhere, so any id will do
-        tok.pad_token = tok.eos_token
-    return tok, dec.to(device)
-
-
+# ---------------------------------------------------------------- the run folder ------------------
 def base_checksums(dec):
     """The base model's fingerprints, so that an adapter is applied only to the base it was trained
     on, never to another of its shape: base_fingerprint, every base weight (LoRA's left out)
@@ -454,29 +468,6 @@ def check_base(given, recorded, name, where):
             common.die(f"'{name}' is not the base model the adapter was trained on (its weights' "
                        f"{key} is {given[key]:.6g}, {where} records {recorded[key]:.6g}): name the "
                        "model bellm.py --model trained it on")
-
-
-def cast_frozen_linears(dec, dtype=torch.bfloat16):
-    """Under bf16 autocast with float32 base weights: each frozen Linear stored in bf16 once, not
-    cast at every pass (autocast caches only trained weights' casts): the same numbers, without
-    the casts' time, in half the memory. Norms and embeddings stay float32, as autocast has them."""
-    for m in dec.modules():
-        if isinstance(m, torch.nn.Linear) and not any(q.requires_grad for q in m.parameters()):
-            m.to(dtype)
-
-
-def add_lora(dec, r, alpha, dropout, grad_ckpt=False, autocast=None):
-    """LoRA on every Linear of the decoder (peft; AutoModel has no LM head), in place. grad_ckpt:
-    gradient checkpointing (bf16 LLaMA-2-7B fits one 80 GB GPU); autocast: the dtype autocast runs
-    in, the frozen Linears cast to it once. -> the peft model (save_pretrained: the adapter)"""
-    from peft import LoraConfig, get_peft_model
-    if grad_ckpt:
-        dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = get_peft_model(dec, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                          target_modules="all-linear"))
-    if autocast:
-        cast_frozen_linears(dec, autocast)
-    return lora
 
 
 def memory_estimate(dec, n_lora, s, tokens, longest, r, grad_ckpt):
@@ -504,16 +495,9 @@ def memory_line(dec, params, r, texts, longest, bf16, grad_ckpt):
             f"for {texts} x {longest} tokens {'with' if grad_ckpt else 'without'} checkpointing; "
             f"{w + o + act:.2f} GiB in all")
 
-def prompt_tokens(tokenizer, dec, prompt, max_len, name):
-    """The prompt's tokens around a sentence, once --max-len is known to fit with them."""
-    n = len(tokenizer(fill(prompt, "", ""))["input_ids"])
-    common.check_max_len(max_len, dec.config, name, extra=n)
-    return n
-
 
 def make_encode(dec, tok, cfg, device, precision=None):
-    """encode(list[str], conditions=None) -> (N, H), without dropout: the one encode function (dev,
-    eval_sts.py)."""
+    """encode(list[str], conditions=None) -> (N, H) without dropout: dev scores', eval_sts.py's."""
     net = BeLLM(dec, cfg["bi_layers"], cfg["bi_mode"], cfg["bi_strategy"])
 
     @torch.no_grad()
@@ -594,25 +578,30 @@ def check_run(run_dir, meta):
 
 
 # adapter_config.json: what bellm.py trains (plain LoRA on every Linear); any other value of these
-# would run another model than the one trained
+# would run another model than the one trained (null for an empty one: peft's older default)
 LORA_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none",
               "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
               "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
               "lora_bias": False, "trainable_token_indices": None, "target_parameters": None}
+LORA_TYPES = {"r": ("an integer >= 1", lambda v: type(v) is int and v >= 1),  # (as said, test)
+              "lora_alpha": ("a number > 0", lambda v: type(v) in (int, float) and v > 0)}
 
 
 def check_lora_config(lora_path, meta, path, where):
     """A run's adapter_config.json: plain LoRA as bellm.py trains it, its r and alpha those of
     sentemb.json (meta, at path), or one line naming the key."""
-    lora, fix = common.read_json(lora_path, where, harness.RECOPY), harness.RECOPY
-    ok = {"r": lambda v: type(v) is int and v >= 1,
-          "lora_alpha": lambda v: type(v) in (int, float) and v > 0,
-          **{k: (lambda x, v=v: x == v or x is None and not v) for k, v in LORA_FIXED.items()}}
-    for key, good in ok.items():
-        if key in lora and not good(lora[key]):
-            want = "an integer >= 1" if key == "r" else "a number > 0" if key == "lora_alpha" \
-                else json.dumps(LORA_FIXED[key])
-            common.die(f"{lora_path}: {key} {json.dumps(lora[key])} is not what bellm.py trains "
+    lora = common.read_json(lora_path, where, harness.RECOPY)
+    fix = harness.RECOPY
+    for key in [k for k in (*LORA_TYPES, *LORA_FIXED) if k in lora]:
+        value = lora[key]
+        if key in LORA_TYPES:
+            want, test = LORA_TYPES[key]
+            good = test(value)
+        else:
+            want = json.dumps(LORA_FIXED[key])
+            good = value == LORA_FIXED[key] or (value is None and not LORA_FIXED[key])
+        if not good:
+            common.die(f"{lora_path}: {key} {json.dumps(value)} is not what bellm.py trains "
                        f"({key} {want}): set it so, or {fix}")
     for key, ours in (("lora_r", "r"), ("lora_alpha", "lora_alpha")):
         if key in meta and lora.get(ours) != meta[key]:
@@ -665,7 +654,8 @@ def check_prompt(prompt, conditional):
 def check_tasks(spec):
     """--tasks 'STS12,STS-B' -> ['STS12', 'STS-B']; an unknown name stops with one line."""
     tasks = [t.strip() for t in spec.split(",") if t.strip()]
-    if unknown := [t for t in tasks if t not in common.TASKS]:
+    unknown = [t for t in tasks if t not in common.TASKS]
+    if unknown:
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes {','.join(common.TASKS)}")
     return tasks
 
@@ -678,9 +668,10 @@ def check_args(a, world):
         common.die(f"--batch-size {a.batch_size}: eq. 6 needs in-batch negatives, pass 2 or more")
     if a.csts and (not os.path.isfile(a.csts) or read_csv(a.csts)[0] != "csts"):
         common.die(f"--csts '{a.csts}' is not a C-STS csv (sentence1,sentence2,condition,label)")
-    if not a.bi_layers and (odd := [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
-                                    ("bi_mode", "bi_strategy")
-                                    if getattr(a, k) != p.get_default(k)]):
+    # flags that only shape the bidirectional layers, changed from their defaults
+    odd = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in ("bi_mode", "bi_strategy")
+           if getattr(a, k) != p.get_default(k)]
+    if not a.bi_layers and odd:
         common.die(f"--bi-layers 0 makes no layer bidirectional, so {' and '.join(odd)} would do "
                    "nothing: drop them, or pass --bi-layers 1 or more")
     if not a.final_eval and a.tasks != p.get_default("tasks"):

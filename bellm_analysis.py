@@ -25,8 +25,8 @@ import common
 import eval_sts
 import figures
 import jtcse_analysis
-from bellm import (BeLLM, PROMPT, check_prompt, read_csv, check_tasks, fill, forward, last_token,
-                   load_adapted, load_decoder, make_encode, prompted)
+from bellm import (BeLLM, PROMPT, check_prompt, read_csv, check_tasks, fill, decoder_forward,
+                   last_token, load_adapted, load_decoder, make_encode, prompted)
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,8 +117,8 @@ def layer_encoders(prompt, tok, dec, device):
 
     @torch.no_grad()
     def embed_all(batch):  # (b, n, H)
-        _, hs = forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel", "convert",
-                        True)
+        _, hs = decoder_forward(dec, batch["input_ids"], batch["attention_mask"], 0, "parallel",
+                                "convert", True)
         return torch.stack([last_token(dec.norm(hk), batch["attention_mask"]) for hk in hs[1:]], 1)
 
     def encode_k(k):
@@ -271,8 +271,8 @@ def bert_states(bert, ids, am):
 
 
 def decoder_states(net, ids, am):
-    """A BeLLM net's final-norm hidden states (b, L, H) of ids (b, L) (bellm.forward)."""
-    return forward(net.dec, ids, am, *net.bi)
+    """A BeLLM net's final-norm hidden states (b, L, H) of ids (b, L) (bellm.decoder_forward)."""
+    return decoder_forward(net.dec, ids, am, *net.bi)
 
 
 def encoder_dependency(name, meta, short, sents, device):

@@ -1,9 +1,8 @@
 """What the scripts (sscl.py, jtcse.py, bellm.py) and the tools (eval_sts.py, the analyses, bench/)
 share, and no equation of a paper: the data, argument types, strict loading of model folders (one
-line naming a broken file), length groups, batched encoding, FLOP counts, sentence-transformers
-files, and the STS evaluation (SentEval's "all" setting; Spearman x 100) of any encode(list[str]) ->
-(N, H). It imports no module of the project; the run folder and training process are harness.py's.
-"""
+line naming a broken file), the steps' rows, length groups, batched encoding, FLOP counts,
+sentence-transformers files, and the STS evaluation (SentEval's "all" setting; Spearman x 100) of
+any encode(list[str]) -> (N, H). It imports no module of the project (harness.py: the run)."""
 import argparse
 import codecs
 import contextlib
@@ -29,8 +28,7 @@ STS_SUBSETS = {  # SentEval's subsets (STS13 SMT is withheld by its licence, as 
     "STS13": ["FNWN", "headlines", "OnWN"],
     "STS14": ["deft-forum", "deft-news", "headlines", "images", "OnWN", "tweet-news"],
     "STS15": ["answers-forums", "answers-students", "belief", "headlines", "images"],
-    "STS16": ["answer-answer", "headlines", "plagiarism", "postediting", "question-question"],
-}
+    "STS16": ["answer-answer", "headlines", "plagiarism", "postediting", "question-question"]}
 # holds senteval.tar, wiki1m_for_simcse.txt, nli_for_simcse.csv
 HUB_DATASET = "princeton-nlp/datasets-for-simcse"
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sentemb")
@@ -125,13 +123,16 @@ def pick_precision(device, chosen=None, say=False):
         die("--precision bf16: this GPU has no bf16: pass --precision fp16 (or fp32)")
     if say and not (chosen or bf16):
         print("note: this GPU has no bf16: fp16 autocast, with a gradient scaler", file=sys.stderr)
-    return chosen or ("fp32" if device.type != "cuda" else "bf16" if bf16 else "fp16")
+    if device.type != "cuda":
+        return chosen or "fp32"
+    return chosen or ("bf16" if bf16 else "fp16")
 
 
 def autocast(device, precision=None):
     """Autocast in precision: bf16 or fp16; fp32: none; None: the caller's (nothing changes)."""
-    return contextlib.nullcontext() if precision is None else \
-        torch.autocast(device.type, PRECISIONS[precision], precision != "fp32")
+    if precision is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, PRECISIONS[precision], precision != "fp32")
 
 
 def decay_groups(model, weight_decay):
@@ -140,17 +141,18 @@ def decay_groups(model, weight_decay):
     `no_decay = ["bias", "LayerNorm.weight"]`; 4.38's L962-970, by the norm's type)."""
     norms = {id(q) for m in model.modules() if "norm" in type(m).__name__.lower()
              for q in m.parameters(recurse=False)}
-    groups = ([], [])  # decayed, not decayed
-    for name, q in model.named_parameters():
-        if q.requires_grad:
-            groups["bias" in name or id(q) in norms].append(q)
-    return [{"params": g, "weight_decay": wd} for g, wd in zip(groups, (weight_decay, 0.0)) if g]
+    trained = [(name, q) for name, q in model.named_parameters() if q.requires_grad]
+    decayed = [q for name, q in trained if "bias" not in name and id(q) not in norms]
+    not_decayed = [q for name, q in trained if "bias" in name or id(q) in norms]
+    groups = zip((decayed, not_decayed), (weight_decay, 0.0))
+    return [{"params": g, "weight_decay": wd} for g, wd in groups if g]
 
 
 def check_keys(path, meta, required, optional):
     """sentemb.json's keys (optional: those older runs lack), each of its type, or one line."""
-    if bad := [k for k, ok in required.items() if k not in meta or not ok(meta[k])] + [
-            k for k, ok in optional.items() if k in meta and not ok(meta[k])]:
+    bad = [k for k, ok in required.items() if k not in meta or not ok(meta[k])]
+    bad += [k for k, ok in optional.items() if k in meta and not ok(meta[k])]
+    if bad:
         die(f"{path} is not a run description of sscl.py, jtcse.py or bellm.py ({', '.join(bad)} "
             "missing or of the wrong type): re-save the run, or delete the file to load the "
             "folder as a plain model")
@@ -175,7 +177,8 @@ def senteval_dir(flag=None):
     for d in (os.path.join(root, "downstream"), root):  # accept the folder itself or its parent
         if os.path.isdir(os.path.join(d, "STS")) and os.path.isdir(os.path.join(d, "SICK")):
             return d
-    if not flag and not os.environ.get("SENTEMB_DATA") and (tar := _from_hub("senteval.tar")):
+    tar = None if flag or os.environ.get("SENTEMB_DATA") else _from_hub("senteval.tar")
+    if tar:
         import tarfile
         with tarfile.open(tar) as t:
             t.extractall(root, filter="data")
@@ -200,8 +203,9 @@ def train_file(path, hub_name):
         return path
     if path and os.path.isdir(path):
         die(f"training file '{path}' is a folder: pass --train FILE, a file inside it")
-    if not path and (got := _from_hub(hub_name)):
-        return got
+    downloaded = None if path else _from_hub(hub_name)
+    if downloaded:
+        return downloaded
     die(f"training file '{path or hub_name}' not found: pass --train FILE "
         f"(SimCSE's {hub_name} from the hub dataset {HUB_DATASET}, or any file in its format)")
 
@@ -222,8 +226,9 @@ def read_text(path):
             "(e.g. iconv -f latin1 -t utf8)")
 
 
-def read_sentences(path):
-    """One sentence per line; blank lines are skipped; a file with no sentence is an error."""
+def read_sentences(path, hub_name="wiki1m_for_simcse.txt"):
+    """--train's sentences, one a line (no --train: SimCSE's hub_name); blank lines are skipped."""
+    path = train_file(path, hub_name)
     sents = [line.strip() for line in read_text(path).split("\n") if line.strip()]
     if not sents:
         die(f"'{path}' has no sentences: pass a --train file with one sentence per line")
@@ -234,7 +239,8 @@ def read_sentences(path):
 def _typed(convert, ok, text):
     def parse(s):
         with contextlib.suppress(ValueError):
-            if ok(v := convert(s)):
+            v = convert(s)
+            if ok(v):
                 return v
         raise argparse.ArgumentTypeError(f"{s!r} is not {text}")
     parse.range = text
@@ -333,8 +339,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
                    "sentencepiece.bpe.model")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-
-
 RUN_KINDS = {  # a run folder of ours, by the method in its sentemb.json: what it is
     "bellm": "a bellm.py run (a LoRA adapter for the base model its sentemb.json names)",
     "jtcse": "a jtcse.py run (a twin: its towers are the model folders tower_a and tower_b)",
@@ -354,45 +358,58 @@ def run_kind(folder):
 
 
 def check_hf_folder(folder, kind, where, fix=REFETCH):
+    """A local folder holds whole what from_pretrained reads for kind (config, tokenizer, model)."""
     def has(name):
         return os.path.isfile(os.path.join(folder, name))
-    needs = "config.json" if kind != "tokenizer" else "tokenizer file"
-    if not (has("config.json") if kind != "tokenizer" else any(map(has, TOKENIZER_FILES))) \
-            and (run := run_kind(folder)):  # say what it is before naming a missing file
+    if kind == "tokenizer":
+        found = any(map(has, TOKENIZER_FILES))
+        needs = "tokenizer file"
+    else:
+        found = has("config.json")
+        needs = "config.json"
+    run = None if found else run_kind(folder)
+    if run:  # say what it is before naming a missing file
         die(f"{where}: it is {run}, not a model folder (no {needs}): pass it to eval_sts.py "
             "--model without --pooler, which reads run folders, or pass a model folder")
     for f in READS[kind]:
         if os.path.exists(os.path.join(folder, f)):
             read_json(os.path.join(folder, f), where, REFETCH)
-    if kind != "tokenizer":
-        if not has("config.json"):
-            die(f"{where}: config.json is missing (not a model folder, or an incomplete "
-                       f"copy): pass a model folder, or {REFETCH}")
-        if "model_type" not in read_json(os.path.join(folder, "config.json"), where, REFETCH):
-            die(f"{where}: config.json is damaged (no model_type): {REFETCH}")
-    if kind == "tokenizer" and not any(map(has, TOKENIZER_FILES)):
+    if kind == "tokenizer" and not found:
         die(f"{where}: tokenizer.json is missing (no tokenizer file at all): pass a model "
-                   f"folder with its tokenizer, or {REFETCH}")
+            f"folder with its tokenizer, or {REFETCH}")
+    if kind != "tokenizer" and not found:
+        die(f"{where}: config.json is missing (not a model folder, or an incomplete "
+            f"copy): pass a model folder, or {REFETCH}")
+    config = os.path.join(folder, "config.json")
+    if kind != "tokenizer" and "model_type" not in read_json(config, where, REFETCH):
+        die(f"{where}: config.json is damaged (no model_type): {REFETCH}")
     if kind == "model":
-        weights = next(filter(has, WEIGHT_FILES), None)
-        if weights is None:
-            die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
-        if weights == "model.safetensors":
-            safetensors_keys(os.path.join(folder, weights), where, REFETCH)
-        if weights.startswith("model.safetensors"):
-            check_weights(folder, where, fix)
+        _check_weights_file(folder, where, fix)
+
+
+def _check_weights_file(folder, where, fix):
+    """A model folder's weights: a file of them, its safetensors header whole, config.json's."""
+    weights = next((f for f in WEIGHT_FILES if os.path.isfile(os.path.join(folder, f))), None)
+    if weights is None:
+        die(f"{where}: model.safetensors is missing (no weights file): {REFETCH}")
+    if weights == "model.safetensors":
+        safetensors_keys(os.path.join(folder, weights), where, REFETCH)
+    if weights.startswith("model.safetensors"):
+        check_weights(folder, where, fix)
 
 
 def _shapes(folder):
     """name -> shape of every tensor in a folder's model.safetensors (or shards), from headers."""
     from safetensors import safe_open
     index = os.path.join(folder, "model.safetensors.index.json")
-    files = sorted(set(read_json(index, folder, REFETCH).get("weight_map", {}).values())) \
-        if os.path.isfile(index) else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if os.path.isfile(index):  # sharded
+        files = sorted(set(read_json(index, folder, REFETCH).get("weight_map", {}).values()))
     shapes = {}
     for name in files:
         with safe_open(os.path.join(folder, name), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            keys = f.keys()  # (safe_open is not iterable)
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
     return shapes
 
 
@@ -423,6 +440,25 @@ def check_weights(folder, where, fix=REFETCH):
             model = AutoModel.from_config(config)
     except Exception:  # an architecture AutoModel cannot build: its loader says why
         return
+    odd, wrong = _mismatches(model, folder)
+    said = f"config.json describes {config.model_type}"
+    if hasattr(config, "hidden_size"):
+        said += f" with {config.num_hidden_layers} layers, hidden size {config.hidden_size}"
+    if odd:
+        above = sorted({i for i in map(_layer, odd) if i is not None})
+        which = f"layers {above[0]}..{above[-1]}, " if above else ""
+        die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
+            f"not describe ({which}{odd[0]}{', ...' if len(odd) > 1 else ''}; {said}): the two "
+            f"files are of different models; {fix}")
+    if wrong:
+        key, shape, implied = wrong[0]
+        die(f"{where}: model.safetensors holds {key} of shape {list(shape)} where "
+            f"config.json implies {list(implied)} ({len(wrong)} such weights; {said}): "
+            f"the two files are of different models; {fix}")
+
+
+def _mismatches(model, folder):
+    """check_weights' comparison: the keys model lacks, (key, shape, model's) of other shapes."""
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     want.update({k: tuple(v.shape) for k, v in model.named_buffers()})  # non-persistent ones too
     ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
@@ -436,32 +472,17 @@ def check_weights(folder, where, fix=REFETCH):
             odd.append(key)
         elif want[own] != shape:
             wrong.append((key, shape, want[own]))
-    said = (f"config.json describes {config.model_type} with {config.num_hidden_layers} layers, "
-            f"hidden size {config.hidden_size}") if hasattr(config, "hidden_size") else \
-        f"config.json describes {config.model_type}"
-    if odd:
-        above = sorted({i for i in map(_layer, odd) if i is not None})
-        which = f"layers {above[0]}..{above[-1]}, " if above else ""
-        die(f"{where}: model.safetensors holds {len(odd)} weights that config.json does "
-                   f"not describe ({which}{odd[0]}"
-                   f"{', ...' if len(odd) > 1 else ''}; {said}): the two "
-                   f"files are of different models; {fix}")
-    if wrong:
-        key, shape, implied = wrong[0]
-        die(f"{where}: model.safetensors holds {key} of shape {list(shape)} where "
-                   f"config.json implies {list(implied)} ({len(wrong)} such weights; {said}): "
-                   f"the two files are of different models; {fix}")
+    return odd, wrong
 
 
 def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=None, **kw):
     """cls.from_pretrained(name, **kw) for a config, tokenizer or model class, from a hub name or a
-    local folder (its files checked first: JSON parses, config.json has a model_type, a tokenizer
-    file, whole weights), or one line naming the broken file and the fix. A model whose weights lack
-    any of its parameters is refused (transformers would initialise them at random); strict=False
-    tolerates a missing BERT pooler (roberta-base's). fresh: a prefix of weights that may be missing
-    and are then trained from transformers' initialisation (said on stderr). num_layers: the model
-    cut to its first N layers (SSCL Table 1), as transformers builds it; saved, an N-layer model.
-    label: what names the model in errors (an environment variable: MINILM)."""
+    local folder (check_hf_folder first), or one line naming the broken file and the fix. A model
+    whose weights lack any of its parameters is refused (transformers would initialise them at
+    random); strict=False tolerates a missing BERT pooler (roberta-base's). fresh: a prefix of
+    weights that may be missing and are then trained from transformers' initialisation (said on
+    stderr). num_layers: the model cut to its first N layers (SSCL Table 1), as transformers
+    builds it; saved, an N-layer model. label: names the model in errors (a variable: MINILM)."""
     name = str(name)
     if num_layers:  # transformers' load report would list each dropped weight of the cut
         import transformers
@@ -472,9 +493,14 @@ def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=
                                    num_hidden_layers=num_layers, **kw)
         finally:
             transformers.logging.set_verbosity(level)
-    kind = "tokenizer" if "Tokenizer" in cls.__name__ else \
-        "config" if "Config" in cls.__name__ else "model"
-    where, local = f"cannot load {label + '=' if label else ''}'{name}'", os.path.isdir(name)
+    if "Tokenizer" in cls.__name__:
+        kind = "tokenizer"
+    elif "Config" in cls.__name__:
+        kind = "config"
+    else:
+        kind = "model"
+    where = f"cannot load {label + '=' if label else ''}'{name}'"
+    local = os.path.isdir(name)
     if local:
         check_hf_folder(name, kind, where)
     try:
@@ -484,27 +510,33 @@ def load_pretrained(cls, name, strict=False, fresh=None, num_layers=None, label=
     except Exception as e:  # from_pretrained raises many types (OSError, ValueError, ...)
         if not local:
             die(f"{where} ({type(e).__name__}): pass a local model folder, or a hub name "
-                       "with the hub reachable")
+                "with the hub reachable")
         die(f"{where} ({type(e).__name__}: {first_line(e)}): a file of the {kind} is damaged or "
-                   f"another model's; {REFETCH}")
-    if fresh and (new := sorted(k for k in info["missing_keys"] if k.startswith(fresh))):
+            f"another model's; {REFETCH}")
+    new = sorted(k for k in info["missing_keys"] if k.startswith(fresh)) if fresh else []
+    if new:
         print(f"note: '{name}' has no {fresh}* weights ({', '.join(new)}): they start from "
               "transformers' initialisation (seeded) and are trained", file=sys.stderr)
-    cut = kw.get("num_hidden_layers")  # common.load_pretrained's num_layers: the layers above go
-    odd = sorted(k for k in info["unexpected_keys"] if (own := _own(model, k)) is not None
-                 and not (cut and (_layer(own) or 0) >= cut))
+    _check_loaded(model, info, where, local, strict, fresh, kw.get("num_hidden_layers"))
+    return model
+
+
+def _check_loaded(model, info, where, local, strict, fresh, cut):
+    """load_pretrained's checks of transformers' loading report (info): no weight odd or missing."""
+    owns = {k: _own(model, k) for k in info["unexpected_keys"]}  # None: a head beside it, unread
+    odd = sorted(k for k, own in owns.items() if own is not None
+                 and not (cut and (_layer(own) or 0) >= cut))  # a layer above the cut: dropped
     if odd:  # local folders were checked before (check_weights): this is a hub model
         die(f"{where}: its weights hold {len(odd)} tensors its config does not describe "
-                   f"({odd[0]}{', ...' if len(odd) > 1 else ''}): the two are of different "
-                   "models; "
-                   f"{REFETCH}")
-    if missing := sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
-                         and not (fresh and k.startswith(fresh))):
+            f"({odd[0]}{', ...' if len(odd) > 1 else ''}): the two are of different models; "
+            f"{REFETCH}")
+    missing = sorted(k for k in info["missing_keys"] if (strict or not k.startswith("pooler."))
+                     and not (fresh and k.startswith(fresh)))
+    if missing:
         weights = "model.safetensors" if local else "its weights"
         die(f"{where}: {weights} lacks {len(missing)} of the model's weights ({missing[0]}"
             f"{', ...' if len(missing) > 1 else ''}): it is damaged or another model's; "
             f"{REFETCH}")
-    return model
 
 
 def check_num_layers(num_layers, config, name, flag="--num-layers"):
@@ -529,8 +561,9 @@ def check_max_len(max_len, config, name, flag="--max-len", extra=0):
     limit = positions(config)
     if limit and max_len + extra > limit:
         plus = f" plus the prompt's {extra} tokens" if extra else ""
-        fix = f"pass {flag} {limit - extra} or less" if flag.startswith("--") else \
-            f"set it to {limit - extra} or less"
+        fix = f"set it to {limit - extra} or less"
+        if flag.startswith("--"):
+            fix = f"pass {flag} {limit - extra} or less"
         die(f"{flag} {max_len}{plus} is more than the {limit} positions of '{name}' "
             f"(max_position_embeddings in its config.json): {fix}")
     return max_len
@@ -542,10 +575,10 @@ ST_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "st_module.
 
 def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
     """Beside a plain HF model folder, the files of a sentence-transformers folder (Transformer ->
-    Pooling, cls or avg [-> Dense of dense outputs, sscl.py --proj-dim]): SentenceTransformer(
-    folder) encodes as our scripts evaluate (no normalisation: cosine needs none). pooler a class
-    of st_module.py (JTCSETwin, BeLLM): one module of ours, st_module.py copied in, which reads
-    sentemb.json (SentenceTransformer(folder, trust_remote_code=True))."""
+    Pooling, cls or avg [-> Dense: dense, sscl.py --proj-dim's state dict, its weights written to
+    2_Dense/model.safetensors]): SentenceTransformer(folder) encodes as our scripts evaluate (no
+    normalisation: cosine needs none). pooler a class of st_module.py (JTCSETwin, BeLLM): one
+    module of ours, st_module.py copied in, which reads sentemb.json (trust_remote_code=True)."""
     if pooler not in ("cls", "avg"):
         if os.path.exists(ST_MODULE):  # a copied script without it: harness.Run said so
             shutil.copyfile(ST_MODULE, os.path.join(folder, "st_module.py"))
@@ -564,17 +597,36 @@ def write_st_files(folder, hidden=None, max_len=None, pooler="cls", dense=None):
                                        "pooling_mode_mean_tokens": pooler == "avg",
                                        "pooling_mode_max_tokens": False,
                                        "pooling_mode_mean_sqrt_len_tokens": False}}
-    if dense is not None:  # its weights: 2_Dense/model.safetensors (sscl.save_model)
-        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": dense,
-                                        "bias": True, "activation_function":
-                                        "torch.nn.modules.linear.Identity"}
+    if dense is not None:
+        files["2_Dense/config.json"] = {"in_features": hidden, "out_features": len(dense["weight"]),
+                                        "bias": True,
+                                        "activation_function": "torch.nn.modules.linear.Identity"}
     for name, content in files.items():
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "w") as f:
             json.dump(content, f, indent=2)
+    if dense is not None:  # sentence-transformers' Dense names them linear.*
+        from safetensors.torch import save_file
+        weights = {f"linear.{k}": v.detach().contiguous().cpu() for k, v in dense.items()}
+        save_file(weights, os.path.join(folder, "2_Dense", "model.safetensors"))
 
 
-# ---------------------------------------------------------------- tokenisation ------------------
+# ---------------------------------------------------------------- the steps and their batches ---
+def step_rows(n, per_step, epochs, max_steps, seed):
+    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
+    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
+    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
+    if n < per_step:
+        die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
+    per_epoch = n // per_step
+    total = epochs * per_epoch if max_steps < 0 else max_steps
+    steps = []
+    for e in range(math.ceil(total / per_epoch)):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
+    return steps[:total]
+
+
 def ahead(items, n=2):
     """items' values, each made on a background thread up to n ahead of the loop that reads them:
     the next steps' batches tokenised on the host while the device runs this one (torch and the
@@ -613,27 +665,35 @@ def on_device(v, device):
 
 
 def in_length_groups(forward, grouped=True, device=None, cost=GROUP_COST):
-    """forward(batch, ...)'s outputs (up to float rounding) for the real tokens' cost: computed on
-    length_groups of the rows (grouped=False: one), each padded to its own longest and copied to
-    device, the outputs ((N, ...) tensors, in tuples or lists) put back in row order. batch: the
-    tokenizer's (N, L), padded on either side, on the host. .slots: the token slots computed."""
+    """forward(batch, ...)'s outputs ((N, ...) tensors, in tuples or lists; up to float rounding)
+    for the real tokens' cost: computed on length_groups of the rows (grouped=False: one). batch:
+    the tokenizer's (N, L), padded on either side, on the host. .slots: the token slots computed."""
     def run(batch, *args, **kw):
         mask = batch["attention_mask"]  # (N, L), on the host: a GPU is not waited for
-        lengths, dev = mask.sum(1).tolist(), device or mask.device
+        lengths = mask.sum(1).tolist()
+        dev = device or mask.device
         groups = length_groups(lengths, cost if grouped else math.inf)
         run.slots += sum(len(g) * max(lengths[i] for i in g) for g in groups)
         if len(groups) == 1:
             return forward({k: on_device(v, dev) for k, v in batch.items()}, *args, **kw)
-        left = not bool(mask[:, 0].all())  # left padding: the pad slots come first
-        parts = []
-        for g in groups:
-            idx, L = torch.tensor(g), max(lengths[i] for i in g)
-            parts.append(forward({k: on_device(v[idx, -L:] if left else v[idx, :L], dev)
-                                  for k, v in batch.items()}, *args, **kw))  # (n_g, L_g)
-        inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), dev)  # -> rows
-        return pytree.tree_map(lambda *o: None if o[0] is None else torch.cat(o)[inv], *parts)
+        return _in_groups(forward, batch, groups, lengths, dev, args, kw)
     run.slots = 0
     return run
+
+
+def _in_groups(forward, batch, groups, lengths, device, args, kw):
+    """forward on each group of rows, padded to its own longest and copied to device; row order."""
+    left = not bool(batch["attention_mask"][:, 0].all())  # left padding: the pad slots come first
+    parts = []
+    for g in groups:
+        idx = torch.tensor(g)
+        L = max(lengths[i] for i in g)
+        rows = {k: v[idx, -L:] if left else v[idx, :L] for k, v in batch.items()}  # (n_g, L_g)
+        parts.append(forward({k: on_device(v, device) for k, v in rows.items()}, *args, **kw))
+    inv = on_device(torch.tensor([i for g in groups for i in g]).argsort(), device)  # -> rows
+    def in_row_order(*outputs):  # one output of every group, concatenated in row order
+        return None if outputs[0] is None else torch.cat(outputs)[inv]
+    return pytree.tree_map(in_row_order, *parts)
 
 
 class FlopCount(TorchDispatchMode):
@@ -643,7 +703,8 @@ class FlopCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
             self.flops += formula(*args, **(kwargs or {}), out_val=out)
         return out
 
@@ -670,8 +731,7 @@ def encode_in_batches(embed, tokenizer, sentences, max_len, device, batch_size=1
 
 @contextlib.contextmanager
 def evaluating(model):
-    """The block run with model in eval mode (no dropout), its training mode then restored (model
-    None: as it is)."""
+    """The block run with model (None: as it is) in eval mode, its training mode then restored."""
     training = model is not None and model.training
     if training:
         model.eval()
@@ -683,14 +743,15 @@ def evaluating(model):
 
 
 def encoder(embed, tokenizer, max_len, device, precision=None, model=None):
-    """encode(list[str]) -> (N, H): embed(batch dict) -> (b, H) over length-sorted batches, in
-    precision (None: the caller's), no gradients, model (the module embed runs) in eval mode: each
-    method's encode function (.embed: its net)"""
+    """Each method's encode(list[str]) -> (N, H): .embed(batch dict) -> (b, H) over length-sorted
+    batches, in precision (None: the caller's), no gradients, model (embed's net) in eval mode."""
     @torch.no_grad()
     def encode(sentences):
         with autocast(device, precision), evaluating(model):
             return encode_in_batches(encode.embed, tokenizer, sentences, max_len, device)
-    encode.tokenizer, encode.max_len, encode.embed = tokenizer, max_len, embed  # (--ensemble)
+    encode.tokenizer = tokenizer  # (--ensemble)
+    encode.max_len = max_len
+    encode.embed = embed
     return encode
 
 
@@ -724,9 +785,8 @@ def compiled_layers(model, on=True, backend="inductor"):
 
 
 def compiled_encode(encode, on=True, backend="inductor"):
-    """An encode function (encoder, bellm.make_encode) that runs compiled when on: its embed whole
-    (dynamic shapes: batches of other sizes reuse its code), or a decoder LLM's layers (its .layers,
-    from bellm.make_encode) one by one (compiled_layers)."""
+    """encode (encoder's, bellm.make_encode's), compiled when on: its embed whole (dynamic shapes:
+    batches of other sizes reuse its code), or its .layers (a decoder LLM's) one by one."""
     if on and getattr(encode, "layers", None) is not None:
         compiled_layers(encode.layers, backend=backend)
     elif on:
@@ -763,70 +823,69 @@ def _row(path, i, s1, s2, gold):
 def load_sts(data, task, split="test"):
     """{subset: [(sent1, sent2, gold)]}; pairs with an empty gold line dropped (as SentEval)."""
     if task in STS_SUBSETS:
-        subsets = {}
-        for name in STS_SUBSETS[task]:
-            base = os.path.join(data, "STS", f"{task}-en-test", f"STS.%s.{name}.txt")
-            pairs, gold = ([l.split("\t") for l in _lines(base % "input")],
-                           [g.strip() for g in _lines(base % "gs")])
-            if len(gold) != len(pairs):
-                die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; "
-                    "re-download senteval.tar")
-            if bad := next((i for i, p in enumerate(pairs, 1) if len(p) != 2), None):
-                die(f"{base % 'input'}, line {bad}: malformed line (expected two tab-separated "
-                    "sentences); fix it or re-download senteval.tar")
-            subsets[name] = [_row(base % "gs", i, *p, g)
-                             for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
-        return check_gold(subsets, os.path.dirname(base))
-    if task == "STS-B":  # gold = 5th field, sentences = 6th and 7th
-        path, skip, cols = (os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0,
-                            (5, 6, 4))
-    elif task == "SICK-R":  # header line; sentences = 2nd and 3rd field, gold = 4th
-        name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
-        path, skip, cols = os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
-    else:
-        die(f"unknown task '{task}': choose from {', '.join(TASKS)}")
+        folder = os.path.join(data, "STS", f"{task}-en-test")
+        return check_gold({name: _subset(folder, name) for name in STS_SUBSETS[task]}, folder)
+    path, skip, cols = _one_file(data, task, split)
     rows = []
     for i, line in enumerate(_lines(path)[skip:], skip + 1):
-        t = line.split("\t")
-        if len(t) <= max(cols):
+        fields = line.split("\t")
+        if len(fields) <= max(cols):
             die(f"{path}, line {i}: malformed line (expected at least "
                 f"{max(cols) + 1} tab-separated fields); fix it or re-download senteval.tar")
-        rows.append(_row(path, i, *(t[c] for c in cols)))
+        rows.append(_row(path, i, *(fields[c] for c in cols)))
     return check_gold({split: rows}, path)
+
+
+def _subset(folder, name):
+    """An STS12-16 subset's scored pairs: STS.input.NAME.txt's beside STS.gs.NAME.txt's scores."""
+    base = os.path.join(folder, f"STS.%s.{name}.txt")
+    pairs = [line.split("\t") for line in _lines(base % "input")]
+    gold = [g.strip() for g in _lines(base % "gs")]
+    if len(gold) != len(pairs):
+        die(f"{base % 'gs'}: {len(gold)} scores for {len(pairs)} pairs; re-download senteval.tar")
+    bad = next((i for i, p in enumerate(pairs, 1) if len(p) != 2), None)
+    if bad:
+        die(f"{base % 'input'}, line {bad}: malformed line (expected two tab-separated "
+            "sentences); fix it or re-download senteval.tar")
+    return [_row(base % "gs", i, *p, g) for i, (p, g) in enumerate(zip(pairs, gold), 1) if g]
+
+
+def _one_file(data, task, split):
+    """STS-B's or SICK-R's file of split, its header lines, its (sent1, sent2, gold) columns."""
+    if task == "STS-B":  # gold = 5th field, sentences = 6th and 7th
+        return os.path.join(data, "STS", "STSBenchmark", f"sts-{split}.csv"), 0, (5, 6, 4)
+    if task == "SICK-R":  # header line; sentences = 2nd and 3rd field, gold = 4th
+        name = {"test": "SICK_test_annotated", "dev": "SICK_trial", "train": "SICK_train"}[split]
+        return os.path.join(data, "SICK", f"{name}.txt"), 1, (1, 2, 3)
+    die(f"unknown task '{task}': choose from {', '.join(TASKS)}")
 
 
 def check_gold(subsets, where):
     """A task's pairs (subsets pooled) with two gold values or more, for Spearman; or one line."""
     gold = {r[2] for rows in subsets.values() for r in rows}
     if len(gold) < 2:
-        die(f"{where}: {'its gold scores are all ' + str(gold.pop()) if gold else 'no scored pair'}"
-            ": a Spearman correlation needs two gold values or more; re-download senteval.tar")
+        what = f"its gold scores are all {gold.pop()}" if gold else "no scored pair"
+        die(f"{where}: {what}: a Spearman correlation needs two gold values or more; "
+            "re-download senteval.tar")
     return subsets
 
 
 # ---------------------------------------------------------------- STS evaluation ----------------
 @torch.no_grad()
-def evaluate(encode, data, tasks=TASKS, split="test", batch_size=128, exact=False):
+def evaluate(encode, data, tasks=TASKS, split="test"):
     """{task: Spearman x 100} of cosine similarity against gold, subsets pooled ("all" setting):
-    encode() gets every distinct sentence once; exact=True: SentEval's own batches (each subset's
-    pairs sorted by length, batch_size a batch, each side apart), for bit-level comparisons."""
-    loaded = {t: load_sts(data, t, split if t in ("STS-B", "SICK-R") else "test") for t in tasks}
-    embed = encode if exact else encode_once(
-        encode, {s for subsets in loaded.values() for rs in subsets.values() for r in rs
-                 for s in r[:2]})
+    encode() gets every distinct sentence once. split: STS-B's and SICK-R's (the others: test)."""
+    loaded = {t: load_sts(data, t, split) for t in tasks}
+    embed = encode_once(encode, {s for subsets in loaded.values() for rows in subsets.values()
+                                 for r in rows for s in r[:2]})
     results = {}
     for t in tasks:
         sims, gold = [], []
-        for rs in loaded[t].values():
-            if exact:
-                rs = sorted(rs, key=lambda z: (len(z[0].split()), len(z[1].split()), z[2]))
-            step = batch_size if exact else max(len(rs), 1)
-            for i in range(0, len(rs), step):
-                chunk = rs[i:i + step]
-                a = embed([r[0] for r in chunk]).float().cpu()  # (P, H)
-                b = embed([r[1] for r in chunk]).float().cpu()  # (P, H)
-                sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
-                gold += [r[2] for r in chunk]
+        for rows in [rows for rows in loaded[t].values() if rows]:
+            a = embed([r[0] for r in rows]).float().cpu()  # (P, H)
+            b = embed([r[1] for r in rows]).float().cpu()  # (P, H)
+            sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
+            gold += [r[2] for r in rows]
         results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
     return results
 

@@ -39,6 +39,7 @@ import sys
 import time
 
 import torch
+from scipy.stats import spearmanr
 
 import bellm
 import common
@@ -64,7 +65,8 @@ METHODS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}  # sentemb.json's metho
 def run_folder(name):
     """A run of ours that NAME is: (its script, the run folder (None: a model folder with a
     sentemb.json, e.g. a copy of best/), the model folder to read); None: a plain model."""
-    if not (found := harness.run_of(name)):
+    found = harness.run_of(name)
+    if not found:
         return None
     method, run_dir, folder = found
     if method not in METHODS:
@@ -79,7 +81,8 @@ def reading(name):
     """NAME as it is read: (its script, the folder of its committed save, its sentemb.json
     checked), under the reader's lock of its run folder, its weight files tied to that save once
     the caller has loaded them; (None, NAME, None) for a plain model."""
-    if not (found := run_folder(name)):
+    found = run_folder(name)
+    if not found:
         yield None, name, None
         return
     script, run_dir, folder = found
@@ -106,31 +109,47 @@ def read_curve(name, file=harness.CURVE):
     folder without a checkpoint (one of the earlier layout) is read as it is. file
     harness.METRICS: its curves (metrics.jsonl: {"step", NAME: number, ...} per step line or dev
     score; docs/operations.md), read alike."""
-    script, run_dir, _ = run_folder(name) or (None, None, None)
-    with harness.reading(run_dir, script.METHOD, script.check_run) if run_dir else \
-            contextlib.nullcontext():
-        path = os.path.join(run_dir or name, file)
-        lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
-    curve, good = [], {  # an entry as harness.py writes it: each key, what it holds
-        "step": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
-        "metric": ("a name", lambda v: isinstance(v, str)),
-        "score": ("a number", lambda v: type(v) in (int, float)),
-        "value": ("a number or null", lambda v: v is None or type(v) in (int, float))}
+    path, lines = curve_lines(name, file)
+    curve = []
     for i, line in enumerate(lines, 1):
         try:
             entry = json.loads(line)
         except ValueError as e:
             common.die(f"{path}, line {i}, is damaged ({common.first_line(e)}): delete the file, "
                        "or copy the run again")
-        entry = entry if isinstance(entry, dict) else {}  # a line of another shape: keys missing
-        keys = good if file == harness.CURVE else {  # metrics.jsonl: each value a number or null
-            "step": good["step"], **{k: good["value"] for k in entry if k != "step"}}
-        if bad := next((k for k, (_, ok) in keys.items() if not ok(entry.get(k))), None):
-            said = json.dumps(entry[bad]) if bad in entry else "missing"
-            common.die(f"{path}, line {i}: {bad} is {said}, not {keys[bad][0]} as a run writes it: "
-                       "delete the file, or copy the run again")
+        if not isinstance(entry, dict):  # a line of another shape: keys missing
+            entry = {}
+        for key, (what, ok) in curve_keys(entry, file).items():
+            if not ok(entry.get(key)):
+                said = json.dumps(entry[key]) if key in entry else "missing"
+                common.die(f"{path}, line {i}: {key} is {said}, not {what} as a run writes it: "
+                           "delete the file, or copy the run again")
         curve.append(entry)
     return curve
+
+
+def curve_lines(name, file):
+    """(the path of file in run NAME, its lines), read under the run's reader's lock."""
+    found = run_folder(name)
+    run_dir = found[1] if found else None
+    lock = contextlib.nullcontext()
+    if run_dir:
+        script = found[0]
+        lock = harness.reading(run_dir, script.METHOD, script.check_run)
+    with lock:
+        path = os.path.join(run_dir or name, file)
+        lines = common.read_text(path).splitlines() if os.path.isfile(path) else []
+    return path, lines
+
+
+def curve_keys(entry, file):
+    """{key: (what it holds, its check)} for an entry of file as harness.py writes it."""
+    step = ("an integer >= 0", lambda v: type(v) is int and v >= 0)
+    if file == harness.CURVE:
+        return {"step": step, "metric": ("a name", lambda v: isinstance(v, str)),
+                "score": ("a number", lambda v: type(v) in (int, float))}
+    value = ("a number or null", lambda v: v is None or type(v) in (int, float))
+    return {"step": step, **{k: value for k in entry if k != "step"}}
 
 
 def csts_prompt(name, pooler, prompt):
@@ -168,8 +187,8 @@ def parse_tasks(spec):
              "all": common.TASKS + TRANSFER}
     known = common.TASKS + TRANSFER + list(PROBING)
     asked = [t.strip() for t in spec.split(",") if t.strip()]
-    if unknown := [t for t in asked
-                   if t not in known and t.lower() not in names]:
+    unknown = [t for t in asked if t not in known and t.lower() not in names]
+    if unknown:
         common.die(f"unknown task(s) {', '.join(unknown)}: --tasks takes sts, transfer, probing, "
                    f"all, or names from {','.join(known)}")
     chosen = {n for t in asked for n in names.get(t.lower(), [t])}
@@ -304,9 +323,11 @@ def load_model(name, pooler="cls", max_len=512, device=None, prompt=None, cut=No
     num_layers: a plain encoder's first N layers (check_num_layers)."""
     device = device or common.pick_device()
     # a plain decoder, zero-shot: BeLLM's encoder with no bidirectional layer, no LoRA
-    if pooler == "last" and os.path.isdir(name) and (run := common.run_kind(name)):
-        common.die(f"--pooler last: '{name}' is {run}, and its sentemb.json says how it encodes: "
-                   "drop --pooler last (it reads a plain decoder zero-shot)")
+    if pooler == "last" and os.path.isdir(name):
+        run = common.run_kind(name)
+        if run:
+            common.die(f"--pooler last: '{name}' is {run}, and its sentemb.json says how it "
+                       "encodes: drop --pooler last (it reads a plain decoder zero-shot)")
     if pooler == "last":
         meta = {"method": "bellm", "base_model": name, "bi_layers": 0, "bi_mode": "parallel",
                 "prompt": prompt, **({"max_len": cut} if cut else {})}
@@ -315,17 +336,6 @@ def load_model(name, pooler="cls", max_len=512, device=None, prompt=None, cut=No
         if meta is not None:
             return script.load_encoder(folder, {**meta, "max_len": cut} if cut else meta, device)
     return hf_encoder(name, pooler, cut or max_len, device, num_layers)
-
-
-def check_model(name):
-    """What load_model loads, checked before any work (a run folder of ours: every file and
-    value; a local model folder; a hub name's config): jtcse.py --distill's teachers."""
-    if not os.path.isdir(name):
-        from transformers import AutoConfig
-        common.load_pretrained(AutoConfig, name)
-    elif read_meta(name) is None:
-        common.check_hf_folder(name, "model", f"cannot load '{name}'")
-        common.check_hf_folder(name, "tokenizer", f"cannot load '{name}'")
 
 
 def one_each(poolers, names):
@@ -355,17 +365,25 @@ def load_ensemble(names, poolers=("cls",), max_len=512, device=None, prompt=None
             common.die(f"'{names[0]}' reads up to {members[0].max_len} tokens and '{n}' up to "
                        f"{m.max_len}: an ensemble sums what its members read of one sentence, so "
                        "pass models of one maximum length (--max-len sets a plain model's)")
-    sizes = [m(["a probe sentence"]).shape[-1] for m in members] if size or names[1:] else []
-    if len(set(sizes + [size[0]] if size else sizes)) > 1:
-        want = f"; {size[1]} is {size[0]}" if size else ""
-        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
-                   f"dimensions{want}: an ensemble sums them, so pass models of one size")
+    check_embedding_size(names, members, size)
     if len(members) == 1:
         return members[0]
 
     def encode(sentences):
         return sum(m(sentences).float() for m in members)  # (N, H)
     return encode
+
+
+def check_embedding_size(names, members, size):
+    """The members' embeddings of one size: size[0], where size (H, whose) is given."""
+    if len(members) == 1 and not size:
+        return
+    sizes = [m(["a probe sentence"]).shape[-1] for m in members]
+    required = {size[0]} if size else set()
+    if len(set(sizes) | required) > 1:
+        whose = f"; {size[1]} is {size[0]}" if size else ""
+        common.die(f"the embeddings of {' + '.join(names)} have {', '.join(map(str, sizes))} "
+                   f"dimensions{whose}: an ensemble sums them, so pass models of one size")
 
 
 def check_pooler(name, model=None):
@@ -428,18 +446,13 @@ def export_st(names, dest, num_layers=None):
 def write_run_st_files(folder, meta):
     """The sentence-transformers files of the model in folder that meta (its sentemb.json)
     describes, written now from meta (a best/ saved before, or another encoder's: replaced):
-    SSCL's Transformer -> Pooling [-> Dense, proj.pt] (sscl.write_st_files); a JTCSE tower's CLS;
+    SSCL's Transformer -> Pooling [-> Dense, proj.pt] (as sscl.save_model); a JTCSE tower's CLS;
     st_module.py's JTCSETwin for a twin, and for a distilled tower whose last LayerNorms are
     dropped (Fig. 8: no Transformer module computes it); st_module.BeLLM for a BeLLM adapter.
     -> st_module.py's class, or None"""
-    method, towers = meta["method"], meta.get("towers", ["."])
-    for tower in sorted({".", *towers}):  # the model's folder and its towers'
-        for stale in ("sentence_bert_config.json", "1_Pooling", "2_Dense"):
-            path = os.path.join(folder, tower, stale)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.lexists(path):
-                os.remove(path)
+    method = meta["method"]
+    towers = meta.get("towers", ["."])
+    remove_st_files(folder, towers)
     custom = None  # where no Transformer -> Pooling chain encodes it
     if method == "bellm":
         custom = "BeLLM"
@@ -451,7 +464,8 @@ def write_run_st_files(folder, meta):
         if meta["proj_dim"]:
             proj = torch.load(os.path.join(folder, "proj.pt"), map_location="cpu",
                               weights_only=True)
-        sscl.write_st_files(folder, config["hidden_size"], meta["max_len"], meta["pooler"], proj)
+        common.write_st_files(folder, config["hidden_size"], meta["max_len"], meta["pooler"],
+                              proj)
     for tower in towers if method == "jtcse" else []:  # JTCSE: each tower's CLS
         if custom and tower == ".":  # the distilled tower's own folder is st_module's
             continue
@@ -461,6 +475,17 @@ def write_run_st_files(folder, meta):
     if custom:
         common.write_st_files(folder, pooler=custom)
     return custom
+
+
+def remove_st_files(folder, towers):
+    """The sentence-transformers files write_run_st_files writes, removed from folder's towers."""
+    for tower in sorted({".", *towers}):
+        for stale in ("sentence_bert_config.json", "1_Pooling", "2_Dense"):
+            path = os.path.join(folder, tower, stale)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
 
 
 def bf16_note():
@@ -479,7 +504,8 @@ def draw_curves(names, path):
     figures.check(path)
     runs = {}
     for name, label in figures.labels(names).items():
-        if not (rows := read_curve(name, harness.METRICS) if os.path.isdir(name) else []):
+        rows = read_curve(name, harness.METRICS) if os.path.isdir(name) else []
+        if not rows:
             common.die(f"'{name}' holds no curves (RUN/{harness.METRICS}, which sscl.py, jtcse.py "
                        "and bellm.py write from their first save on): pass a run folder of ours")
         best = max(((v, k, e["step"]) for e in rows if "loss" not in e for k, v in e.items()
@@ -496,9 +522,44 @@ def main():
         return export_st(a.model, a.export_st, a.num_layers)
     if a.curves:
         return draw_curves(a.model, a.plot)
-    no_tasks = a.tasks is None and (a.retrieval or a.csts or a.mteb)  # STS only when asked for
-    sts_tasks, transfer_tasks, probing_tasks = ([], [], []) if no_tasks else parse_tasks(
-        "sts" if a.tasks is None else a.tasks)
+    sts_tasks, transfer_tasks, probing_tasks = chosen_tasks(a)
+    poolers = check_args(a)
+    # read before any model loads: a bad file costs nothing
+    a.groups = read_groups(a.retrieval) if a.retrieval else None
+    a.csts_rows = read_csts(a.csts, list(zip(a.model, poolers)), a.ensemble,
+                            a.prompt) if a.csts else None
+    data = senteval_data(a, sts_tasks + transfer_tasks + probing_tasks, probing_tasks)
+    mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
+    if a.precision == "bf16" and common.pick_device().type == "cpu":
+        print(f"note: --precision bf16: {bf16_note()}", file=sys.stderr)
+    # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
+    models = [list(zip(a.model, poolers))] if a.ensemble else [[m] for m in zip(a.model, poolers)]
+    points = {}  # model -> (uniformity, alignment), for --plot
+    short = []  # each model's short name
+    for members in models:
+        if len(models) > 1:
+            print(f"{members[0][0]}:")
+        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks, mteb)
+        if a.align_uniform:
+            points[out["model"]] = (out["uniform"], out["align"])
+            short.append(" + ".join(figures.labels([m])[m] for m, _ in members))
+    if a.plot:
+        draw_align_uniform(a.plot, a.split, points, short)
+    if a.json:  # a temporary file, then one rename: an old file is never left half-written
+        write_json(a.json, out)
+
+
+def chosen_tasks(a):
+    """--tasks -> (STS, transfer, probing tasks); by default STS, unless another task is asked."""
+    if a.tasks is not None:
+        return parse_tasks(a.tasks)
+    if a.retrieval or a.csts or a.mteb:  # STS only when asked for
+        return [], [], []
+    return parse_tasks("sts")
+
+
+def check_args(a):
+    """The command line checked before any data is read or model loaded. -> --pooler per --model"""
     if a.plot and not a.align_uniform:
         common.die("--plot draws alignment against uniformity (JTCSE Fig. 7): add --align-uniform")
     if a.json and len(a.model) > 1 and not a.ensemble:
@@ -517,36 +578,43 @@ def main():
                    "pass a file path")
     if a.show and not a.retrieval:
         common.die("--show prints retrieved captions: add --retrieval FILE")
-    # read before any model loads: a bad file costs nothing
-    a.groups = read_groups(a.retrieval) if a.retrieval else None
-    a.csts_rows = read_csts(a.csts, list(zip(a.model, poolers)), a.ensemble,
-                            a.prompt) if a.csts else None
-    senteval = (sts_tasks or transfer_tasks or probing_tasks or a.align_uniform
-                or SENTEVAL_PREFIX in (a.mteb or ""))
-    data = common.senteval_dir(a.data_dir) if senteval else None
+    return poolers
+
+
+def senteval_data(a, tasks, probing_tasks):
+    """SentEval's data folder, where anything reads it (else None), its probing files checked."""
+    if not (tasks or a.align_uniform or SENTEVAL_PREFIX in (a.mteb or "")):
+        return None
+    data = common.senteval_dir(a.data_dir)
     for t in probing_tasks:  # SentEval's probing files are a separate download: say so now
         probing_file(data, t)
-    mteb = mteb_tasks(a.mteb, data, a.split) if a.mteb else []  # checked and loaded before a model
-    if a.precision == "bf16" and common.pick_device().type == "cpu":
-        print(f"note: --precision bf16: {bf16_note()}", file=sys.stderr)
-    # what is evaluated: each --model in turn, or with --ensemble one encoder, their sum
-    models = [list(zip(a.model, poolers))] if a.ensemble else [[m] for m in zip(a.model, poolers)]
-    points, short = {}, []  # model -> (uniformity, alignment), for --plot; its short name
-    for members in models:
-        if len(models) > 1:
-            print(f"{members[0][0]}:")
-        out = evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks, mteb)
-        if a.align_uniform:
-            points[out["model"]] = (out["uniform"], out["align"])
-            short.append(" + ".join(figures.labels([m])[m] for m, _ in members))
-    if a.plot:  # Fig. 7 of JTCSE (SimCSE's Fig. 2): one labelled point per model
-        labels = short if len(set(short)) == len(short) else list(points)
-        panel = dict(kind="scatter", title=f"STS-B {a.split}; lower is better for both",
-                     xlabel="uniformity", ylabel="alignment",
-                     points=dict(zip(labels, points.values())))
-        figures.draw(a.plot, [panel], "Alignment against uniformity (Wang & Isola 2020)", ncols=1)
-    if a.json:  # a temporary file, then one rename: an old file is never left half-written
-        write_json(a.json, out)
+    return data
+
+
+def draw_align_uniform(path, split, points, short):
+    """--plot: JTCSE's Fig. 7 (SimCSE's Fig. 2), one labelled point per model."""
+    labels = short if len(set(short)) == len(short) else list(points)
+    panel = dict(kind="scatter", title=f"STS-B {split}; lower is better for both",
+                 xlabel="uniformity", ylabel="alignment", points=dict(zip(labels, points.values())))
+    figures.draw(path, [panel], "Alignment against uniformity (Wang & Isola 2020)", ncols=1)
+
+
+def evaluate_exact(encode, data, tasks, split="test", batch_size=128):
+    """--exact: common.evaluate's numbers in SentEval's own batches (each subset's pairs sorted by
+    length, batch_size a batch, each side encoded apart), for bit-level comparisons with it."""
+    results = {}
+    for t in tasks:
+        sims, gold = [], []
+        for rows in common.load_sts(data, t, split).values():
+            rows = sorted(rows, key=lambda z: (len(z[0].split()), len(z[1].split()), z[2]))
+            for i in range(0, len(rows), batch_size):
+                chunk = rows[i:i + batch_size]
+                a = encode([r[0] for r in chunk]).float().cpu()  # (P, H)
+                b = encode([r[1] for r in chunk]).float().cpu()  # (P, H)
+                sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
+                gold += [r[2] for r in chunk]
+        results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
+    return results
 
 
 def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=(), mteb=()):
@@ -557,12 +625,15 @@ def evaluate_model(a, members, data, sts_tasks, transfer_tasks, probing_tasks=()
     encode = load_ensemble(names, poolers, a.max_len, prompt=a.prompt, num_layers=a.num_layers,
                            compile=a.compile)
     name = " + ".join(names)
-    out, seconds = {"model": name, "split": a.split}, {"load": time.perf_counter() - t0}
+    out = {"model": name, "split": a.split}
+    seconds = {"load": time.perf_counter() - t0}
     with torch.no_grad(), common.autocast(common.pick_device(), a.precision):
         if sts_tasks:
             t0 = time.perf_counter()
-            out["results"] = common.evaluate(encode, data, sts_tasks, a.split, a.batch_size,
-                                             a.exact)
+            if a.exact:
+                out["results"] = evaluate_exact(encode, data, sts_tasks, a.split, a.batch_size)
+            else:
+                out["results"] = common.evaluate(encode, data, sts_tasks, a.split)
             seconds["sts"] = time.perf_counter() - t0
             print(common.format_table(out["results"]))
         if transfer_tasks:

@@ -1,9 +1,11 @@
 """The run folder and the training process, written once for sscl.py, jtcse.py and bellm.py. A
 reader of a paper may skip this file: each main()'s step is plain torch, and it calls here only
+  add_run_flags(p)              the flags of the run and its process, in every script's
   start()                       this process, or one of torchrun's: rank, world, device, log
   gather(z)                     a step's (B, D) rows of every rank, in order (in-batch negatives)
   Run(a, method, ...)           the run folder opened, locked and settled; --resume: .state
   run.complete(steps)           a resumed run with nothing left to train (it says so)
+  run.rate(a.lr, paper)         --lr, else the resumed run's, else the paper's
   run.start_training(model=...) what every save holds; signals, trackers and the loss watch on
   run.load_resumed_state()      --resume: each part loaded as saved; -> the first step (new: 0)
   run.watch(step, loss)         a loss not finite, noted on the device (no wait inside a step)
@@ -15,20 +17,19 @@ reader of a paper may skip this file: each main()'s step is plain torch, and it 
   run.final_table(...)          the best model on the test sets, loaded as eval_sts.py loads it
   Meter(...): meter.step(...)   the step lines' speed and FLOP/s; meter.line(): the line
 Readers (eval_sts.py, the analyses, --distill) use run_of and reading; checkpoint.pt is read with
-torch.load(weights_only=True), never running code (an earlier version's: python harness.py
---convert RUN, for a folder you trust). What all this guarantees
-(a kill at any instant, readers during saves, a full disk, --resume as the uninterrupted run) and
-how it is tested: docs/operations.md, "Run folders" and "Failure and recovery"."""
+torch.load(weights_only=True), never running code (an earlier version's: python convert_run.py
+RUN, for a folder you trust). What all this guarantees (a kill at any instant, readers during
+saves, a full disk, --resume as the uninterrupted run) and how it is tested: docs/operations.md,
+"Run folders" and "Failure and recovery"."""
+import argparse
 import atexit
 import contextlib
 import errno
 import functools
 import importlib
-import io
 import json
 import math
 import os
-import pickle
 import random
 import resource
 import shutil
@@ -55,12 +56,33 @@ RECORD = {"best": -math.inf, "save": None, "curve": [], "described": None, "log"
 # a new run's record (save_step carries it on): the best dev score, its save's id and sentemb.json,
 # the dev curve, the step lines' values and dev scores (metrics.jsonl), the trackers' run id
 STOP = {"signum": 0, "now": False, "writes": 0}  # SIGINT/SIGTERM: stop at the next step, saved
+RESUMABLE = {"resume", "log_steps", "final_eval", "precision", "compile", "quiet", "report_to",
+             "bf16"}  # add_run_flags' that --resume may change (bf16: --precision bf16's alias)
 PAPERS = {"sscl": "SSCL (Chen et al., ACL 2023; arXiv:2305.06154)",  # the model cards'
           "jtcse": "JTCSE (Zong et al., 2025; arXiv:2505.02366)",
           "bellm": "BeLLM (Li & Li, NAACL 2024; arXiv:2311.05296)"}
 
 
 # ---------------------------------------------------------------- the process ---------------------
+def add_run_flags(p, compiled="the model"):
+    """The flags of the run and its process, the same in every script (after the paper's)."""
+    p.add_argument("--seed", type=common.SEED, default=42)
+    p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
+    p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with "
+                   "a gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a "
+                   "CPU")
+    p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                   help="bf16 autocast")
+    p.add_argument("--compile", action="store_true",
+                   help=f"torch.compile {compiled} (training, eval)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+    p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *TRACKERS],
+                   help="also send the step lines and dev scores there (docs/operations.md)")
+    p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="the 7 STS tasks of the best checkpoint at the end")
+
+
 def start():
     """This process, or one of torchrun's (NCCL on GPUs, gloo on CPUs): rank, world, device, log"""
     STOP.update(signum=0, now=False, writes=0)
@@ -177,6 +199,12 @@ class Run:
                        "settings")
         return state
 
+    def rate(self, given, paper):
+        """The learning rate: --lr if given, else the resumed run's, else the paper's."""
+        if given or self.state is None:
+            return given or paper
+        return self.state["args"]["lr"]
+
     def complete(self, steps):
         """Whether a resumed run has no step left to train (then it says what to do)."""
         done = self.state is not None and self.state["step"] >= steps
@@ -199,7 +227,7 @@ class Run:
         self.generators = generators or {}
         optimizer.register_state_dict_post_hook(lambda _, d: {**d, "scaler": scaler.state_dict()})
         self.nonfinite = torch.tensor([-1.0, 0.0], device=self.device)  # watch(): (step, loss)
-        self.skipped = 0  # fp16's skipped steps, as check_loss() last said
+        self.skipped = 0  # fp16's skipped steps, as say_skipped() last said
         self.handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.trackers = [open_tracker(n, m, self) for n, m in self.packages.items()]  # (rank 0)
         self.reported = len(self.record["log"])  # sent by the runs before (each save's)
@@ -251,14 +279,18 @@ class Run:
         self.nonfinite = torch.where(bad, first, self.nonfinite)
 
     def check_loss(self):
-        """A non-finite loss since the last check: exit, one line; fp16: new skips: one line."""
+        """A non-finite loss since the last check: exit, one line (fp16: new skips, one line)."""
         step, loss = self.nonfinite.tolist()
         if step >= 0:
             common.die(f"loss became {loss} at step {int(step)}: resume with a lower --lr (now "
                        f"{self.lr:g}; --resume --lr ...) or check the data; the run in "
                        f"{self.dir} is kept")
-        fp16 = self.scaler.is_enabled()
-        took = [s["step"] for s in self.optimizer.state.values()] if fp16 else []  # AdamW's count
+        if self.scaler.is_enabled():
+            self.say_skipped()
+
+    def say_skipped(self):
+        """fp16: the steps the gradient scaler skipped (inf/NaN gradients), when more: one line."""
+        took = [s["step"] for s in self.optimizer.state.values()]  # AdamW's count
         ran = self.scheduler.last_epoch  # the steps run (the schedule's count), skipped or not
         skipped = ran - int(torch.stack(took).max()) if took else 0  # less those AdamW took
         if skipped > self.skipped:
@@ -290,12 +322,16 @@ class Run:
             self.record = save_step(self.dir, self.method, self.check_run, self.record, step,
                                     metric, dev, self.training_state(step), write, self.say,
                                     self.undo)
-            for e in self.record["log"][self.reported:]:  # what this save committed, reported
-                for send in self.trackers:
-                    send({k: v for k, v in e.items() if k != "step"}, e["step"])
-            self.reported = len(self.record["log"])
+            self.report()
         if self.world > 1:
             torch.distributed.barrier()
+
+    def report(self):
+        """What the last save committed (step lines, dev scores), sent to --report-to's trackers."""
+        for e in self.record["log"][self.reported:]:
+            for send in self.trackers:
+                send({k: v for k, v in e.items() if k != "step"}, e["step"])
+        self.reported = len(self.record["log"])
 
     def training_state(self, step):
         """What checkpoint.pt holds of this step (save_step adds the record to it)."""
@@ -337,7 +373,9 @@ class Run:
                 signal.signal(s, h)
 
     def final_table(self, load_encoder, data, tasks, precision):
-        """The best model on the test sets, loaded as eval_sts.py loads it."""
+        """The best model on the test sets, loaded as eval_sts.py loads it (on rank 0 only)."""
+        if self.rank != 0:
+            return
         folder = os.path.join(self.dir, BEST)
         meta = read_meta(folder, self.method, self.check_run,
                          {**self.record, "meta": self.meta})  # as its checkpoint records it
@@ -723,8 +761,8 @@ def load_checkpoint(path, device="cpu"):
             run_dir = os.path.dirname(path) or "."
             common.die(f"{path} holds more than tensors, numbers and strings (a checkpoint of an "
                        "earlier version, or not ours), and reading it could run code: it is not "
-                       "read; if you trust where it comes from, convert it: python harness.py "
-                       f"--convert {run_dir}")
+                       "read; if you trust where it comes from, convert it: python convert_run.py "
+                       f"{run_dir}")
         common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
 
 
@@ -933,53 +971,3 @@ class Meter:
         places = {"tok/s": 0, unit: 2}  # decimals (the others: 1)
         text = "  ".join(f"{k} {x:.{places.get(k, 1)}f}" for k, x in v.items())
         return text + (f"% of {peak[0]} {self.precision}" if peak else "")
-
-
-# ---------------------------------------------------------------- an earlier version's run --------
-def plain(value):
-    """value with NumPy's scalars as Python numbers and its arrays as int64 tensors (an earlier
-    version's NumPy RNG keys and dev scores), in tuples, lists and dicts too."""
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(plain(v) for v in value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.astype(np.int64))
-    return value
-
-
-def convert(run_dir):
-    """checkpoint.pt of an earlier version (its NumPy RNG state an ndarray) rewritten as
-    torch.load(weights_only=True) reads it. It unpickles the file, which can run code: only for a
-    run folder you trust."""
-    path = os.path.join(run_dir, CKPT)
-    if not os.path.isfile(path):
-        common.die(f"--convert: no {path}: pass a run folder of sscl.py, jtcse.py or bellm.py")
-    with open(os.path.join(run_dir, LOCK), "a+") as lock:
-        if not flock(lock, "EX", "NB"):
-            common.die(f"'{run_dir}' is in use by a training run: wait for it to end")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            common.die(f"{path} cannot be read ({type(e).__name__}); it is damaged: {RECOPY}")
-        state = plain(state)
-        written = io.BytesIO()
-        torch.save(state, written)
-        written.seek(0)
-        try:  # what is written is what a reader reads
-            torch.load(written, weights_only=True)
-        except pickle.UnpicklingError:
-            common.die(f"{path} holds objects that no run of ours saves: not converted")
-        common.write_whole(path, lambda f: f.write(written.getvalue()))
-    print(f"{path}: converted; readers and --resume read it as it is now")
-
-
-if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description="The run folder of sscl.py, jtcse.py and bellm.py")
-    parser.add_argument("--convert", metavar="RUN", required=True,
-                        help="rewrite RUN/checkpoint.pt of an earlier version as it is saved now "
-                        "(it reads the file as a pickle, which can run code: a folder you trust)")
-    convert(parser.parse_args().convert)

@@ -11,7 +11,7 @@ SentEval); `--distill` compresses the twin (or any ensemble) into one tower (JTC
   eqs. 7-10, CAEL: SA_I·V_II, SA_II·V_I       layer_forward, Twin
   eq. 11 / 12, InfoNCE / ICNCE               nce, jtcse_loss (nce_authors: --objective authors)
   eqs. 13-14, tensor-modulus constraint      tmc, modulus_ratio (tmc_authors)
-  eq. 15, the total; one step                jtcse_loss, train_step
+  eq. 15, the total; one step                jtcse_loss, train_step (JTCSE D: distill_step)
   Fig. 8, LayerNorm removed                  drop_layernorm (--drop-layernorm N)
   eq. 6, Figs. 5, 8-10, Table VII            python jtcse_analysis.py (no training)
 
@@ -65,18 +65,7 @@ p.add_argument("--max-grad-norm", type=common.NONNEG_FLOAT, default=0.0, help="c
 p.add_argument("--max-len", type=common.POS_INT, default=64, help="training tokens a sentence "
                "(paper: 64)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=100, help="dev every N steps")
-p.add_argument("--seed", type=common.SEED, default=42)
-p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
-               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
-p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
-p.add_argument("--quiet", action="store_true", help="no progress bars")
-p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
-p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *harness.TRACKERS],
-               help="also send the step lines and dev scores there (docs/operations.md)")
-p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
-               help="the 7 STS tasks of the best checkpoint at the end")
+harness.add_run_flags(p)  # --seed, --log-steps, --precision, --compile, --resume, ...
 # --- JTCSE ---
 p.add_argument("--num-cael", type=common.NONNEG_INT, help="cross-attention layers (eq. 7, Table "
                "IX), evenly spaced: default layers/2 (1 if odd); 0 = no cross stream")
@@ -95,9 +84,8 @@ p.add_argument("--distill", nargs="+", metavar="TEACHER", help="JTCSE D: a fresh
                "run or a plain encoder (its CLS) = +UC D")
 common.show_ranges(p)
 METHOD = "jtcse"  # the "method" of its sentemb.json and checkpoint.pt
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
-             "report_to", "bf16"}  # --resume may change these (bf16: an earlier version's flag)
+RESUMABLE = harness.RESUMABLE | {"lr", "epochs", "max_steps", "eval_steps", "data_dir",
+                                 "output_dir", "length_grouping"}  # --resume may change these
 
 
 # ---------------------------------------------------------------- the model patch: CAEL -----------
@@ -132,14 +120,14 @@ def drop_layernorm(tower, n):
     return tower
 
 
-def cls(encoder, batch):
+def cls_vector(encoder, batch):
     """The [CLS] vector of an encoder's last hidden state: (N, H); its mask 4-D (Twin.forward)."""
     mask = additive_mask(batch["attention_mask"], next(encoder.parameters()).dtype)
     return encoder(**{**batch, "attention_mask": mask}).last_hidden_state[:, 0]
 
 
 def additive_mask(attention_mask, dtype):
-    """(N, L) 1/0 -> (N, 1, 1, L): 0 / the most negative float, added to attention scores."""
+    """(N, L) 1/0 -> (N, 1, 1, L), added to attention scores: 4-D, never read on the host."""
     return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
@@ -185,21 +173,20 @@ def jtcse_loss(h, hP, c, R, temp, objective="paper", skip=()):
     """h, hP, c: per tower (2B, H), rows [view 1; view 2]; c None without CAELs; R ∈ {0, 1};
     objective: paper (nce, tmc) or authors (nce_authors, tmc_authors); skip: terms left out
     (nce, icnce, ictm: the ablations of Table X). -> eq. 15, {term: value}"""
-    B, authors = len(h[0]) // 2, objective == "authors"
-    TMC = tmc_authors if authors else tmc  # eq. 13
+    B = len(h[0]) // 2
+    tmc_loss = tmc_authors if objective == "authors" else tmc  # eq. 13
 
     def L(x, y):  # InfoNCE, anchors from x, candidates from y: (2B, H) each
-        return nce_authors(x, y, temp) if authors else nce(x[:B], y[B:], temp)
+        return nce_authors(x, y, temp) if objective == "authors" else nce(x[:B], y[B:], temp)
     terms = {}
     if "nce" not in skip:  # eq. 11, per tower: its views against each other
         terms["nce"] = L(h[0], h[0]) + L(h[1], h[1])
-    # eq. 12: R·(L(h_I,h_II) + L(c_I,c_II)) + (1−R)·(L(h_II,h_I) + L(c_II,c_I))
-    if "icnce" not in skip:
+    if "icnce" not in skip:  # eq. 12: R·(L(h_I,h_II)+L(c_I,c_II)) + (1−R)·(L(h_II,h_I)+L(c_II,c_I))
         i, j = (0, 1) if R == 1 else (1, 0)  # NOTE(authors' code): their random_data = 1 − R
         terms["icnce"] = L(h[i], h[j]) + (L(c[i], c[j]) if c is not None else 0)
     if "ictm" not in skip:  # eq. 14: L_TMC(h_I, h_II⁺) + L_TMC(h_II, h_I⁺), views 1 and 2
-        terms["ictm"] = (TMC(h[0][:B], h[1][B:], hP[0][:B], hP[1][B:])
-                         + TMC(h[1][:B], h[0][B:], hP[1][:B], hP[0][B:]))
+        terms["ictm"] = (tmc_loss(h[0][:B], h[1][B:], hP[0][:B], hP[1][B:])
+                         + tmc_loss(h[1][:B], h[0][B:], hP[1][:B], hP[0][B:]))
     return sum(terms.values()), terms  # eq. 15
 
 
@@ -217,16 +204,14 @@ class Twin(torch.nn.Module):
         self.k = n // num_cael if num_cael else 0
 
     def forward(self, batch):
-        # transformers' masking_utils reads a 2-D mask's padding_mask.all() back to the host (on a
-        # GPU: a wait in every step); a 4-D mask it takes as it is (the same outputs)
         mask = additive_mask(batch["attention_mask"], self.towers[0].dtype)  # (N, 1, 1, L)
         outs = [t(**{**batch, "attention_mask": mask}, output_hidden_states=self.k > 0)
                 for t in self.towers]  # primitive
         h, hP = [o.last_hidden_state[:, 0] for o in outs], [o.pooler_output for o in outs]
         if not self.k:
             return h, hP, None
-        # the cross stream: as the primitive one up to layer k (the first CAEL), then eq. 10
-        xs = [o.hidden_states[self.k - 1] for o in outs]
+        # the cross stream from layer k's input: layer j = k..n (eq. 7's j = encoder.layer[j - 1])
+        xs = [o.hidden_states[self.k - 1] for o in outs]  # a CAEL (eq. 10) where j mod k = 0
         for j in range(self.k, self.n + 1):
             layers = [t.encoder.layer[j - 1] for t in self.towers]
             xs, _ = layer_forward(layers, xs, mask, cael=j % self.k == 0, cls_only=j == self.n)
@@ -235,45 +220,47 @@ class Twin(torch.nn.Module):
 
 # ---------------------------------------------------------------- one training step ---------------
 def train_step(model, batch, R, device, temp=0.05, objective="paper", skip=(), tmc_on_h=False,
-               autocast=None, teacher=None, sentences=None, world=1, accum=1,
-               gather=lambda z: z, scale=lambda loss: loss):
-    """One micro-batch of B sentences -> (eq. 15 over the global batch, its terms), or JTCSE D's
-    MSE to teacher(sentences) (B, H); gradients accumulated. batch: the tokenizer's (B, L), on the
-    host; model(batch): the twin's (h, hP, c), or the student's CLS (N, H), through
-    common.in_length_groups. R: eq. 12's direction; objective, skip: jtcse_loss's; tmc_on_h: eq. 13
-    reads h, not h^P (Fig. 8); autocast: the forward's dtype (None: fp32). torchrun: gather(z) =
-    every rank's rows; the gradients × world / accum (DDP averages them over the ranks), of
-    scale(loss) (fp16: the gradient scaler's)."""
-    B, terms = len(batch["input_ids"]), {}
+               autocast=None, world=1, accum=1, gather=lambda z: z, scale=lambda loss: loss):
+    """One micro-batch of B sentences -> (eq. 15 over the global batch, its terms); gradients
+    accumulated. batch: the tokenizer's (B, L), on the host; model(batch): the twin's (h, hP, c)
+    through common.in_length_groups. R: eq. 12's direction; objective, skip: jtcse_loss's;
+    tmc_on_h: eq. 13 reads h, not h^P (Fig. 8); autocast: the forward's dtype (None: fp32).
+    torchrun: gather(z) = every rank's rows; the gradients × world / accum (DDP averages them over
+    the ranks), of scale(loss) (fp16: the gradient scaler's)."""
+    B = len(batch["input_ids"])
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-        if teacher is not None:
-            target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
-            loss = F.mse_loss(gather(model(batch).float()), gather(target))
-        else:  # two dropout views of every sentence in one forward pass: (2B, L)
-            outs = model({k: torch.cat([v, v]) for k, v in batch.items()})  # h, hP, c: (2B, H)
-            # per tower (2·world·B, H): [view 1, view 2 of all ranks]; NOTE(authors' code): 1 GPU
-            h, hP, c = ([torch.cat([gather(z[:B]), gather(z[B:])]) for z in zs] if zs else None
-                        for zs in outs)
-            loss, terms = jtcse_loss(h, h if tmc_on_h else hP, c, R, temp, objective, skip)
+        # two dropout views of every sentence in one forward pass: (2B, L)
+        h, hP, c = model({k: torch.cat([v, v]) for k, v in batch.items()})  # per tower (2B, H)
+        h = global_views(h, B, gather)  # NOTE(authors' code): 1 GPU
+        hP = global_views(hP, B, gather)
+        c = global_views(c, B, gather) if c is not None else None
+        loss, terms = jtcse_loss(h, h if tmc_on_h else hP, c, R, temp, objective, skip)
     # every rank holds the same global loss; DDP averages gradients over ranks, hence × world
     scale(loss * world / accum).backward()
     return loss, terms
 
 
+def global_views(zs, B, gather):
+    """Per tower (2B, H), rows [view 1; view 2] -> (2·world·B, H): [view 1, view 2 of all ranks]."""
+    return [torch.cat([gather(z[:B]), gather(z[B:])]) for z in zs]
+
+
+def distill_step(model, batch, sentences, teacher, device, autocast=None, world=1, accum=1,
+                 gather=lambda z: z, scale=lambda loss: loss):
+    """JTCSE D (§IV-C): one micro-batch -> (the MSE of the student's CLS, model(batch), to
+    teacher(sentences), (B, H) over the global batch; no terms); the rest as train_step's."""
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        target = teacher(sentences).to(device)  # (B, H), the same text; no gradients
+        loss = F.mse_loss(gather(model(batch).float()), gather(target))
+    scale(loss * world / accum).backward()
+    return loss, {}
+
+
 # ---------------------------------------------------------------- the data loader -----------------
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
+def sick_sentences(data, sentences):
+    """Footnote 7: SICK train's distinct sentences (unlabeled) not yet among sentences, sorted."""
+    sick = {s for r in common.load_sts(data, "SICK-R", "train")["train"] for s in r[:2]}
+    return sorted(sick - set(sentences))
 
 
 def micro_batches(tokenizer, sentences, steps, rank, world, batch_size, max_len):
@@ -288,6 +275,17 @@ def micro_batches(tokenizer, sentences, steps, rank, world, batch_size, max_len)
                           return_tensors="pt"), t) for t in texts]
 
 
+# ---------------------------------------------------------------- building the model ------------
+def load_towers(names, drop=0, pooler=True):
+    """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base's fresh pooler for
+    eq. 13 is said on stderr), their tokenizer; drop: Fig. 8 (pooler frozen); pooler: trained."""
+    towers = [drop_layernorm(common.load_pretrained(AutoModel, n, strict=True, fresh="pooler."),
+                             drop) for n in names]
+    for tower in towers:
+        tower.pooler.requires_grad_(pooler and not drop)  # it feeds only eq. 13
+    return towers, common.load_pretrained(AutoTokenizer, names[0])
+
+
 # ---------------------------------------------------------------- main ----------------------------
 def main():
     a = common.parse(p)
@@ -296,32 +294,34 @@ def main():
 
     # data: wiki1m (+ SICK train's sentences, footnote 7); every step's rows drawn from the seed
     data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    sentences = common.read_sentences(a.train)  # no --train: SimCSE's wiki1m_for_simcse.txt
     if a.add_sick:  # unlabeled; the paper says SICK-R, we take its train split (docs/jtcse.md)
-        sick = {s for r in common.load_sts(data, "SICK-R", "train")["train"] for s in r[:2]}
-        sentences += sorted(sick - set(sentences))  # its distinct sentences, not yet in --train
+        sentences += sick_sentences(data, sentences)
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder (harness.py), locked; --resume: its state, trained as this command says
-    inputs = [a.model_a, a.model_b, *(a.distill or [])]
-    # a twin's best/ encodes through st_module.JTCSETwin in sentence-transformers
-    run = harness.Run(a, METHOD, RESUMABLE, check_run, inputs, device,
-                      custom_module=not a.distill)
+    run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model_a, a.model_b, *(a.distill or [])],
+                      device, custom_module=not a.distill)  # a twin's: st_module.JTCSETwin
     if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
         return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 1e-5 if a.distill else 1.3e-6)
+    lr = run.rate(a.lr, 1e-5 if a.distill else 1.3e-6)  # --lr, the resumed run's, or the paper's
 
     # the model: the twin; JTCSE D: one fresh tower (the student) and a frozen teacher (the twin)
     torch.manual_seed(a.seed)  # dropout from torch's RNG; R (eq. 12) from its own generator:
     r_gen = torch.Generator().manual_seed(a.seed)  # NOTE(authors' code): Python's random (detail 6)
-    towers, tokenizer = load_towers([a.model_a] if a.distill else [a.model_a, a.model_b],
-                                    a.drop_layernorm, not (a.distill or a.no_ictm))  # eq. 13's
-    raw_model = (towers[0] if a.distill else Twin(towers, a.num_cael)).to(device)
-    teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device) \
-        if a.distill else None  # it encodes the text the student reads (cut to --max-len)
+    if a.distill:  # the student's pooler is not trained (eq. 13 alone reads it)
+        towers, tokenizer = load_towers([a.model_a], pooler=False)
+        raw_model = towers[0].to(device)
+        teacher = load_teacher(a.distill, a.max_len, towers[0].config.hidden_size, device)
+        what = f"distil {' + '.join(a.distill)} into {a.model_a}"
+    else:  # --no-icnce: no CAEL (only L_ICNCE reads the cross stream); --no-ictm: no pooler
+        towers, tokenizer = load_towers([a.model_a, a.model_b], a.drop_layernorm, not a.no_ictm)
+        raw_model = Twin(towers, 0 if "icnce" in skip else a.num_cael).to(device)
+        what = f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of " \
+            f"{raw_model.n} layers"
     model = DDP(raw_model) if world > 1 else raw_model  # torchrun: gradients averaged over ranks
-    student = functools.partial(cls, model) if a.distill else model
+    student = functools.partial(cls_vector, model) if a.distill else model
     step_model = common.in_length_groups(  # the model as a step runs it: the host's batch
         torch.compile(student, dynamic=True) if a.compile else student,  # copied to the device
         a.length_grouping, device)  # in length groups (the same outputs, cheaper)
@@ -340,8 +340,6 @@ def main():
     run.start_training(model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                        lr=lr, meta=meta, generators={"r_gen": r_gen})  # what every save holds
     first = run.load_resumed_state()  # --resume: each part as saved (a new run: step 0)
-    what = f"distil {' + '.join(a.distill)} into {a.model_a}" if a.distill else \
-        f"towers {a.model_a} + {a.model_b}, CAEL every {raw_model.k or '-'} of {raw_model.n} layers"
     log(f"JTCSE: {what}, objective {a.objective}, {len(sentences)} sentences, {len(steps)} steps "
         f"of {per_step} sentences, lr {lr:g}, {world} process(es), device {device}, {a.precision}")
 
@@ -355,11 +353,15 @@ def main():
             with meter.step(step_model):
                 for k, (batch, texts) in enumerate(next(batches)):  # DDP syncs after the last
                     with model.no_sync() if world > 1 and k < a.grad_accum - 1 else nullcontext():
-                        loss, terms = train_step(
-                            step_model, batch, R, device, temp=a.temp, objective=a.objective,
-                            skip=skip, tmc_on_h=a.drop_layernorm > 0, autocast=autocast,
-                            teacher=teacher, sentences=texts, world=world, accum=a.grad_accum,
-                            gather=harness.gather, scale=scaler.scale)
+                        if a.distill:  # JTCSE D: the student's CLS against the teacher's
+                            loss, terms = distill_step(step_model, batch, texts, teacher, device,
+                                autocast=autocast, world=world, accum=a.grad_accum,
+                                gather=harness.gather, scale=scaler.scale)
+                        else:  # the twin: eq. 15
+                            loss, terms = train_step(step_model, batch, R, device, temp=a.temp,
+                                objective=a.objective, skip=skip, tmc_on_h=a.drop_layernorm > 0,
+                                autocast=autocast, world=world, accum=a.grad_accum,
+                                gather=harness.gather, scale=scaler.scale)
                     run.watch(step, loss)  # not finite: noted on the device, read below
                 scaler.unscale_(optimizer)  # fp16: the gradients / s, clipped as they are
                 terms["gnorm"] = torch.nn.utils.clip_grad_norm_(  # before clipping; 0: no clip
@@ -368,14 +370,14 @@ def main():
                 scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
                 scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
-        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+        evaluate = step % a.eval_steps == 0 or step == len(steps)
+        read = evaluate or step % a.log_steps == 0  # the host reads the device here
+        if read and step > 0:
             run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, **terms, **({} if a.distill else {"R": R}))
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score (encode: without dropout)
-            dev = common.stsb_dev(encode, data)
+        dev = common.stsb_dev(encode, data) if evaluate and rank == 0 else None  # no dropout
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, "stsb_dev", dev,
                      functools.partial(save_model, towers, tokenizer, eval_len))
@@ -383,18 +385,17 @@ def main():
             break
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        if a.final_eval:  # the best checkpoint, loaded as eval_sts.py loads it (rank 0)
             run.final_table(load_encoder, data, common.TASKS, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of JTCSE is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(towers, tokenizer, max_len, device, compiled=False, precision=None):
-    """encode(list[str]) -> (N, H) = Σ_towers CLS, no pooler or cross-attention (the authors'): the
-    twin's CLS(I) + CLS(II), or a distilled tower's CLS, without dropout. Dev evaluation and
-    eval_sts.py use it."""
+    """encode(list[str]) -> (N, H) = Σ_towers CLS without dropout, pooler or cross-attention (the
+    authors'): the twin's CLS(I) + CLS(II), or a distilled tower's; dev scores', eval_sts.py's."""
     return common.compiled_encode(common.encoder(
-        lambda b: sum(cls(t, b) for t in towers), tokenizer, max_len, device, precision,
+        lambda b: sum(cls_vector(t, b) for t in towers), tokenizer, max_len, device, precision,
         torch.nn.ModuleList(towers)), compiled)
 
 
@@ -467,10 +468,27 @@ JTCSE_TOWERS = ("bert", "roberta", "xlm-roberta", "camembert")
 def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
     """JTCSE's towers (and the models its analysis compares): BERT-like encoders with a pooler, of
     one shape and vocabulary (eq. 10 swaps values between equal layers of one batch); a --num-cael
-    that divides their layers; a --drop-layernorm within them. meta: a run's sentemb.json."""
-    flag = (lambda f, k: f"{meta}: {k}") if meta else (lambda f, k: f)  # noqa: E731
-    fix = (lambda v: f"set it to {v}") if meta else (lambda v: f"pass {v}")  # noqa: E731
+    that divides their layers; a --drop-layernorm within them. meta: a run's sentemb.json, whose
+    keys the messages name."""
     configs = [common.load_pretrained(AutoConfig, n) for n in names]
+    check_alike(names, configs)
+    if max_len:
+        flag = f"{meta}: max_len" if meta else "--max-len"
+        common.check_max_len(max_len, configs[0], names[0], flag)
+    n = configs[0].num_hidden_layers
+    if drop > n:
+        flag = f"{meta}: drop_layernorm" if meta else "--drop-layernorm"
+        fix = f"set it to 0 to {n}" if meta else f"pass 0 to {n}"
+        common.die(f"{flag} {drop} is more than the {n} layers of '{names[0]}': {fix}")
+    if num_cael and n % num_cael:
+        flag = f"{meta}: num_cael" if meta else "--num-cael"
+        common.die(f"{flag} {num_cael} does not divide the {n} layers: "
+                   f"{'choose' if not meta else 'set it to'} one of "
+                   f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
+
+
+def check_alike(names, configs):
+    """The towers are BERT-like encoders with a pooler, of one vocabulary and shape, or one line."""
     for name, c in zip(names, configs):
         if c.model_type not in JTCSE_TOWERS:
             common.die(f"'{name}' is a {c.model_type} model: JTCSE's towers must be BERT-like "
@@ -483,26 +501,6 @@ def check_towers(names, max_len=None, num_cael=None, drop=0, meta=None):
     if any(s != shapes[0] for s in shapes):
         common.die(f"towers differ in (layers, hidden, heads): {shapes}; eq. 10 swaps values "
                    "between equal layers, so pass towers of one architecture")
-    if max_len:
-        common.check_max_len(max_len, configs[0], names[0], flag("--max-len", "max_len"))
-    n = shapes[0][0]
-    if drop > n:
-        common.die(f"{flag('--drop-layernorm', 'drop_layernorm')} {drop} is more than the {n} "
-                   f"layers of '{names[0]}': {fix(f'0 to {n}')}")
-    if num_cael and n % num_cael:
-        common.die(f"{flag('--num-cael', 'num_cael')} {num_cael} does not divide the {n} layers: "
-                   f"{'choose' if not meta else 'set it to'} one of "
-                   f"{[d for d in range(1, n + 1) if n % d == 0]} (or 0 for no cross-attention)")
-
-
-def load_towers(names, drop=0, pooler=True):
-    """JTCSE's towers, [AutoModel] with every weight from its file (roberta-base's fresh pooler for
-    eq. 13 is said on stderr), their tokenizer; drop: Fig. 8 (pooler frozen); pooler: trained."""
-    towers = [drop_layernorm(common.load_pretrained(AutoModel, n, strict=True, fresh="pooler."),
-                             drop) for n in names]
-    for tower in towers:
-        tower.pooler.requires_grad_(pooler and not drop)  # it feeds only eq. 13
-    return towers, common.load_pretrained(AutoTokenizer, names[0])
 
 
 # ---------------------------------------------------------------- JTCSE D: the teacher ------------
@@ -510,7 +508,8 @@ def teacher_run(name, load):
     """A --distill teacher that is a run of ours (a run folder, its best/, a copy of it), checked
     by the script that wrote it (JTCSE: this one; SSCL or SimCSE: sscl.py) and read as eval_sts.py
     reads it. -> load(script, its model folder, its sentemb.json); None: a plain encoder"""
-    if not (found := harness.run_of(name)):
+    found = harness.run_of(name)
+    if not found:
         return None
     method, run_dir, folder = found
     if method not in ("jtcse", "sscl"):
@@ -534,12 +533,13 @@ def load_teacher(names, max_len, hidden, device):
     max_len tokens: a run of ours with its own pooling, a plain encoder by its CLS."""
     members = []
     for name in names:
-        if run := teacher_run(name, lambda script, folder, meta: script.load_encoder(
-                folder, {**meta, "max_len": max_len}, device)):
+        run = teacher_run(name, lambda script, folder, meta: script.load_encoder(
+            folder, {**meta, "max_len": max_len}, device))  # a run's encoder, max_len tokens
+        if run:
             members.append(run)
             continue
         model = common.load_pretrained(AutoModel, name).to(device).eval()
-        members.append(common.encoder(functools.partial(cls, model),
+        members.append(common.encoder(functools.partial(cls_vector, model),
                                       common.load_pretrained(AutoTokenizer, name),
                                       min(max_len, common.positions(model.config) or max_len),
                                       device))
@@ -573,12 +573,7 @@ def check_args(a, world):
     skip = [t for t in ("nce", "icnce", "ictm") if getattr(a, "no_" + t)]
     if a.batch_size * world < 2 and not a.distill:
         common.die("--batch-size must be at least 2: in-batch negatives need other sentences")
-    twin = [f for f, on in (("--model-b", a.model_b != p.get_default("model_b")),
-                            ("--num-cael", a.num_cael is not None),
-                            ("--temp", a.temp != p.get_default("temp")),
-                            ("--objective", a.objective != p.get_default("objective")),
-                            ("--drop-layernorm", a.drop_layernorm),
-                            *[(f"--no-{t}", 1) for t in skip]) if on]
+    twin = twin_flags(a, skip)
     if a.distill and twin:
         common.die(f"--distill trains one plain tower (--model-a) with MSE: drop {', '.join(twin)} "
                    "(they set up the twin)")
@@ -595,6 +590,16 @@ def check_args(a, world):
     towers = [a.model_a] if a.distill else [a.model_a, a.model_b]
     check_towers(towers, a.max_len, None if a.distill else a.num_cael, a.drop_layernorm)
     return skip
+
+
+def twin_flags(a, skip):
+    """The flags given that set up the twin (which --distill does not train)."""
+    given = {"--model-b": a.model_b != p.get_default("model_b"),
+             "--num-cael": a.num_cael is not None,
+             "--temp": a.temp != p.get_default("temp"),
+             "--objective": a.objective != p.get_default("objective"),
+             "--drop-layernorm": a.drop_layernorm > 0}
+    return [flag for flag, on in given.items() if on] + [f"--no-{t}" for t in skip]
 
 
 if __name__ == "__main__":

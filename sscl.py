@@ -63,18 +63,7 @@ p.add_argument("--warmup-steps", type=common.NONNEG_INT, default=0, help="the ra
 p.add_argument("--max-len", type=common.POS_INT, default=32, help="training tokens a sentence "
                "(paper: 32)")
 p.add_argument("--eval-steps", type=common.POS_INT, default=125, help="dev every N steps")
-p.add_argument("--seed", type=common.SEED, default=42)
-p.add_argument("--log-steps", type=common.POS_INT, default=10, help="the loss every N steps")
-p.add_argument("--precision", choices=common.PRECISIONS, help="the step's autocast (fp16 with a "
-               "gradient scaler): default bf16 on a GPU (fp16 if it has no bf16), fp32 on a CPU")
-p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 autocast")
-p.add_argument("--compile", action="store_true", help="torch.compile the model (training, eval)")
-p.add_argument("--quiet", action="store_true", help="no progress bars")
-p.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
-p.add_argument("--report-to", nargs="+", default=["none"], choices=["none", *harness.TRACKERS],
-               help="also send the step lines and dev scores there (docs/operations.md)")
-p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
-               help="the 7 STS tasks of the best checkpoint at the end")
+harness.add_run_flags(p)  # --seed, --log-steps, --precision, --compile, --resume, ...
 # --- SSCL ---
 p.add_argument("--layer", default="11", help="layer(s) M whose representation is a negative: "
                "hidden_states[M]; 0 = SimCSE; '10,11' = Progressive SSCL (paper: 11)")
@@ -95,9 +84,8 @@ p.add_argument("--objective", default="paper", choices=["paper", "authors"],
                help="paper: eq. 4; authors: the authors' code (docs/sscl.md, details 2, 3, 5)")
 common.show_ranges(p)
 METHOD = "sscl"  # the "method" of its sentemb.json and checkpoint.pt
-RESUMABLE = {"resume", "lr", "epochs", "max_steps", "eval_steps", "log_steps", "final_eval",
-             "data_dir", "output_dir", "precision", "compile", "quiet", "length_grouping",
-             "report_to", "bf16"}  # --resume may change these (bf16: an earlier version's flag)
+RESUMABLE = harness.RESUMABLE | {"lr", "epochs", "max_steps", "eval_steps", "data_dir",
+                                 "output_dir", "length_grouping"}  # --resume may change these
 
 
 # ---------------------------------------------------------------- the loss ------------------------
@@ -198,21 +186,6 @@ class AdamW421(torch.optim.AdamW):
 
 
 # ---------------------------------------------------------------- the data loader -----------------
-def step_rows(n, per_step, epochs, max_steps, seed):
-    """The row indices of every optimisation step, the same on every rank: epoch e is a permutation
-    of range(n) drawn from seed + e, cut into steps of per_step rows (all ranks' micro-batches), the
-    last incomplete step dropped. max_steps N (not -1): N steps, over the epochs they need."""
-    if n < per_step:
-        common.die(f"{n} training rows < {per_step} per step: lower --batch-size or --grad-accum")
-    per_epoch = n // per_step
-    total = epochs * per_epoch if max_steps < 0 else max_steps
-    steps = []
-    for e in range(math.ceil(total / per_epoch)):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
-        steps += [order[i * per_step:(i + 1) * per_step] for i in range(per_epoch)]
-    return steps[:total]
-
-
 def micro_batches(tokenizer, sentences, steps, rank, world, batch_size, max_len):
     """Each step's micro-batches on this rank, tokenised on the host (a step or two ahead of the
     loop: common.ahead) -> per step [(B, L) batch]; rank r's k-th: rows [(k·world + r)·B, +B)."""
@@ -232,15 +205,15 @@ def main():
     # data: every step's sentences drawn from the seed; the STS files read once, now
     data = common.sts_data(a.data_dir, common.TASKS if a.final_eval else [])
     metric, dev_score = select_on(a.select_on, data)  # the score that picks the checkpoint
-    sentences = common.read_sentences(common.train_file(a.train, "wiki1m_for_simcse.txt"))
+    sentences = common.read_sentences(a.train)  # no --train: SimCSE's wiki1m_for_simcse.txt
     per_step = a.batch_size * world * a.grad_accum  # sentences a step, all ranks together
-    steps = step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
+    steps = common.step_rows(len(sentences), per_step, a.epochs, a.max_steps, a.seed)
 
     # the run folder (harness.py), locked; --resume: its state, trained as this command says
     run = harness.Run(a, METHOD, RESUMABLE, check_run, [a.model], device)
     if run.complete(len(steps)):  # nothing is wrong, nothing is left: exit 0
         return
-    lr = a.lr or (run.state["args"]["lr"] if run.state else 3e-5)  # the paper's, or the run's
+    lr = run.rate(a.lr, 3e-5)  # --lr, the resumed run's, or the paper's
 
     # the model: BERT (its first --num-layers, Table 1) and SimCSE's pooling
     torch.manual_seed(a.seed)  # the model; dropout from torch's RNG (the data order: its own)
@@ -292,14 +265,14 @@ def main():
                 scaler.update()  # fp16: s halved after a skip, doubled after 2000 steps without
                 scheduler.step()  # every step, skipped or not
                 optimizer.zero_grad(set_to_none=True)
-        evaluate, dev = step % a.eval_steps == 0 or step == len(steps), None
-        if (read := evaluate or step % a.log_steps == 0) and step > 0:  # the host reads here
+        evaluate = step % a.eval_steps == 0 or step == len(steps)
+        read = evaluate or step % a.log_steps == 0  # the host reads the device here
+        if read and step > 0:
             run.check_loss()  # one not finite since the last read: one line, the last save good
             if step % a.log_steps == 0 or step == len(steps):
                 run.log(step, meter, loss=loss, gnorm=gnorm, lr=scheduler.get_last_lr()[0])
         halt = run.stop_requested(read)  # a signal on any rank: every rank stops at a read
-        if evaluate and rank == 0:  # the dev score (encode: without dropout)
-            dev = dev_score(encode, data)
+        dev = dev_score(encode, data) if evaluate and rank == 0 else None  # no dropout
         if evaluate or halt:  # checkpoint.pt; with a new best dev score, best/ (rank 0; all wait)
             run.save(step, metric, dev,
                      functools.partial(save_model, raw_model, tokenizer, eval_len))
@@ -307,44 +280,29 @@ def main():
             break
 
     with run.finish(step):  # a signal stopped it: saved, exit 128 + its number
-        if a.final_eval and rank == 0:  # the best checkpoint, loaded as eval_sts.py loads it
+        if a.final_eval:  # the best checkpoint, loaded as eval_sts.py loads it (rank 0)
             run.final_table(load_encoder, data, common.TASKS, a.precision)
 
 
 # ======== a reader of the paper may stop at main(): below, how a run of SSCL is saved and checked
 # ---------------------------------------------------------------- the run folder ------------------
 def make_encode(encoder, tokenizer, max_len, device, compiled=False, precision=None):
-    """encode(list[str]) -> (N, D), without dropout: the one function behind dev evaluation and
-    eval_sts.py."""
+    """encode(list[str]) -> (N, D) without dropout: the one encoder of dev scores, eval_sts.py."""
     return common.compiled_encode(common.encoder(lambda batch: encoder(batch)[0], tokenizer,
                                                  max_len, device, precision, encoder), compiled)
 
 
 def save_model(encoder, tokenizer, max_len, folder):
-    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (write_st_files)."""
+    """A plain HF model folder (+ proj.pt), also a sentence-transformers folder (Transformer ->
+    Pooling [-> Dense: the projection]) that encodes as we evaluate (CLS without the training MLP,
+    or the masked mean)."""
     encoder.bert.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     proj = None
     if encoder.proj is not None:  # ours, and sentence-transformers' Dense
         proj = encoder.proj.state_dict()
         torch.save(proj, os.path.join(folder, "proj.pt"))
-    write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler, proj)
-
-
-def write_st_files(folder, hidden, max_len, pooler, proj=None):
-    """The sentence-transformers files of a saved model (save_model; eval_sts.py --export-st for a
-    best/ saved before them): Transformer -> Pooling (pooler: cls or avg) [-> Dense: proj, the
-    projection's state, its weights into 2_Dense/model.safetensors], so that SentenceTransformer(
-    folder) encodes as we evaluate (CLS without the training MLP, or the masked mean; then the
-    projection). hidden: the model's hidden size; max_len: the tokens read (sentemb.json's)."""
-    dense = None
-    if proj is not None:
-        from safetensors.torch import save_file
-        dense = proj["weight"].shape[0]
-        os.makedirs(os.path.join(folder, "2_Dense"))
-        weights = {f"linear.{k}": v.detach().contiguous().cpu() for k, v in proj.items()}
-        save_file(weights, os.path.join(folder, "2_Dense", "model.safetensors"))
-    common.write_st_files(folder, hidden, max_len, pooler, dense)
+    common.write_st_files(folder, encoder.bert.config.hidden_size, max_len, encoder.pooler, proj)
 
 
 META_TYPES = {  # sentemb.json: the keys (those of older runs may lack are optional) and their types

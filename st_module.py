@@ -108,11 +108,11 @@ def attn_mask(attention_mask, causal, dtype):
 
 
 def bidirectional(dec, input_ids, attention_mask, K, mode, strategy):
-    """Mirrors bellm.forward: the final-norm hidden states (b, L, H) of the decoder whose last K
-    layers are bidirectional. parallel, eq. 5: h = LLM->(x) + BiLLM<->(x), both from the token
-    embeddings x (K = all layers: h = BiLLM(x)); sequential (BiLLM): the last K layers continue the
-    causal stack, bidirectional; strategy add: K copies of the last layers (dec.bellm_added) are
-    BiLLM, and all n layers LLM->."""
+    """Mirrors bellm.decoder_forward: the final-norm hidden states (b, L, H) of the decoder whose
+    last K layers are bidirectional. parallel, eq. 5: h = LLM->(x) + BiLLM<->(x), both from the
+    token embeddings x (K = all layers: h = BiLLM(x)); sequential (BiLLM): the last K layers
+    continue the causal stack, bidirectional; strategy add: K copies of the last layers
+    (dec.bellm_added) are BiLLM, and all n layers LLM->."""
     x = dec.embed_tokens(input_ids)  # (b, L, H)
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # real tokens only (left padding)
     kw = dict(position_embeddings=dec.rotary_emb(x, pos), position_ids=pos)

@@ -12,6 +12,7 @@ import copy
 import csv
 import errno
 import functools
+import importlib.util
 import io
 import itertools
 import json
@@ -66,9 +67,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
        "PYTHONHASHSEED": "0",
        "OMP_NUM_THREADS": "1"}  # tiny models: a second thread costs more than it gives
 torch.set_num_threads(1)
-WORDS = ("a man woman dog cat is are the on in with playing eating running riding sitting red blue "
-         "big small guitar horse car ball grass street water bread piano bike table two three "
-         "people child girl boy").split()
+WORDS = ["a", "man", "woman", "dog", "cat", "is", "are", "the", "on", "in", "with", "playing",
+         "eating", "running", "riding", "sitting", "red", "blue", "big", "small", "guitar", "horse",
+         "car", "ball", "grass", "street", "water", "bread", "piano", "bike", "table", "two",
+         "three", "people", "child", "girl", "boy"]
 
 
 def run(script, *args, env=None, timeout=600):
@@ -82,18 +84,26 @@ def assert_bad_input(proc, *words):
     """Exit code 2, one `error:` line naming the fix, no traceback."""
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
-    err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1, proc.stderr
     for w in words:
         assert w in err[0], err[0]
 
 
+def skip_or_fail(why):
+    """A missing prerequisite: the test skips, giving why; in CI (CI=true) it fails."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def need(*paths):
     """A test on real data or checkpoints skips, with the reason, when they are missing; in CI
     (CI=true) a missing prerequisite is a failure, so that CI never passes by skipping."""
-    if missing := [str(p) for p in paths if not Path(p).exists()]:
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:
         why = f"needs {', '.join(missing)} (README: Set up and test)"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        skip_or_fail(why)
 
 
 def tokenize(tok, texts, max_len, device="cpu"):
@@ -142,15 +152,7 @@ def write_sts(root, n=24, seed=0):
     rng = random.Random(seed)
     d = Path(root) / "downstream"
     for task, subsets in common.STS_SUBSETS.items():
-        (d / "STS" / f"{task}-en-test").mkdir(parents=True, exist_ok=True)
-        for s in subsets:
-            pairs = [(sentence(rng), sentence(rng)) for _ in range(n)]
-            # every 7th pair unscored
-            gold = [f"{rng.uniform(0, 5):.2f}" if i % 7 else "" for i in range(n)]
-            (d / "STS" / f"{task}-en-test" / f"STS.input.{s}.txt").write_text(
-                "".join(f"{a}\t{b}\n" for a, b in pairs))
-            (d / "STS" / f"{task}-en-test" / f"STS.gs.{s}.txt").write_text(
-                "".join(g + "\n" for g in gold))
+        write_sts_task(d / "STS" / f"{task}-en-test", subsets, rng, n)
     (d / "STS" / "STSBenchmark").mkdir(parents=True, exist_ok=True)
     for split in ("train", "dev", "test"):
         rows = [f"genre\tfile\tyear\t{i}\t{rng.uniform(0, 5):.3f}\t{sentence(rng)}\t"
@@ -166,6 +168,16 @@ def write_sts(root, n=24, seed=0):
     return Path(root)
 
 
+def write_sts_task(folder, subsets, rng, n):
+    """One of STS12-16 in folder: n pairs and their gold scores per subset, every 7th unscored."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in subsets:
+        pairs = [(sentence(rng), sentence(rng)) for _ in range(n)]
+        gold = [f"{rng.uniform(0, 5):.2f}" if i % 7 else "" for i in range(n)]
+        (folder / f"STS.input.{s}.txt").write_text("".join(f"{a}\t{b}\n" for a, b in pairs))
+        (folder / f"STS.gs.{s}.txt").write_text("".join(g + "\n" for g in gold))
+
+
 @pytest.fixture(scope="session")
 def sts_dir(tmp_path_factory):
     return write_sts(tmp_path_factory.mktemp("sts"))
@@ -177,7 +189,8 @@ def train_txt(tmp_path_factory):
     rng = random.Random(1)
     p = tmp_path_factory.mktemp("train") / "train.txt"
     lines = [sentence(rng, 40) if i % 5 == 0 else sentence(rng) for i in range(64)]
-    p.write_text("\n".join(l + ("\n" if i % 9 == 0 else "") for i, l in enumerate(lines)) + "\n")
+    p.write_text("\n".join(line + ("\n" if i % 9 == 0 else "") for i, line in enumerate(lines))
+                 + "\n")
     return p
 
 
@@ -292,7 +305,7 @@ def st_python(code):
                            capture_output=True)
     if probe.returncode:
         why = "sentence-transformers is not installed (set SENTEMB_ST to a folder that holds it)"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        skip_or_fail(why)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
@@ -339,9 +352,8 @@ def png_size(path):
 
 
 # ---- shared: JTCSE's tiny twin (jt_env) and its helpers ----
-jt_WORDS = ("a man is playing a guitar . the cat sits on the mat . two dogs run in the park . "
-            "a woman slices an onion . children play football outside . the sky is blue "
-            "today").split(" . ")
+jt_WORDS = ["a man is playing a guitar", "the cat sits on the mat", "two dogs run in the park",
+            "a woman slices an onion", "children play football outside", "the sky is blue today"]
 
 
 def jt_make_tokenizer(path, sentences):
@@ -532,23 +544,34 @@ def edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-SSCL = lambda c, *x: ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,  # noqa: E731
-                      "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
-                      "--max-steps", 2,
-                      "--eval-steps", 2, "--no-final-eval", *x]
-JT = lambda c, *x: ["--model-a", c.jt / "a",  # noqa: E731
-                    *(["--model-b", c.jt / "b"] if "--distill" not in x else []), "--train",
-                    c.jt / "train.txt",
-                    "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
-                    "--no-add-sick", "--no-final-eval", *x]
+def SSCL(c, *x):
+    """sscl.py's arguments for a two-step run of c's tiny BERT into c.out, then x."""
+    return ["--model", c.bert, "--train", c.train, "--data-dir", c.sts,
+            "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--layer", 2,
+            "--max-steps", 2,
+            "--eval-steps", 2, "--no-final-eval", *x]
+
+
+def JT(c, *x):
+    """jtcse.py's arguments for a two-step run of c's tiny twin into c.out, then x."""
+    return ["--model-a", c.jt / "a",
+            *(["--model-b", c.jt / "b"] if "--distill" not in x else []), "--train",
+            c.jt / "train.txt",
+            "--output-dir", c.out, "--batch-size", 8, "--max-len", 16, "--max-steps", 2,
+            "--no-add-sick", "--no-final-eval", *x]
 
 
 # the commands of run_templates, and eval_sts.py on their copies (c.srun, c.jrun, c.brun)
-SSCL_RUN = lambda c, out, *x: SSCL(Namespace(**{**vars(c), "out": out}),  # noqa: E731
-                                   "--proj-dim", 8, *x)
-BL_RUN = lambda c, out, *x: ["--model", TPL.llama, "--train", TPL.nli, "--data-dir",  # noqa: E731
-                             TPL.bl_sts, "--output-dir", out, "--batch-size", 4, "--max-steps", 1,
-                             "--lora-r", 4, "--no-final-eval", *x]
+def SSCL_RUN(c, out, *x):
+    """SSCL's arguments with --proj-dim 8, into out."""
+    return SSCL(Namespace(**{**vars(c), "out": out}), "--proj-dim", 8, *x)
+
+
+def BL_RUN(c, out, *x):
+    """bellm.py's arguments for a one-step run of TPL's tiny Llama into out, then x."""
+    return ["--model", TPL.llama, "--train", TPL.nli, "--data-dir",
+            TPL.bl_sts, "--output-dir", out, "--batch-size", 4, "--max-steps", 1,
+            "--lora-r", 4, "--no-final-eval", *x]
 
 
 MAINS = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}
@@ -588,7 +611,7 @@ def test_common_evaluate_equals_scipy_on_pooled_subsets(sts_dir):
                 gold.append(g)
         assert results[task] == pytest.approx(100 * spearmanr(sims, gold).statistic, abs=1e-4), task
     # SentEval's batches: same numbers
-    exact = common.evaluate(hashed_encode, data, exact=True, batch_size=5)
+    exact = eval_sts.evaluate_exact(hashed_encode, data, common.TASKS, batch_size=5)
     assert exact == pytest.approx(results, abs=1e-4)
 
 
@@ -712,7 +735,7 @@ def need_mteb():
         import mteb
     except ImportError:
         why = "needs mteb: pip install -r requirements-mteb.txt (README: Set up and test)"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        skip_or_fail(why)
     return mteb
 
 
@@ -740,7 +763,9 @@ def assert_mteb_adapter_is(mteb, encode, texts):
 def test_eval_mteb_adapter_returns_load_encoders_embeddings(bert_dir, bert_nodrop_dir):
     """eval_more.MTEBEncoder: mteb's batches in, exactly load_encoder's (load_ensemble's) rows
     out, in mteb's order; cosine similarity."""
-    mteb, cpu, rng = need_mteb(), torch.device("cpu"), random.Random(0)
+    mteb = need_mteb()
+    cpu = torch.device("cpu")
+    rng = random.Random(0)
     texts = [sentence(rng) for _ in range(10)]
     texts += texts[:3]  # repeated sentences, as in STS-B
     for encode in (eval_sts.load_model(str(bert_dir), "avg", device=cpu),
@@ -824,7 +849,7 @@ def test_eval_mteb_adapter_on_every_run_kind(run_templates):
     encoder with exactly eval_sts.py's embeddings."""
     mteb, rng = need_mteb(), random.Random(1)
     texts = [sentence(rng) for _ in range(7)]
-    for method, folder in run_templates.items():
+    for folder in run_templates.values():
         assert_mteb_adapter_is(mteb, eval_sts.load_model(str(folder)), texts)
 
 
@@ -937,7 +962,9 @@ def test_eval_batched_runs_equal_senteval_one_by_one(optim):
 def test_eval_inner_kfold_protocol_equals_senteval():
     """MR/CR/SUBJ/MPQA: SentEval's InnerKFoldClassifier.run, transcribed."""
     X, y = synthetic(75, seed=1)
-    k, dev, test = SMALL["kfold"], [], []
+    k = SMALL["kfold"]
+    dev = []
+    test = []
     for tr, te in transfer.stratified_kfold(y.numpy(), k):
         scores = []
         for l2 in REGS:
@@ -984,12 +1011,13 @@ def test_eval_mrpc_features_and_loading_order(tmp_path):
     assert torch.equal(transfer.mrpc_features(a, b), torch.cat([(a - b).abs(), a * b], 1))
     d = write_transfer(tmp_path)
     (texts_a, texts_b), y = transfer.load_transfer(str(d), "MRPC")["train"]
-    keys = [(len(s.split()), len(t.split()), int(l)) for s, t, l in zip(texts_a, texts_b, y)]
+    keys = [(len(s.split()), len(t.split()), int(label))
+            for s, t, label in zip(texts_a, texts_b, y)]
     assert keys == sorted(keys) and len(keys) == 40  # header skipped, SentEval's order
     (texts,), y = transfer.load_transfer(str(d), "SUBJ")["all"]
     assert len(texts) == 82 and texts.count("") == 2  # empty lines kept, as SentEval keeps them
-    assert ([(len(s.split()), l) for s, l in zip(texts, y)]
-            == sorted((len(s.split()), l) for s, l in zip(texts, y)))
+    assert ([(len(s.split()), label) for s, label in zip(texts, y)]
+            == sorted((len(s.split()), label) for s, label in zip(texts, y)))
     obj = (d / "SUBJ" / "subj.objective").read_text().splitlines()[0]
     assert y[texts.index(obj)] == 1  # SentEval: objective = 1
 
@@ -1009,7 +1037,9 @@ def test_eval_align_uniform_by_hand(tmp_path):
     sts_b.write_text("g\tf\ty\t0\t4.5\ta man\ta dog\ng\tf\ty\t1\t4.0\ta cat\ta man\n"
                      "g\tf\ty\t2\t1.0\tthe car\ta dog\n")
     vec = {"a man": [1.0, 0.0], "a dog": [0.0, 2.0], "a cat": [3.0, 4.0], "the car": [-1.0, -1.0]}
-    encode = lambda sents: torch.tensor([vec[s] for s in sents])  # noqa: E731
+
+    def encode(sents):
+        return torch.tensor([vec[s] for s in sents])
     align, uniform = transfer.align_uniform(encode, str(d / "downstream"))
     f = {s: torch.tensor(v) / torch.tensor(v).norm() for s, v in vec.items()}
     assert align == pytest.approx(((f["a man"] - f["a dog"]).norm() ** 2
@@ -1044,8 +1074,8 @@ def test_eval_transfer_end_to_end_and_bad_inputs(bert_dir, tmp_path):
                          ","), "--tasks")
     trec = d / "TREC" / "train_5500.label"
     trec.write_text(trec.read_text().replace("HUM:fine", "HUMAN fine", 1))
-    line = 1 + trec.read_text().splitlines().index(next(l for l in trec.read_text().splitlines()
-                                                        if l.startswith("HUMAN")))
+    rows = trec.read_text().splitlines()
+    line = 1 + rows.index(next(row for row in rows if row.startswith("HUMAN")))
     assert_bad_input(run("eval_sts.py", "--model", bert_dir, "--data-dir", tmp_path, "--tasks",
                          "TREC"),
                      "train_5500.label", f"line {line}")
@@ -1138,8 +1168,8 @@ def test_eval_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monke
         assert {s: (texts[0], list(y)) for s, (texts, y) in loaded.items()} == want, task
     # TreeDepth's classes: '10' '11' '5' '6' ... -> 0 1 2 3 ...; the last field is the sentence
     (texts,), y = transfer.load_probing(data, "Depth")["train"]
-    depth = [l.split("\t") for l in (d / "downstream" / "probing" / "tree_depth.txt")
-             .read_text().splitlines() if l.startswith("tr\t")]
+    depth = [line.split("\t") for line in (d / "downstream" / "probing" / "tree_depth.txt")
+             .read_text().splitlines() if line.startswith("tr\t")]
     assert [y[texts.index(" ".join(t[-1].split()))] for t in depth if t[1] in ("10", "5")][:4] == [
         {"10": 0, "5": 2}[t[1]] for t in depth if t[1] in ("10", "5")][:4]
     assert not any("middle field" in t for t in texts) and len(texts) == 60
@@ -1160,8 +1190,13 @@ def test_eval_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monke
     head, row = transfer.format_probing(got).splitlines()
     assert head.split() == ["SentLen", "TreeDepth", "CoordInv"]
     assert row.split() == [f"{got[t]['acc']:.2f}" for t in transfer.PROBING]
+    assert_bad_probing_files_stop_in_one_line(d, tmp_path, capsys, monkeypatch)
 
-    # bad files: one line naming the file (and line) and the fix
+
+def assert_bad_probing_files_stop_in_one_line(d, tmp_path, capsys, monkeypatch):
+    """Bad probing files (in d, write_probing's): one line naming the file (and line) and the fix;
+    a missing folder stops eval_sts.py before it loads a model."""
+    data = str(d / "downstream")
     f = d / "downstream" / "probing" / "tree_depth.txt"
     lines = f.read_text().split("\n")
     f.write_text("\n".join(lines[:4] + [lines[4].replace("\t", " ")] + lines[5:]))
@@ -1169,11 +1204,11 @@ def test_eval_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monke
     assert "tree_depth.txt, line 5" in err and "malformed" in err
     f.write_text("\n".join(lines[:6] + ["dev" + lines[6][2:]] + lines[7:]))
     assert "tree_depth.txt, line 7" in one_error(capsys, transfer.load_probing, data, "Depth")
-    te = next(i for i, l in enumerate(lines) if l.startswith("te\t"))
+    te = next(i for i, line in enumerate(lines) if line.startswith("te\t"))
     f.write_text("\n".join(lines[:te] + ["te\t99\ta b c"] + lines[te + 1:]))
     err = one_error(capsys, transfer.load_probing, data, "Depth")
     assert f"line {te + 1}" in err and "'99'" in err
-    f.write_text("\n".join(l for l in lines if not l.startswith("va\t")))
+    f.write_text("\n".join(line for line in lines if not line.startswith("va\t")))
     assert "no 'va' lines" in one_error(capsys, transfer.load_probing, data, "Depth")
     f.write_bytes(b"tr\t5\tcaf\xe9\n")
     assert "UTF-8" in one_error(capsys, transfer.load_probing, data, "Depth")
@@ -1182,7 +1217,7 @@ def test_eval_probing_reader_and_protocol_equal_senteval(tmp_path, capsys, monke
     shutil.rmtree(d / "downstream" / "probing")
     code, _, err = main_of(eval_sts, capsys, monkeypatch, "--model", tmp_path / "no-model",
                            "--data-dir", tmp_path, "--tasks", "STS-B,probing")
-    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert all(w in errors[0] for w in (
         "sentence_length.txt", f"into {d / 'downstream' / 'probing'}", "facebookresearch/SentEval",
@@ -1200,7 +1235,7 @@ def test_eval_probing_mixed_with_other_tasks(bert_dir, tmp_path, capsys, monkeyp
                                 "avg", "--data-dir", tmp_path, "--tasks", "STS-B,Depth,MR,Length",
                                 "--transfer-mode", "fasttest", "--json", out, "--quiet")
     assert code == 0, err
-    heads = [l.split() for l in stdout.splitlines()[0:6:2]]
+    heads = [line.split() for line in stdout.splitlines()[0:6:2]]
     assert heads == [["STS-B", "Avg."], ["MR", "Avg."], ["SentLen", "TreeDepth"]]
     r = json.loads(out.read_text())
     assert set(r["results"]) == {"STS-B"} and set(r["transfer"]) == {"MR"}
@@ -1234,12 +1269,12 @@ def test_eval_senteval_probing_parity_minilm_avg(tmp_path):
     fasttest) are docs/evaluation.md's commands, equal to SentEval's too."""
     minilm, folder = MODELS / "minilm", REAL_STS / "downstream" / "probing"
     need(minilm / "model.safetensors", *(folder / f for f in PROBING_SAMPLE))
-    found = {f: [sum(l.startswith(f"{s}\t") for l in (folder / f).read_text().splitlines())
+    found = {f: [sum(line.startswith(f"{s}\t") for line in (folder / f).read_text().splitlines())
                  for s in ("tr", "va", "te")] for f in PROBING_SAMPLE}
     if found != PROBING_SAMPLE:
         why = (f"SentEval's numbers here are for a sample of its probing files, lines per split "
                f"{PROBING_SAMPLE}; {folder} holds {found}")
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        skip_or_fail(why)
     out = tmp_path / "r.json"
     proc = run("eval_sts.py", "--model", minilm, "--pooler", "avg", "--data-dir", REAL_STS,
                "--tasks", "probing", "--json", out, env={"OMP_NUM_THREADS": str(os.cpu_count())})
@@ -1395,20 +1430,24 @@ def test_common_progress_bars_only_on_a_terminal_and_not_with_quiet(bert_tokeniz
 
 
 # ---- tools: length groups (common.py) ----
+def cheapest_cut(lengths, cost):
+    """By brute force over every cut of the sorted rows: the least sum over the groups of rows x
+    the group's longest + cost."""
+    s = sorted(lengths)
+    n = len(lengths)
+    return min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))
+               for r in range(n) for cuts in itertools.combinations(range(1, n), r))
+
+
 def test_common_length_groups_are_the_cheapest_cut_of_the_sorted_rows():
-    import itertools
     rng = random.Random(0)
     for _ in range(40):
-        lengths, cost = ([rng.randint(1, 40) for _ in range(rng.randint(1, 9))],
-                         rng.choice([0, 8, 64, 1000]))
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))]
+        cost = rng.choice([0, 8, 64, 1000])
         groups = common.length_groups(lengths, cost)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row, once
-        s, n = sorted(lengths), len(lengths)
-        # every cut of the
-        brute = min(sum((j - i) * s[j - 1] + cost for i, j in zip((0, *cuts), (*cuts, n)))
-                    # sorted rows
-                    for r in range(n) for cuts in itertools.combinations(range(1, n), r))
-        assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == brute
+        assert sum(len(g) * max(lengths[i] for i in g) + cost for g in groups) == cheapest_cut(
+            lengths, cost)
     assert (len(common.length_groups([5, 9, 5, 9], 0)) == 2
             and len(common.length_groups([5, 9, 5, 9], 1000)) == 1)
 
@@ -1497,6 +1536,39 @@ def test_common_ahead_yields_the_values_in_order_from_a_thread_that_runs_ahead_a
     assert e.value.code == 2
 
 
+def micro_batches_of(script, sents, bert_dir, tok_dir, tmp_path):
+    """The script's micro_batches on ranks 0 and 1 of world 2, grad_accum 2, B 4: -> (its
+    tokenizer, its rows (BeLLM: C-STS rows made of sents), its steps, [rank 0's, rank 1's])"""
+    if script == "bellm":
+        tok = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", bl_CPU)[0]
+        rows = [(sents[i], sents[i + 1], sents[i + 2], float(i % 5)) for i in range(37)]
+        steps = common.step_rows(len(rows), 16, 1, 2, 0)
+        got = [list(bellm.micro_batches(tok, rows, "csts", "{sentence}|{condition}", steps, r, 2,
+                                        4, 8)) for r in (0, 1)]
+        return tok, rows, steps, got
+    steps = common.step_rows(len(sents), 16, 1, 2, 0)  # 2 steps, world 2 x grad_accum 2 x B 4
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    got = [list(SCRIPTS[script].micro_batches(tok, sents, steps, r, 2, 4, 12)) for r in (0, 1)]
+    return tok, sents, steps, got
+
+
+def assert_micro_batch(script, tok, rows, ids, mb):
+    """Micro-batch mb holds rows[ids] tokenised as the tokenizer pads and cuts them (BeLLM:
+    prompted, with C-STS's labels; JTCSE: with the sentences)."""
+    if script == "bellm":
+        want, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], "csts",
+                                            "{sentence}|{condition}", 8)
+        assert torch.equal(mb[1], labels) and labels.tolist() == [rows[i][3] for i in ids]
+        mb = mb[0]
+    else:
+        want = tokenize(tok, [rows[i] for i in ids], 12)
+        if script == "jtcse":
+            assert mb[1] == [rows[i] for i in ids]
+            mb = mb[0]
+    assert mb.keys() == want.keys()
+    assert all(torch.equal(mb[key], want[key]) for key in want)
+
+
 @pytest.mark.parametrize("script", ["sscl", "jtcse", "bellm"])
 def test_common_micro_batches_are_the_steps_slices_tokenised(script, bert_dir, tok_dir, tmp_path,
                                                               monkeypatch):
@@ -1504,40 +1576,22 @@ def test_common_micro_batches_are_the_steps_slices_tokenised(script, bert_dir, t
     rows [(k·world + r)·B, +B), tokenised as the tokenizer pads and cuts them (BeLLM: prompted,
     with C-STS's labels), by a tokenizer of its own (a fast tokenizer is not shared between
     threads)."""
-    from transformers import AutoTokenizer
-    rng, callers, call = random.Random(3), set(), transformers.PreTrainedTokenizerBase.__call__
+    rng = random.Random(3)
+    callers = set()
+    call = transformers.PreTrainedTokenizerBase.__call__
     sents = [sentence(rng) for _ in range(40)]
-    steps = sscl.step_rows(len(sents), 16, 1, 2, 0)  # 2 steps, world 2 x grad_accum 2 x B 4
-    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", lambda t, *a, **k: (
-        callers.add(id(t)), call(t, *a, **k))[1])
-    if script == "bellm":
-        tok = bellm.load_decoder(bl_make_model(tok_dir, tmp_path), 1, "convert", bl_CPU)[0]
-        rows = [(sents[i], sents[i + 1], sents[i + 2], float(i % 5)) for i in range(37)]
-        steps = bellm.step_rows(len(rows), 16, 1, 2, 0)
-        got = [list(bellm.micro_batches(tok, rows, "csts", "{sentence}|{condition}", steps, r, 2,
-                                        4, 8)) for r in (0, 1)]
-    else:
-        tok = AutoTokenizer.from_pretrained(bert_dir)
-        got = [list(SCRIPTS[script].micro_batches(tok, sents, steps, r, 2, 4, 12)) for r in (0, 1)]
+
+    def noted_call(t, *a, **k):  # notes which tokenizer tokenises
+        callers.add(id(t))
+        return call(t, *a, **k)
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noted_call)
+    tok, rows, steps, got = micro_batches_of(script, sents, bert_dir, tok_dir, tmp_path)
     assert callers and id(tok) not in callers  # its own copy
     for r in (0, 1):
         assert len(got[r]) == 2 and all(len(step) == 2 for step in got[r])
-        for rows_, step in zip(steps, got[r]):
+        for step_ids, step in zip(steps, got[r]):
             for k, mb in enumerate(step):
-                ids = rows_[(k * 2 + r) * 4:][:4]
-                if script == "bellm":
-                    want, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], "csts",
-                                                        "{sentence}|{condition}", 8)
-                    assert torch.equal(mb[1], labels) and labels.tolist() == [rows[i][3]
-                                                                             for i in ids]
-                    mb = mb[0]
-                else:
-                    want = tokenize(tok, [sents[i] for i in ids], 12)
-                    if script == "jtcse":
-                        assert mb[1] == [sents[i] for i in ids]
-                        mb = mb[0]
-                assert mb.keys() == want.keys()
-                assert all(torch.equal(mb[key], want[key]) for key in want)
+                assert_micro_batch(script, tok, rows, step_ids[(k * 2 + r) * 4:][:4], mb)
 
 
 def uneven(rng, n):  # n sentences from 1 to 20 words: rows of very different lengths
@@ -1553,9 +1607,11 @@ def test_common_grouped_sscl_step_equals_padded_step(bert_nodrop_dir, pooler):
     batch = tokenize(tok, uneven(random.Random(1), B), 32, "cpu")
     batch = {k: torch.cat([v, v]) for k, v in batch.items()}  # two views, (2B, L)
 
+    def encode(b):
+        return enc(b, (1, 3))
+
     def loss_of(grouped):
-        run = lambda b: enc(b, (1, 3))  # noqa: E731
-        z, zs = common.in_length_groups(run, cost=0)(batch) if grouped else run(batch)
+        z, zs = common.in_length_groups(encode, cost=0)(batch) if grouped else encode(batch)
         return sscl.sscl_loss(z[:B], z[B:], [m[:B] for m in zs], 0.05)
     same_step([q for q in enc.parameters() if q.requires_grad], loss_of)
 
@@ -1574,10 +1630,23 @@ def test_common_grouped_jtcse_step_equals_padded_step(jt_env, tmp_path):
     same_step([q for q in twin.parameters() if q.requires_grad], loss_of)
     # distillation: one tower's CLS against a fixed target
     target = torch.randn(2 * B, 32, dtype=torch.float64)
-    cls = lambda b: towers[0](**b).last_hidden_state[:, 0]  # noqa: E731
-    same_step(list(towers[0].parameters()),
-              lambda g: F.mse_loss(common.in_length_groups(cls, cost=0)(batch) if g else cls(batch),
-                                   target))
+
+    def cls_of(b):  # tower a's CLS: (2B, H)
+        return towers[0](**b).last_hidden_state[:, 0]
+
+    def distill_loss(grouped):
+        cls = common.in_length_groups(cls_of, cost=0)(batch) if grouped else cls_of(batch)
+        return F.mse_loss(cls, target)
+    same_step(list(towers[0].parameters()), distill_loss)
+
+
+def bellm_triplet_loss(net, batch, grouped):
+    """BeLLM's loss of 6 triplets, encoded in length groups (grouped) or as one padded batch."""
+    def encode(x):
+        return net(x["input_ids"], x["attention_mask"])
+    h = common.in_length_groups(encode, cost=0)(batch) if grouped else encode(batch)
+    h = h.view(6, 3, -1)
+    return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -1588,12 +1657,7 @@ def test_common_grouped_bellm_step_equals_padded_step(tok_dir, tmp_path, side):
         net = bellm.BeLLM(dec, k, mode, "convert").train()
         # 6 triplets, (18, L)
         b = bl_batch(tok, [s for s in SENTS[:6] for s in (s, s[:9], s + " " + s)], side)
-
-        def loss_of(grouped):
-            run = lambda x: net(x["input_ids"], x["attention_mask"])  # noqa: E731
-            h = (common.in_length_groups(run, cost=0)(b) if grouped else run(b)).view(6, 3, -1)
-            return bellm.bellm_loss(h[:, 0], h[:, 1], h[:, 2], 0.05)
-        same_step(list(dec.parameters()), loss_of)
+        same_step(list(dec.parameters()), functools.partial(bellm_triplet_loss, net, b))
 
 
 @pytest.mark.slow
@@ -1697,16 +1761,26 @@ def find_cycle(graph):
     """A cycle of {module: the modules it imports} as [m, ..., m], or None (depth-first: a module
     met again on the current path closes a cycle)."""
     state = {}
-
-    def visit(m, path):
-        state[m] = "open"
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == "open":
-                return path + [m, n]
-            if n not in state and (cycle := visit(n, path + [m])):
+    for m in sorted(graph):
+        if m not in state:
+            cycle = cycle_from(graph, state, m, [])
+            if cycle:
                 return cycle
-        state[m] = "done"
-    return next((c for m in sorted(graph) if m not in state and (c := visit(m, []))), None)
+    return None
+
+
+def cycle_from(graph, state, m, path):
+    """find_cycle's depth-first visit of module m, reached by path: -> a cycle, or None."""
+    state[m] = "open"
+    for n in sorted(graph.get(m, ())):
+        if state.get(n) == "open":
+            return path + [m, n]
+        if n not in state:
+            cycle = cycle_from(graph, state, n, path + [m])
+            if cycle:
+                return cycle
+    state[m] = "done"
+    return None
 
 
 def test_tools_the_import_test_finds_a_cycle(tmp_path, monkeypatch):
@@ -1808,8 +1882,8 @@ def test_seeds_seed_summary_equals_numpy_and_scipy(tmp_path):
     assert stats["runs"]["STS Avg."][0] == pytest.approx(A.mean())
     proc = run("seeds.py", *files["a"], "--against", *files["b"])
     assert proc.returncode == 0, proc.stderr
-    t_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("t ")][0]
-    p_row = [l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("p ")][0]
+    t_row = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("t ")][0]
+    p_row = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("p ")][0]
     for j in range(7):
         want = ttest_rel(A[:, j], B[:, j])
         assert float(t_row[j]) == pytest.approx(want.statistic, abs=1e-3)
@@ -2128,7 +2202,9 @@ def test_harness_a_loss_not_finite_between_reads_stops_the_run_with_the_last_sav
     evaluations, saves): a loss that becomes NaN at step 5 (no read there: step lines every 3,
     evaluations every 4) stops the run at step 6's read, before its save, with one line naming
     step 5; checkpoint.pt is step 4's, its weights finite, resumable."""
-    out, module, calls = tmp_path / "run", SCRIPTS[script], []
+    out = tmp_path / "run"
+    module = SCRIPTS[script]
+    calls = []
     every = ["--max-steps", 6, "--eval-steps", 4, "--log-steps", 3]
     args = tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path,
                     monkeypatch, *every)
@@ -2197,12 +2273,17 @@ def test_harness_a_step_reads_nothing_back_from_the_device(
     Nor does transformers' code: its mask code reads a 2-D attention mask's padding_mask.all()
     back in every forward (masking_utils), so the BERTs (SSCL, JTCSE) get a 4-D mask, which it
     takes as it is, and BeLLM builds its own; every read, whoever makes it, counted in steps 2-4."""
-    out, module, found = tmp_path / "run", SCRIPTS[script], []
+    out = tmp_path / "run"
+    module = SCRIPTS[script]
+    found = []
     every_read = []  # per step: each read, whoever makes it
     every = ["--max-steps", 5, "--eval-steps", 5, "--log-steps", 5, f"--{grouping}"]
     args = tiny_run(script, out, bert_dir, train_txt, sts_dir, jt_env, tok_dir, tmp_path,
                     monkeypatch, *every)
-    step, tolist, reads, inside = harness.Meter.step, torch.Tensor.tolist, DeviceReads(), []
+    step = harness.Meter.step
+    tolist = torch.Tensor.tolist
+    reads = DeviceReads()
+    inside = []
 
     @contextlib.contextmanager
     def counted(meter, forward):
@@ -2280,8 +2361,9 @@ def sscl_authors_by_hand(z1, z2, negs, temp):
     n2) as columns and takes the CrossEntropy again; `cl_forward` returns (loss + r_loss) / 2
     (do_neg), else r_loss. negs: [(n1, n2) per layer]. Similarity = nn.CosineSimilarity(dim=-1) /
     temp."""
-    sim = lambda x, y: F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0),  # noqa: E731
-                                           dim=-1) / temp
+
+    def sim(x, y):  # (B, B) cosines / temp
+        return F.cosine_similarity(x.unsqueeze(1), y.unsqueeze(0), dim=-1) / temp
     labels = torch.arange(len(z1))
     cos_sim = sim(z1, z2)
     r_loss = torch.nn.CrossEntropyLoss()(cos_sim, labels)
@@ -2301,7 +2383,9 @@ def test_sscl_loss_equals_transcription():
     torch.manual_seed(0)
     B, D, tau = 5, 7, 0.05
     h, h_pos, n1, n2 = (torch.randn(B, D, dtype=torch.float64) for _ in range(4))
-    cos = lambda x, y: (x @ y / (x.norm() * y.norm())).item()  # noqa: E731
+
+    def cos(x, y):
+        return (x @ y / (x.norm() * y.norm())).item()
     for negs in ([], [n1], [n1, n2]):
         want = 0.0
         for i in range(B):
@@ -2404,7 +2488,7 @@ def test_sscl_no_aug_and_analyze(bert_dir, train_txt, sts_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     an = run("sscl_analysis.py", "--model", tmp_path / "r", "--data-dir", sts_dir)
     assert an.returncode == 0, an.stderr
-    rows = [l.split() for l in an.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
+    rows = [line.split() for line in an.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3, 4]  # embeddings + 4 layers
     assert all(-1 <= float(x) <= 1 for r in rows for x in r[1:])
 
@@ -2581,7 +2665,7 @@ def test_sscl_convergence_prints_and_draws_the_curves_of_run_folders(tmp_path, c
     code, log, err = main_of(sscl_analysis, capsys, monkeypatch, "--convergence", "--model",
                              tmp_path / "simcse", tmp_path / "sscl", "--plot", tmp_path / "f.png")
     assert code == 0, err
-    table = [l.split() for l in log.splitlines() if re.match(r"\s*(step|\d+)\s", l)]
+    table = [line.split() for line in log.splitlines() if re.match(r"\s*(step|\d+)\s", line)]
     assert table == [["step", "simcse", "sscl"], ["0", "79.73", "79.73"], ["25", "-", "82.00"],
                      ["50", "83.64", "83.55"], ["100", "83.77", "-"]]
     assert png_size(tmp_path / "f.png") == (810, 630)
@@ -2715,13 +2799,16 @@ def test_jtcse_cael_cact_equals_hand_computation_of_eq10(jt_env, arch):
 
     def qkv(layer, h):  # per head: (N, 4, L, 8)
         s = layer.attention.self
-        lin = lambda m: (h @ m.weight.T + m.bias).view(2, -1, 4, 8).transpose(1, 2)  # noqa: E731
+
+        def lin(m):  # (2, 4 heads, L, 8)
+            return (h @ m.weight.T + m.bias).view(2, -1, 4, 8).transpose(1, 2)
         return lin(s.query), lin(s.key), lin(s.value)
 
     (qa, ka, va), (qb, kb, vb) = qkv(la, x[0]), qkv(lb, x[1])
     pad = (batch["attention_mask"] == 0)[:, None, None, :]
-    sa = lambda q, k: torch.softmax(  # noqa: E731
-        (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(pad, -1e30), -1)
+
+    def sa(q, k):  # the attention weights SA
+        return torch.softmax((q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(pad, -1e30), -1)
     cact_a = (sa(qa, ka) @ vb).transpose(1, 2).reshape(2, -1, 32)  # eq. 10: SA_I · V_II
     cact_b = (sa(qb, kb) @ va).transpose(1, 2).reshape(2, -1, 32)  # SA_II · V_I
     torch.testing.assert_close(ctxs[0], cact_a, atol=1e-5, rtol=1e-5)
@@ -2765,9 +2852,14 @@ def test_jtcse_each_loss_term_equals_its_equation():
     torch.testing.assert_close(jtcse.tmc(z, zp, h[0][:B], h[1][:B]),  # eq. 13
                                tmc_by_hand(z, zp, h[0][:B], h[1][:B]), atol=1e-5, rtol=1e-5)
     a = jtcse.p.parse_args([])
+
+    def v1(x):  # the first views: (B, H)
+        return x[:B]
+
+    def v2(x):  # the second views: (B, H)
+        return x[B:]
     for R in (0, 1):
         loss, t = jtcse_loss_of(h, hP, c, R, a)
-        v1, v2 = lambda x: x[:B], lambda x: x[B:]  # noqa: E731
         # eq. 11, both towers
         nce = nce_by_hand(v1(h[0]), v2(h[0])) + nce_by_hand(v1(h[1]), v2(h[1]))
         I_II = nce_by_hand(v1(h[0]), v2(h[1])) + nce_by_hand(v1(c[0]), v2(c[1]))
@@ -2920,7 +3012,9 @@ def test_jtcse_modulus_factor_is_eq5_and_zero_only_for_equal_vectors():
     assert (jtcse.modulus_ratio(a, rot) > 0.01).all()
     # over k and t the eq. 5 form is minimal (0) only at k = 1, t = 1
     kk = torch.linspace(0.2, 3, 57)
-    f = lambda k, t: (1 + k ** 2 - 2 * k * t).sqrt() / (1 + k)  # noqa: E731
+
+    def f(k, t):
+        return (1 + k ** 2 - 2 * k * t).sqrt() / (1 + k)
     assert (f(kk, torch.ones_like(kk)).argmin() == (kk - 1).abs().argmin()
             and f(torch.tensor(1.), torch.tensor(1.)) == 0)
 
@@ -2932,8 +3026,11 @@ def test_jtcse_cost_equals_hand_count_of_linear_and_attention_matmuls(jt_env, tm
     + attention's Q·K^T and A·V, per layer; the Linear column = the Linear layers alone (thop's
     count); a twin = the sum of its towers, an sscl.py projection adds H x proj_dim."""
     d, _ = jt_env
-    L, H, I, n = 16, 32, 64, 4
-    linear = n * (4 * L * H * H + 2 * L * H * I) + H * H
+    L = 16  # tokens
+    H = 32  # hidden size
+    inner = 64  # the feed-forward's inner size
+    n = 4  # layers
+    linear = n * (4 * L * H * H + 2 * L * H * inner) + H * H
     attention = n * 2 * L * L * H  # (L x H)·(H x L) and (L x L)·(L x H), all heads together
     params, macs, lin = jtcse_analysis.inference_cost(str(d / "a"), L)
     assert (macs, lin) == (linear + attention, linear)
@@ -2978,8 +3075,8 @@ def test_jtcse_e_cls_is_eq6_on_the_stock_models_attention_context(jt_env):
     got = jtcse_analysis.e_cls({"a": ([tower], tok, 0)}, sents, 32, torch.device("cpu"),
                                batch_size=2)["a"]  # (1 tower, 4 layers)
     ctx = []
-    hooks = [l.attention.output.dense.register_forward_pre_hook(lambda m, x: ctx.append(x[0]))
-             for l in tower.encoder.layer]
+    hooks = [layer.attention.output.dense.register_forward_pre_hook(lambda m, x: ctx.append(x[0]))
+             for layer in tower.encoder.layer]
     want = torch.zeros(4)
     with torch.no_grad():
         for s in sents:
@@ -3017,7 +3114,9 @@ def test_jtcse_train_save_eval_distill_and_determinism(jt_env, tmp_path, capsys,
     d, _ = jt_env
     o1, o2 = (jt_train(jt_env, tmp_path / "run1", capsys, monkeypatch),
               jt_train(jt_env, tmp_path / "run2", capsys, monkeypatch))
-    strip = lambda s: re.sub(r"  (sent/s|GFLOP/s) \S+", "", s)  # noqa: E731
+
+    def strip(s):  # the log without its speeds
+        return re.sub(r"  (sent/s|GFLOP/s) \S+", "", s)
     assert "step     3  loss" in o1 and "icnce" in o1 and "stsb_dev" in o1
     # same seed, same losses
     assert strip(o1.replace("run1", "run")) == strip(o2.replace("run2", "run"))
@@ -3137,7 +3236,7 @@ def test_jtcse_drop_layernorm_trains_evaluates_and_draws_fig8(jt_env, tmp_path, 
     sents, _ = jtcse_analysis.stsb_sentences(data)
     for m, n, ts in ((models[0], 0, [BertModel.from_pretrained(d / "a").eval()]),
                      (models[1], 1, towers)):
-        row = next(l.split() for l in out.splitlines() if l.startswith(m + " "))
+        row = next(line.split() for line in out.splitlines() if line.startswith(m + " "))
         norms = jtcse_analysis.modulus(ts, tok, sents, 16, torch.device("cpu"))
         avg = jtcse_analysis.sts_average(m, data, torch.device("cpu"))
         assert row[1:] == [str(n), f"{norms[0]:.3f}", f"{norms[1]:.3f}", f"{avg:.2f}"]
@@ -3163,25 +3262,16 @@ def test_jtcse_analyze_prints_e_cls_table(jt_env, capsys, monkeypatch):
     assert rows[0][2:4] == rows[0][4:6] and rows[1][2:4] != rows[1][4:6]
 
 
-@pytest.mark.slow
-def test_jtcse_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
-    """--compare (Fig. 10), --cost (Table VII) and --attention (Fig. 9) on tower a, tower b and
-    their twin: the printed correlations are scipy's of the printed columns, the cost columns are
-    inference_cost's, η = Avg. / GMACs, the attention shares are the maps' column means; eval_sts.py
-    draws Fig. 7 for several models."""
+def assert_compare_table(out, models, data):
+    """--compare's table (Fig. 10) of models: E_CLS per layer and the 7-STS average as printed,
+    from the functions behind them; each layer's correlations over the models scipy's."""
     from scipy.stats import pearsonr, spearmanr
-    d, _ = jt_env
-    twin = jt_run_dir(jt_env, tmp_path / "twin")
-    models = [str(d / "a"), str(d / "b"), str(twin)]
-    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
-                        tmp_path / "fig10.png")
-    rows = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in out.splitlines()
-            if l.split() and l.split()[0] in models + ["Spearman", "Pearson"]}
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.split() and line.split()[0] in models + ["Spearman", "Pearson"]}
     assert list(rows) == models + ["Spearman", "Pearson"]
-    # E_CLS per layer and the 7-STS average as printed, from the functions behind them
-    data = common.senteval_dir(str(JT_DATA["sts"]))
     sents, _ = jtcse_analysis.stsb_sentences(data)
-    E, y = [], []
+    E = []
+    y = []
     for m in models:
         towers, tok = jtcse.load_towers(jtcse_analysis.towers_of(m))
         E.append(jtcse_analysis.e_cls({m: ([t.eval() for t in towers], tok, 0)}, sents, 16,
@@ -3194,31 +3284,53 @@ def test_jtcse_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, cap
         assert rows["Pearson"][j] == pytest.approx(pearsonr(x, y).statistic, abs=1e-3)
     rho, r = re.search(r"Spearman (\S+), Pearson (\S+)$", out, re.M).groups()
     assert [float(rho), float(r)] == [rows["Spearman"][3], rows["Pearson"][3]]  # the last layer
-    assert png_size(tmp_path / "fig10.png") == (810, 630)
-    uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
-    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost",
-                            16)
-    assert "a sentence of 16 tokens" in out
-    assert float(next(l.split()[5] for l in out.splitlines() if l.startswith(uc + " "))) == \
+
+
+def assert_cost_table(out, models, uc, data):
+    """--cost's table (Table VII) of tower a, the twin and the ensemble uc (the twin + tower b):
+    the cost columns inference_cost's, uc's average the ensemble's, η = Avg. / GMACs."""
+    uc_row = next(line.split() for line in out.splitlines() if line.startswith(uc + " "))
+    assert float(uc_row[5]) == \
         pytest.approx(np.mean(list(common.evaluate(eval_sts.load_ensemble(
             [models[2], models[1]], device=torch.device("cpu")), data).values())), abs=0.005)
     for name, t in ((models[0], 1), (models[2], 2), (uc, 3)):
-        row = next(l.split() for l in out.splitlines() if l.startswith(name + " "))
+        row = next(line.split() for line in out.splitlines() if line.startswith(name + " "))
         params, macs, linear = jtcse_analysis.inference_cost(name, 16)
         assert row[1:5] == [str(t), f"{params / 1e6:.2f}M", f"{macs / 1e9:.3f}",
                             f"{linear / 1e9:.3f}"]
         # η of the unrounded average: within the printed average's rounding (±0.005) / GMACs
         assert float(row[6]) == pytest.approx(float(row[5]) / (macs / 1e9),
                                               abs=0.005 / (macs / 1e9) + 0.005)
+
+
+@pytest.mark.slow
+def test_jtcse_compare_cost_attention_and_fig10_end_to_end(jt_env, tmp_path, capsys, monkeypatch):
+    """--compare (Fig. 10), --cost (Table VII) and --attention (Fig. 9) on tower a, tower b and
+    their twin: the printed correlations are scipy's of the printed columns, the cost columns are
+    inference_cost's, η = Avg. / GMACs, the attention shares are the maps' column means; eval_sts.py
+    draws Fig. 7 for several models."""
+    d, _ = jt_env
+    twin = jt_run_dir(jt_env, tmp_path / "twin")
+    models = [str(d / "a"), str(d / "b"), str(twin)]
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", *models, "--max-len", 16, "--plot",
+                        tmp_path / "fig10.png")
+    data = common.senteval_dir(str(JT_DATA["sts"]))
+    assert_compare_table(out, models, data)
+    assert png_size(tmp_path / "fig10.png") == (810, 630)
+    uc = f"{models[2]}+{models[1]}"  # an ensemble (+UC): the twin and tower b
+    _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], uc, "--cost",
+                            16)
+    assert "a sentence of 16 tokens" in out
+    assert_cost_table(out, models, uc, data)
     sentence = "a man is playing a guitar ."
     _, out, _ = jt_analysis(capsys, monkeypatch, "--compare", models[0], models[2], "--attention",
                         sentence, "--plot", tmp_path / "fig9.png")
-    assert [l.split(" (")[0] for l in out.splitlines() if "tokens:" in l] == [
+    assert [line.split(" (")[0] for line in out.splitlines() if "tokens:" in line] == [
         models[0], models[2] + " I", models[2] + " II"]
     tok = PreTrainedTokenizerFast.from_pretrained(d / "a")
     maps = jtcse_analysis.attention_maps(BertModel.from_pretrained(d / "a").eval(),
                                          jt_batch_of(tok, [sentence]))
-    shares = [l.split()[1:3] for l in out.splitlines()[3:7]]  # tower a, layers 1-4
+    shares = [line.split()[1:3] for line in out.splitlines()[3:7]]  # tower a, layers 1-4
     assert shares == [[f"{m[0].mean(0)[0]:.3f}", f"{m[0].mean(0)[-1]:.3f}"] for m in maps]
     assert png_size(tmp_path / "fig9.png") == (1800, 1350)  # 3 towers x 4 layers, 3 x 3 inches
     code, out, err = main_of(eval_sts, capsys, monkeypatch, "--model", models[0], models[2],
@@ -3329,19 +3441,19 @@ def test_bellm_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
         out, pos = bl_stock(dec, b)
         hs, n = out.hidden_states, len(dec.layers)
         # --bi-layers 0 is the stock model, exactly
-        ours = bellm.forward(dec, b["input_ids"], am, 0, "parallel", "convert")
+        ours = bellm.decoder_forward(dec, b["input_ids"], am, 0, "parallel", "convert")
         assert torch.equal(bl_real(ours, am), bl_real(out.last_hidden_state, am))
         # sequential K = 1: the last layer run by hand on the causal stack's output with a
         # padding-only mask
         pe = dec.rotary_emb(hs[0], pos)
         last = dec.layers[-1](hs[n - 1], attention_mask=pad_mask(am), position_embeddings=pe,
                               position_ids=pos)
-        ours = bellm.forward(dec, b["input_ids"], am, 1, "sequential", "convert")
+        ours = bellm.decoder_forward(dec, b["input_ids"], am, 1, "sequential", "convert")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(last), am))
         # parallel K = 1, eq. 5: h = LLM->^{1:n-1}(x) + BiLLM<->^{n}(x), then the final norm
         bi = dec.layers[-1](hs[0], attention_mask=pad_mask(am), position_embeddings=pe,
                             position_ids=pos)
-        ours = bellm.forward(dec, b["input_ids"], am, 1, "parallel", "convert")
+        ours = bellm.decoder_forward(dec, b["input_ids"], am, 1, "parallel", "convert")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(hs[n - 1] + bi), am))
         # K = n (every layer bidirectional): both wirings are the bidirectional stack on x
         g = hs[0]
@@ -3349,7 +3461,7 @@ def test_bellm_k0_equals_stock_and_eq5(tok_dir, tmp_path, family, attn):
             g = layer(g, attention_mask=pad_mask(am), position_embeddings=pe, position_ids=pos)
         for mode in ("parallel", "sequential"):
             torch.testing.assert_close(
-                bl_real(bellm.forward(dec, b["input_ids"], am, n, mode, "convert"), am),
+                bl_real(bellm.decoder_forward(dec, b["input_ids"], am, n, mode, "convert"), am),
                 bl_real(dec.norm(g), am))
         # the bidirectional layer does read the right context: non-last positions change
         assert not torch.allclose(bl_real(ours, am), bl_real(out.last_hidden_state, am))
@@ -3377,7 +3489,7 @@ def test_bellm_add_strategy_is_a_copy_on_top(tok_dir, tmp_path):
                            position_ids=pos)
         torch.testing.assert_close(bl_real(dec.norm(h4), am), bl_real(out.last_hidden_state, am))
         # all 4 causal layers + 2 new on x
-        ours = bellm.forward(dec, b["input_ids"], am, 2, "parallel", "add")
+        ours = bellm.decoder_forward(dec, b["input_ids"], am, 2, "parallel", "add")
         torch.testing.assert_close(bl_real(ours, am), bl_real(dec.norm(h4 + g), am))
 
 
@@ -3389,7 +3501,7 @@ def test_bellm_last_token_k1_sequential_equals_k0(tok_dir, tmp_path):
     b = bl_batch(tok, SENTS)
     with torch.no_grad():
         e = {(k, m): bellm.last_token(
-                 bellm.forward(dec, b["input_ids"], b["attention_mask"], k, m, "convert"),
+                 bellm.decoder_forward(dec, b["input_ids"], b["attention_mask"], k, m, "convert"),
                  b["attention_mask"])
              for k in (0, 1, 2) for m in ("parallel", "sequential")}
     torch.testing.assert_close(e[1, "sequential"], e[0, "sequential"])
@@ -3437,7 +3549,9 @@ def test_bellm_mask_is_padding_only_or_causal():
 
 def test_bellm_loss_is_eq6():
     torch.manual_seed(0)
-    h, hp, hn = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    h = torch.randn(4, 8)
+    hp = torch.randn(4, 8)
+    hn = torch.randn(4, 8)
     cos, t = torch.nn.functional.cosine_similarity, 0.05
     want = 0
     for i in range(4):  # eq. 6, term by term
@@ -3463,7 +3577,8 @@ def test_bellm_base_fingerprint_covers_every_base_weight(tok_dir, tmp_path):
     for dtype, lora in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
         _, dec = bellm.load_decoder(str(d), 1, "convert", bl_CPU, dtype)
         if lora:
-            bellm.add_lora(dec, 4, 4, 0.0, autocast=torch.bfloat16)  # frozen Linears in bf16
+            bellm.add_lora(dec, 4, 4, 0.0)
+            bellm.cast_frozen_linears(dec, torch.bfloat16)  # frozen Linears in bf16
         prints.append(bellm.base_checksums(dec))
     for p in prints[1:]:
         assert p["base_fingerprint"] == pytest.approx(prints[0]["base_fingerprint"], rel=1e-9)
@@ -3501,7 +3616,9 @@ def test_bellm_lora_save_reload_and_zero_shot_meta(tok_dir, tmp_path):
 # ---- BeLLM: end to end, resume, C-STS, bad inputs ----
 @pytest.mark.slow
 def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, monkeypatch):
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path)
     logs = []
     for i in range(2):
         code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
@@ -3517,7 +3634,7 @@ def test_bellm_end_to_end_deterministic_and_eval_sts(tok_dir, tmp_path, capsys, 
     assert "\n".join(out.splitlines()[-2:]) in card  # the card rewritten with it
     assert "\n".join(out.splitlines()[-2:]) not in (tmp_path / "run0" / harness.BEST /
                                                     "README.md").read_text()
-    meta = json.load(open(tmp_path / "run1" / harness.BEST / "sentemb.json"))
+    meta = json.loads((tmp_path / "run1" / harness.BEST / "sentemb.json").read_text())
     assert meta["method"] == "bellm" and meta["bi_layers"] == 2 and meta["bi_mode"] == "parallel"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "run1"), "--data-dir", str(data), "--tasks",
                "STS-B")
@@ -3531,13 +3648,15 @@ def test_bellm_resume_continues_the_same_run(tok_dir, tmp_path, capsys, monkeypa
     """A run killed during step 3 and restarted with --resume logs the losses of the uninterrupted
     run (weights, optimiser, lr schedule, RNG and data position all come back from checkpoint.pt of
     step 2)."""
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=20))
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path, rows=20)
     args = ["--model", model, "--train", train, "--data-dir", data, "--batch-size", 4,
             "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4, "--no-final-eval",
             "--no-eval-first", "--max-steps", 4]
-    losses = lambda out: [line.split("rows/s")[0] for line in out.splitlines()  # noqa: E731
-                          if " loss " in line]
+
+    def losses(out):  # the step lines up to their speed
+        return [line.split("rows/s")[0] for line in out.splitlines() if " loss " in line]
     code, whole, err = bl_main(capsys, monkeypatch, *args, "--output-dir", tmp_path / "a")
     assert code == 0, err
     calls, eq6 = [], bellm.bellm_loss
@@ -3586,7 +3705,9 @@ def test_bellm_csts_training(tok_dir, tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_bellm_bad_inputs(tok_dir, tmp_path, capsys, monkeypatch):
     from transformers import BertConfig, BertModel
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path)
     bert = tmp_path / "bert"
     BertModel(BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32)).save_pretrained(bert)
@@ -3627,7 +3748,9 @@ def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, cap
     """bf16 weights + gradient checkpointing + bf16 autocast (what CUDA runs by default): finite
     losses close to the fp32 run's, and eval_sts.py on the saved adapter (base reloaded in bf16)
     prints the run's final table."""
-    model, data, train = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path)
     logs = {}
     for name, extra in (("fp32", []), ("gpu", ["--dtype", "bfloat16", "--grad-ckpt", "--bf16"])):
         code, out, err = bl_main(capsys, monkeypatch, "--model", model, "--train", train,
@@ -3641,7 +3764,8 @@ def test_bellm_gpu_configuration_trains_saves_and_reloads(tok_dir, tmp_path, cap
     assert len(logs["gpu"]) == 3 and all(math.isfinite(x) for x in logs["gpu"])
     # bf16 rounding, not a different computation
     assert logs["gpu"] == pytest.approx(logs["fp32"], rel=0.03)
-    assert json.load(open(tmp_path / "gpu" / harness.BEST / "sentemb.json"))["dtype"] == "bfloat16"
+    meta = json.loads((tmp_path / "gpu" / harness.BEST / "sentemb.json").read_text())
+    assert meta["dtype"] == "bfloat16"
     e = bl_run("eval_sts.py", "--model", str(tmp_path / "gpu"), "--data-dir", str(data), "--tasks",
                "STS-B", "--bf16")
     assert e.returncode == 0, e.stderr
@@ -3683,8 +3807,11 @@ def test_bellm_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
     b = bl_batch(tok, SENTS[:6])
 
     def loss_of(ckpt):
-        (dec.gradient_checkpointing_enable if ckpt else dec.gradient_checkpointing_disable)(
-            **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if ckpt else {}))
+        if ckpt:  # as bellm.py
+            dec.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            dec.activation_checkpointing_disable()
         # what autograd keeps for the backward: far less when the layers are checkpointed
         sizes = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
@@ -3695,6 +3822,24 @@ def test_bellm_gradient_checkpointing_gives_the_same_step(tok_dir, tmp_path):
     kept = {}
     same_step(list(dec.parameters()), loss_of)
     assert kept[True] < kept[False] / 3
+
+
+def bytes_saved_for_backward(weights, model, *inputs):
+    """The bytes of the tensors autograd keeps for the backward of model(*inputs), each storage
+    once, the storages of weights excluded."""
+    seen = {q.untyped_storage().data_ptr() for q in weights}
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            saved += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return saved
 
 
 def test_bellm_memory_estimate_counts_the_saved_activations(tmp_path):
@@ -3713,19 +3858,12 @@ def test_bellm_memory_estimate_counts_the_saved_activations(tmp_path):
                                               target_modules="all-linear")).train()
         n_lora = sum(q.numel() for q in lora.parameters() if q.requires_grad)
         ids, am = torch.randint(0, 100, (6, 20)), torch.ones(6, 20, dtype=torch.long)
-        seen, saved = {q.untyped_storage().data_ptr() for q in lora.parameters()}, [0]
-
-        def pack(t):  # every tensor kept for the backward, once, weights excluded
-            if (k := t.untyped_storage().data_ptr()) not in seen:
-                seen.add(k)
-                saved[0] += t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            bellm.BeLLM(dec, 1, "parallel", "convert")(ids, am)
+        saved = bytes_saved_for_backward(lora.parameters(),
+                                         bellm.BeLLM(dec, 1, "parallel", "convert"), ids, am)
         w, o, act = bellm.memory_estimate(dec, n_lora, s, 120, 20, 8, False)
         assert w * 2**30 == sum(q.numel() for q in dec.parameters() if not q.requires_grad) * s
         assert o * 2**30 == 16 * n_lora
-        assert act * 2**30 == pytest.approx(saved[0], rel=0.1)
+        assert act * 2**30 == pytest.approx(saved, rel=0.1)
 
 
 # ---- BeLLM: analyses (bellm_analysis.py): degradation, dependency, App. A words ----
@@ -3784,7 +3922,9 @@ def test_bellm_share_of_words_not_among_the_n_most_frequent_by_hand():
     tokens = [" Dog", "toy", '"', "THE", "piano", "cat's", " and", "12", "\n"]
     words = [bellm_analysis.as_word(t) for t in tokens]
     assert words == ["dog", "toy", None, "the", "piano", "cat's", "and", None, None]
-    share = lambda n: bellm_analysis.not_frequent(words, counts, n)  # noqa: E731
+
+    def share(n):
+        return bellm_analysis.not_frequent(words, counts, n)
     assert share(1) == 8 / 9  # top {the}: all but "the"
     assert share(2) == 7 / 9  # top {the, dog}
     assert share(3) == 7 / 9  # + cat (first seen of the words counted once), not "and"
@@ -3827,15 +3967,14 @@ def test_bellm_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
     K = 0 (the stock model's last hidden state, pivot = last token) on bare sentences, and a BERT
     (pivot = CLS); and with the prompt, the tokens scored are exactly the sentence's."""
     from scipy.stats import spearmanr
-    from transformers import AutoModel, AutoTokenizer
     tok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 0, "convert", bl_CPU)
     dec.eval()
     sents = SENTS[:5]
     with torch.no_grad():
         spans = [(0, len(s)) for s in sents]
         got, control = bellm_analysis.dependency_scores(
-            lambda ids, am: bellm.forward(dec, ids, am, 0, "parallel", "convert"), tok, sents,
-                                                        spans, True, bl_CPU)
+            lambda ids, am: bellm.decoder_forward(dec, ids, am, 0, "parallel", "convert"), tok,
+            sents, spans, True, bl_CPU)
         hs = {s: dec(input_ids=tok(s, return_tensors="pt")["input_ids"]).last_hidden_state[0]
               for s in sents}
         for s, g in zip(sents, got):  # stock model, one sentence at a time, no padding
@@ -3848,18 +3987,30 @@ def test_bellm_dependency_equals_scipy_by_hand(tok_dir, bert_dir, tmp_path):
             want = np.mean([spearmanr(hs[s][-1], hs[nxt][j]).statistic
                             for j in range(len(hs[nxt]) - 1)])
             assert control[sents.index(s)] == pytest.approx(want, abs=1e-9)
-        btok, bert = (AutoTokenizer.from_pretrained(bert_dir),
-                      AutoModel.from_pretrained(bert_dir).eval())
-        got, _ = bellm_analysis.dependency_scores(
-            lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents,
-                                                  spans, False, bl_CPU)
-        for s, g in zip(sents, got):
-            h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
-            want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
-            assert g == pytest.approx(want, abs=1e-9)
-    # with the prompt: only the sentence's own tokens are scored. Hidden states looked up by token
-    # id from a random table, so the expected score is computable from the sentence tokenised alone
-    # (a leading space, as in the prompt; a token that is only that space belongs to the prompt)
+        assert_bert_dependency_by_hand(bert_dir, sents, spans)
+    assert_prompted_dependency_scores_the_sentence(tok, sents)
+
+
+def assert_bert_dependency_by_hand(bert_dir, sents, spans):
+    """dependency_scores of a BERT (pivot = CLS) on bare sentences = spearmanr token by token."""
+    from scipy.stats import spearmanr
+    btok = AutoTokenizer.from_pretrained(bert_dir)
+    bert = AutoModel.from_pretrained(bert_dir).eval()
+    got, _ = bellm_analysis.dependency_scores(
+        lambda ids, am: bert(input_ids=ids, attention_mask=am).last_hidden_state, btok, sents,
+        spans, False, bl_CPU)
+    for s, g in zip(sents, got):
+        h = bert(**btok(s, return_tensors="pt")).last_hidden_state[0]  # [CLS] tokens [SEP]
+        want = np.mean([spearmanr(h[0], h[j]).statistic for j in range(1, len(h) - 1)])
+        assert g == pytest.approx(want, abs=1e-9)
+
+
+def assert_prompted_dependency_scores_the_sentence(tok, sents):
+    """With the prompt: only the sentence's own tokens are scored. Hidden states looked up by
+    token id from a random table, so the expected score is computable from the sentence tokenised
+    alone (a leading space, as in the prompt; a token that is only that space belongs to the
+    prompt)."""
+    from scipy.stats import spearmanr
     table = torch.randn(len(tok), 16, generator=torch.Generator().manual_seed(0))
     texts = [bellm.fill(bellm.PROMPT, s) for s in sents]
     lead = len(bellm.fill(bellm.PROMPT.split("{sentence}")[0], ""))
@@ -3947,31 +4098,44 @@ def test_tools_three_layers_in_their_sizes_and_each_main_a_page_of_plain_torch()
     for script in ("sscl", "jtcse", "bellm"):
         tree = ast.parse((ROOT / f"{script}.py").read_text())
         main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        assert main.end_lineno - main.lineno + 1 <= 100, script
-        assert len(names_of(main, {"common", "harness"})) <= 15, names_of(main, {"common",
-                                                                                "harness"})
-        loop = next(n for n in main.body if isinstance(n, ast.For))
-        assert len(names_of(loop, {"common", "harness", "run", "meter"})) <= 10, script
-        code = ast.unparse(main)
-        for call in ("DDP(raw_model)", "model.no_sync()", "torch.amp.GradScaler(",
-                     "scale=scaler.scale", "scaler.unscale_(optimizer)",
-                     "torch.nn.utils.clip_grad_norm_(", "scaler.step(optimizer)", "scaler.update()",
-                     "scheduler.step()", "raw_model.train()",
-                     "optimizer.zero_grad(set_to_none=True)"):
-            assert call in code, (script, call)
-        # the gradient scaler's recipe: clipping on the unscaled gradients, then its step
-        order = ["scaler.unscale_(optimizer)", "clip_grad_norm_(", "scaler.step(optimizer)",
-                 "scaler.update()", "scheduler.step()", "optimizer.zero_grad("]
-        assert [code.index(c) for c in order] == sorted(code.index(c) for c in order), script
-        # the order: the paper, train_step, the data loader, main(); then, past a banner, the
-        # run folder's code (a reader of the paper may stop at main())
-        top = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        assert top.index("train_step") < top.index("step_rows") < top.index("main") < top.index(
-            "make_encode") < top.index("check_run") < top.index("check_args"), (script, top)
-        lines = (ROOT / f"{script}.py").read_text().splitlines()
-        banner = next(i for i, x in enumerate(lines) if x.startswith("# ====") and "stop" in x)
-        assert main.end_lineno < banner + 1 < min(n.lineno for n in tree.body if isinstance(
-            n, ast.FunctionDef) and n.name == "make_encode"), script
+        assert_main_a_page_of_plain_torch(script, main)
+        assert_the_paper_then_the_run_folder(script, tree, main)
+
+
+def assert_main_a_page_of_plain_torch(script, main):
+    """The script's main() (its syntax tree): a page, at most 15 names of common.py and
+    harness.py, its loop at most 10 names from other files, the update in plain torch in the
+    gradient scaler's order."""
+    import ast
+    assert main.end_lineno - main.lineno + 1 <= 100, script
+    assert len(names_of(main, {"common", "harness"})) <= 15, names_of(main, {"common",
+                                                                            "harness"})
+    loop = next(n for n in main.body if isinstance(n, ast.For))
+    assert len(names_of(loop, {"common", "harness", "run", "meter"})) <= 10, script
+    code = ast.unparse(main)
+    for call in ("DDP(raw_model)", "model.no_sync()", "torch.amp.GradScaler(",
+                 "scale=scaler.scale", "scaler.unscale_(optimizer)",
+                 "torch.nn.utils.clip_grad_norm_(", "scaler.step(optimizer)", "scaler.update()",
+                 "scheduler.step()", "raw_model.train()",
+                 "optimizer.zero_grad(set_to_none=True)"):
+        assert call in code, (script, call)
+    # the gradient scaler's recipe: clipping on the unscaled gradients, then its step
+    order = ["scaler.unscale_(optimizer)", "clip_grad_norm_(", "scaler.step(optimizer)",
+             "scaler.update()", "scheduler.step()", "optimizer.zero_grad("]
+    assert [code.index(c) for c in order] == sorted(code.index(c) for c in order), script
+
+
+def assert_the_paper_then_the_run_folder(script, tree, main):
+    """The script's order: the paper, train_step, the data loader, main(); then, past a banner,
+    the run folder's code (a reader of the paper may stop at main())."""
+    import ast
+    top = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert top.index("train_step") < top.index("micro_batches") < top.index("main") < top.index(
+        "make_encode") < top.index("check_run") < top.index("check_args"), (script, top)
+    lines = (ROOT / f"{script}.py").read_text().splitlines()
+    banner = next(i for i, x in enumerate(lines) if x.startswith("# ====") and "stop" in x)
+    assert main.end_lineno < banner + 1 < min(n.lineno for n in tree.body if isinstance(
+        n, ast.FunctionDef) and n.name == "make_encode"), script
 
 
 def test_harness_flopcount_equals_torchs_flop_counter_on_a_step_of_each_script(bert_dir, tok_dir,
@@ -4111,22 +4275,27 @@ def test_harness_compile_flag_gives_the_eager_runs_losses_and_weights(
     scores of these tiny untrained models rank near-equal cosines, so rounding may reorder them).
     bellm-ckpt: with --grad-ckpt (CUDA's default), checkpointed inside each compiled layer."""
     if script == "sscl":
-        args = lambda out: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
-                                     "--no-final-eval", steps=3, eval_steps=3)
+        def args(out):
+            return sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval", steps=3,
+                             eval_steps=3)
     elif script == "jtcse":
         d, _ = jt_env
         jt_nodrop(jt_env, tmp_path)
-        args = lambda out: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa
-                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
-                            "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
-                            "--eval-steps", 3, "--log-steps", 1, "--no-add-sick", "--no-final-eval"]
+
+        def args(out):
+            return ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",
+                    "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                    "--batch-size", 8, "--max-len", 16, "--max-steps", 3,
+                    "--eval-steps", 3, "--log-steps", 1, "--no-add-sick", "--no-final-eval"]
     else:
         model, data = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path)
-        args = lambda out: ["--model", model, "--train", nli_csv(tmp_path, rows=24),  # noqa
-                            "--data-dir", data, "--output-dir", out, "--batch-size", 4,
-                            "--max-steps", 3, "--eval-steps", 3, "--log-steps", 1,
-                            "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--no-final-eval", *(["--grad-ckpt"] if script == "bellm-ckpt" else [])]
+
+        def args(out):
+            return ["--model", model, "--train", nli_csv(tmp_path, rows=24),
+                    "--data-dir", data, "--output-dir", out, "--batch-size", 4,
+                    "--max-steps", 3, "--eval-steps", 3, "--log-steps", 1,
+                    "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
+                    "--no-final-eval", *(["--grad-ckpt"] if script == "bellm-ckpt" else [])]
     script = script.removesuffix("-ckpt")
     eager = run(f"{script}.py", *args(tmp_path / "eager"))
     compiled = run(f"{script}.py", *args(tmp_path / "compiled"), "--compile")
@@ -4214,6 +4383,56 @@ def test_tools_every_line_of_code_fits_in_100_characters():
     long = [f"{p.relative_to(ROOT)}:{i}" for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py")]
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, long
+
+
+def tracked_python_files():
+    """The repository's tracked .py files that exist (git ls-files); outside a git checkout, every
+    .py file under ROOT but in hidden folders."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+    except FileNotFoundError:  # no git
+        listed = None
+    if listed is not None and listed.returncode == 0:
+        return [ROOT / name for name in listed.stdout.splitlines() if (ROOT / name).exists()]
+    return [p for p in ROOT.rglob("*.py")
+            if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+
+
+NOQA = re.compile(r"#\s*noqa\b(?::\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(.*)", re.I)
+
+
+def noqa_comments(path):
+    """The noqa comments of a Python file (its comments, not its strings): -> [(line, the text
+    after the noqa and its codes)]"""
+    import tokenize
+    with open(path, encoding="utf-8") as f:
+        comments = [t for t in tokenize.generate_tokens(f.readline) if t.type == tokenize.COMMENT]
+    found = []
+    for t in comments:
+        m = NOQA.search(t.string)
+        if m:
+            found.append((t.start[0], m.group(1)))
+    return found
+
+
+def test_tools_ruff_is_clean():
+    """ruff (requirements.txt's pin) with pyproject.toml's rules finds nothing in the repository,
+    and the tracked .py files hold at most 5 noqa comments, each with its reason on its line (text
+    after the rule's code). Without ruff: a skip, in CI a failure."""
+    if importlib.util.find_spec("ruff") is None:
+        why = "ruff is not installed (pip install -r requirements.txt)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    noqa = [(path.relative_to(ROOT), line, rest) for path in tracked_python_files()
+            for line, rest in noqa_comments(path)]
+    assert len(noqa) <= 5, noqa
+    unexplained = [f"{path}:{line}" for path, line, rest in noqa if not re.search(r"\w", rest)]
+    assert not unexplained, f"a noqa without its reason on its line: {unexplained}"
 
 
 def equal_steps(step_a, step_b, models):
@@ -4333,8 +4552,9 @@ def test_harness_jtcse_copied_beside_common_and_harness_trains_is_killed_resumes
 @pytest.mark.slow
 def test_harness_bellm_copied_beside_common_and_harness_trains_is_killed_resumes_and_evaluates(
         tok_dir, tmp_path):
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=20))
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path, rows=20)
     copy_run("bellm", lambda out: [
         "--model", model, "--train", train, "--data-dir", data, "--output-dir", out,
         "--batch-size", 4, "--lora-r", 4, "--max-steps", 2, "--eval-steps", 1, "--tasks",
@@ -4408,8 +4628,8 @@ def test_harness_a_run_folder_never_runs_its_code_when_read(method, run_template
 def test_harness_an_earlier_versions_checkpoint_is_refused_then_converted(run_templates, tmp_path,
                                                                         capsys, monkeypatch):
     """A checkpoint.pt as the version before this one saved it (NumPy's RNG keys an ndarray, the
-    dev scores NumPy floats) is refused in one line naming the conversion; python harness.py
-    --convert RUN rewrites it (the same values, as weights_only reads them); then eval_sts.py
+    dev scores NumPy floats) is refused in one line naming the conversion; python convert_run.py
+    RUN rewrites it (the same values, as weights_only reads them); then eval_sts.py
     scores it and --resume trains on from it."""
     run_dir = tmp_path / "run"
     shutil.copytree(run_templates["sscl"], run_dir)
@@ -4420,8 +4640,8 @@ def test_harness_an_earlier_versions_checkpoint_is_refused_then_converted(run_te
     torch.save(old, run_dir / harness.CKPT)
     evaluate = ["--model", run_dir, "--tasks", "STS-B", "--data-dir", TPL.sts]
     code, _, err = main_of(eval_sts, capsys, monkeypatch, *evaluate)
-    one_line(code, err, "an earlier version", f"python harness.py --convert {run_dir}")
-    r = run("harness.py", "--convert", run_dir)
+    one_line(code, err, "an earlier version", f"python convert_run.py {run_dir}")
+    r = run("convert_run.py", run_dir)
     assert r.returncode == 0 and "converted" in r.stdout, r.stderr
     new = torch.load(run_dir / harness.CKPT, weights_only=True)
     assert type(new["best"]) is float and new["best"] == state["best"]
@@ -4433,8 +4653,8 @@ def test_harness_an_earlier_versions_checkpoint_is_refused_then_converted(run_te
     code, out, err = main_of(sscl, capsys, monkeypatch, *SSCL_RUN(TPL, run_dir, "--resume",
                                                                    "--max-steps", 3))
     assert code == 0 and "step     3" in out, err
-    r = run("harness.py", "--convert", tmp_path / "none")
-    assert_bad_input(r, "--convert: no")
+    r = run("convert_run.py", tmp_path / "none")
+    assert_bad_input(r, "pass a run folder of sscl.py")
 
 
 # ---- harness: the update (optimiser, clipping, schedule) over 20 steps, against the authors' ----
@@ -4533,7 +4753,8 @@ def test_harness_clipping_under_bf16_sees_the_true_fp32_gradients(bert_dir, tok_
                     autocast=torch.bfloat16)
     ltok, dec = bellm.load_decoder(str(bl_make_model(tok_dir, tmp_path)), 1, "convert", bl_CPU,
                                    torch.bfloat16)
-    bellm.add_lora(dec, 4, 4, 0.0, autocast=torch.bfloat16)
+    bellm.add_lora(dec, 4, 4, 0.0)
+    bellm.cast_frozen_linears(dec, torch.bfloat16)
     model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
     with torch.no_grad():  # B != 0, so that every LoRA weight gets a gradient
         for n, q in model.named_parameters():
@@ -4600,8 +4821,10 @@ def test_sscl_update_over_20_steps_is_the_authors_loop(bert_nodrop_dir, train_tx
                                      "cls").train()
         tok = AutoTokenizer.from_pretrained(bert_nodrop_dir)
         w0, sentences = trained(model), common.read_sentences(str(train_txt))
-        steps = sscl.step_rows(len(sentences), 8, 1, 20, 42)
-        groups, state, norms = hf_groups(model, weight_decay), {}, []
+        steps = common.step_rows(len(sentences), 8, 1, 20, 42)
+        groups = hf_groups(model, weight_decay)
+        state = {}
+        norms = []
         for t, rows in enumerate(steps):
             model.zero_grad(set_to_none=True)
             sscl.train_step(model, tokenize(tok, [sentences[i] for i in rows], 16), [2],
@@ -4639,7 +4862,7 @@ def test_jtcse_update_over_20_steps_is_the_authors_loop(jt_env, tmp_path, capsys
         # roundings differ by ~1e-7 a step, which Adam's 1/sqrt(v) amplifies over 20 steps
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, **decay)
         norms = []
-        for rows in jtcse.step_rows(len(sentences), 8, 1, 20, 42):
+        for rows in common.step_rows(len(sentences), 8, 1, 20, 42):
             R = int(torch.randint(0, 2, (1,), generator=r_gen))
             optimizer.zero_grad()
             jtcse.train_step(model, tokenize(tok, [sentences[i] for i in rows], 16), R,
@@ -4660,45 +4883,56 @@ def test_bellm_update_over_20_steps_is_the_authors_loop(tok_dir, tmp_path, capsy
     with weight decay 0.0, linear warm-up then linear decay to 0. The gap is below UPDATE_NOISE and
     the step lines' gnorm are the norms before clipping; unclipped, with torch's weight decay 0.01
     (bellm.py's earlier update), or without the warm-up, the gap is far above it."""
-    model_dir, data, nli = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
+    model_dir = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    nli = nli_csv(tmp_path)
     code, out, err = bl_main(capsys, monkeypatch, "--model", model_dir, "--train", nli,
                              "--data-dir", data, "--output-dir", tmp_path / "run", "--batch-size",
                              4, "--max-steps", 20, "--eval-steps", 20, "--log-steps", 1,
                              "--lora-r", 4, "--lora-dropout", 0, "--warmup-steps", 5, "--lr",
                              "1e-3", "--no-final-eval")
     assert code == 0, err
-
-    def authors(clip=1.0, weight_decay=0.0, warmup=5):
-        cpu = torch.device("cpu")
-        torch.manual_seed(42)  # the model as main() builds it
-        tok, dec = bellm.load_decoder(str(model_dir), 1, "convert", cpu, torch.float32)
-        bellm.add_lora(dec, 4, 32, 0.0)
-        model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
-        w0, (kind, rows) = trained(model), bellm.read_csv(str(nli))
-        norm_params = {id(q) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"
-                       for q in m.parameters()}  # 4.38's get_decay_parameter_names, L962-970
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        decay = [q for n, q in named if "bias" not in n and id(q) not in norm_params]
-        optimizer = torch.optim.AdamW([  # its default optim adamw_torch: torch's AdamW
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": [q for n, q in named if not any(q is p for p in decay)],
-             "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-            fused=True)  # bellm.py's kernel (as in the JTCSE test)
-        norms = []
-        for t, ids in enumerate(bellm.step_rows(len(rows), 4, 1, 20, 42)):
-            optimizer.zero_grad()
-            batch, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], kind, bellm.PROMPT,
-                                                 64)
-            bellm.train_step(functools.partial(bellm.embed, model), batch, cpu, labels=labels)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                              clip or math.inf)))
-            for g in optimizer.param_groups:  # LambdaLR: the factor of the steps done so far
-                g["lr"] = 1e-3 * hf_linear(t, warmup, 20)
-            optimizer.step()
-        return w0, trained(model), norms
-
+    authors = functools.partial(bellm_authors_loop, model_dir, nli)
     assert_update_is(authors, tmp_path / "run", out,  # the controls: gaps of 0.16, 1.6e-3, 0.56
                      [dict(clip=0), dict(weight_decay=0.01), dict(warmup=0)])
+
+
+def hf_trainer_adamw(model, weight_decay):
+    """HF Trainer's optimiser (4.38) for a LLaMA model: its default optim adamw_torch, torch's
+    AdamW, weight_decay on every trained weight but biases and RMSNorm weights."""
+    norm_params = {id(q) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"
+                   for q in m.parameters()}  # 4.38's get_decay_parameter_names, L962-970
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    decay = [q for n, q in named if "bias" not in n and id(q) not in norm_params]
+    return torch.optim.AdamW([
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": [q for n, q in named if not any(q is p for p in decay)],
+         "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+        fused=True)  # bellm.py's kernel (as in the JTCSE test)
+
+
+def bellm_authors_loop(model_dir, nli, clip=1.0, weight_decay=0.0, warmup=5):
+    """The authors' HF Trainer loop, 20 steps of bellm.py's model on nli, transcribed: -> the LoRA
+    weights before, after, and the gradients' norms before clipping."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(42)  # the model as main() builds it
+    tok, dec = bellm.load_decoder(str(model_dir), 1, "convert", cpu, torch.float32)
+    bellm.add_lora(dec, 4, 32, 0.0)
+    model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
+    w0 = trained(model)
+    kind, rows = bellm.read_csv(str(nli))
+    optimizer = hf_trainer_adamw(model, weight_decay)
+    norms = []
+    for t, ids in enumerate(common.step_rows(len(rows), 4, 1, 20, 42)):
+        optimizer.zero_grad()
+        batch, labels = bellm.prompted_batch(tok, [rows[i] for i in ids], kind, bellm.PROMPT, 64)
+        bellm.train_step(functools.partial(bellm.embed, model), batch, cpu, labels=labels)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                          clip or math.inf)))
+        for g in optimizer.param_groups:  # LambdaLR: the factor of the steps done so far
+            g["lr"] = 1e-3 * hf_linear(t, warmup, 20)
+        optimizer.step()
+    return w0, trained(model), norms
 
 
 # ---- harness: nothing lost: kills, signals, full disks, locks, resume, run folders ----
@@ -4754,8 +4988,10 @@ def test_harness_every_script_records_its_dev_curve_and_a_kill_in_its_write_lose
         state = torch.load(folder / harness.CKPT, weights_only=True)
         assert curve == state["curve"] and curve[-1]["step"] == state["step"], method
         assert {e["metric"] for e in curve} == {"stsb_dev"}, method
-    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa: E731
-                                 steps=6, eval_steps=1)
+
+    def args(out):
+        return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", steps=6,
+                         eval_steps=1)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out = tmp_path / "killed"
     ckpt, tmp = out / harness.CKPT, out / (harness.CURVE + ".tmp")
@@ -4798,11 +5034,9 @@ def series(metrics):
 
 def needs_tensorboard():
     """tensorboard (requirements-report.txt), or a skip giving the reason; in CI a failure."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("tensorboard") is None:
         why = "tensorboard is not installed (pip install -r requirements-report.txt)"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        skip_or_fail(why)
 
 
 def tensorboard_curves(out):
@@ -4845,7 +5079,7 @@ def test_harness_metrics_jsonl_keeps_each_step_line_and_dev_score_and_tensorboar
         else:
             assert list(e) == ["step", "stsb_dev"], e
             line = f"step {e['step']:>5}  stsb_dev {e['stsb_dev']:.2f}"
-        assert line in log.splitlines() or any(l.startswith(line + "  (best") for l in
+        assert line in log.splitlines() or any(logged.startswith(line + "  (best") for logged in
                                                 log.splitlines()), (line, log)
     assert eval_sts.read_curve(out, harness.METRICS) == metrics
     assert_same_curves(tensorboard_curves(out), metrics)
@@ -4859,6 +5093,17 @@ def fake_tracker(name, calls, logged_in=False):
         return Namespace(log=lambda values, step=None: calls.append(("log", step, values)))
     return Namespace(__name__=name, init=init, **({"login": lambda **kw: logged_in}
                                                   if name == "wandb" else {}))  # wandb's only
+
+
+def assert_one_tracker_run(name, calls, out):
+    """The two processes of run out started one tracker run (calls: fake_tracker's), with the run's
+    id and resume="allow"; W&B offline (never a prompt), in RUN/wandb."""
+    inits = [{k: v for k, v in c[1].items() if k != "config"} for c in calls if c[0] == "init"]
+    assert len(inits) == 2 and inits[0] == inits[1] and inits[0]["resume"] == "allow", inits
+    assert inits[0]["project"] == "sscl" and inits[0]["name"].startswith("r-")
+    if name == "wandb":
+        assert inits[0]["mode"] == "offline" and inits[0]["dir"] == str(out)
+        assert inits[0]["id"] == weights(out, "id") and inits[0]["name"] == f"r-{inits[0]['id']}"
 
 
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
@@ -4875,12 +5120,7 @@ def test_harness_report_to_wandb_and_trackio_resume_the_runs_own_run_and_send_ea
             bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--report-to", name, *extra,
             steps=steps))
         assert code == 0, err
-    inits = [{k: v for k, v in c[1].items() if k != "config"} for c in calls if c[0] == "init"]
-    assert len(inits) == 2 and inits[0] == inits[1] and inits[0]["resume"] == "allow", inits
-    assert inits[0]["project"] == "sscl" and inits[0]["name"].startswith("r-")
-    if name == "wandb":
-        assert inits[0]["mode"] == "offline" and inits[0]["dir"] == str(out)
-        assert inits[0]["id"] == weights(out, "id") and inits[0]["name"] == f"r-{inits[0]['id']}"
+    assert_one_tracker_run(name, calls, out)
     sent = [(c[1], c[2]) for c in calls if c[0] == "log"]
     assert sent == [(e["step"], {k: v for k, v in e.items() if k != "step"})
                     for e in metrics_of(out)]
@@ -4901,7 +5141,7 @@ def test_harness_report_to_a_package_not_installed_is_one_line_before_anything(
             bert_dir, train_txt, sts_dir, out, "--report-to", *names))
         if names == ["mlflow"]:  # argparse's line
             assert code == 2 and "--report-to: invalid choice: 'mlflow'" in err, err
-            assert len([l for l in err.splitlines() if "error:" in l]) == 1, err
+            assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
         else:
             one_line(code, err, "--report-to", names[-1], "pip install")
         assert stdout == "" and not out.exists(), stdout
@@ -4916,8 +5156,10 @@ def test_harness_metrics_jsonl_after_a_sigkill_and_resume_has_each_step_once(
     run's (but the speeds), and TensorBoard's events (--report-to tensorboard: what each save
     committed) read back as its curves, each step once."""
     needs_tensorboard()
-    args = lambda out: sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",  # noqa
-                                 "--report-to", "tensorboard", steps=6, eval_steps=3)
+
+    def args(out):
+        return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--report-to",
+                         "tensorboard", steps=6, eval_steps=3)
     assert main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole"))[0] == 0
     out = tmp_path / "killed"
     proc, log = popen("sscl.py", *args(out), env={"SENTEMB_SAVE_PAUSE": "0.2"})
@@ -4957,6 +5199,13 @@ def record(state):
     return {k: state[k] for k in harness.RECORD} if state else harness.RECORD
 
 
+def write_version(v, folder):
+    """Version v's model: two files, one in a sub-folder (a JTCSE tower)."""
+    torch.save({"w": torch.full((4000,), float(v))}, os.path.join(folder, "model.pt"))
+    os.makedirs(os.path.join(folder, "tower"))
+    (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
+
+
 def save_versions(m, out, pause, done):
     """In a child process: save versions v+1, v+2, ... of a run folder of method m for ever with
     harness.save_step (a new best model every other save, the training state alone otherwise); one
@@ -4966,14 +5215,9 @@ def save_versions(m, out, pause, done):
     run, v = record(state), state["step"] if state else 0
     while True:
         v += 1
-
-        def write(folder):  # a model of two files, one in a sub-folder (a JTCSE tower)
-            torch.save({"w": torch.full((4000,), float(v))}, os.path.join(folder, "model.pt"))
-            os.makedirs(os.path.join(folder, "tower"))
-            (Path(folder) / "tower" / "weights.txt").write_text(str(v) * 2000)
         run = harness.save_step(str(out), m, no_check, run, v, "stsb_dev",
-                                float(v) if v % 2 else None, harness_state(m, v), write,
-                                lambda *_: None)
+                                float(v) if v % 2 else None, harness_state(m, v),
+                                functools.partial(write_version, v), lambda *_: None)
         os.write(done, b".")
 
 
@@ -4986,42 +5230,59 @@ def test_harness_a_sigkill_at_any_instant_leaves_one_whole_version(script, tmp_p
     the kill: checkpoint.pt, and best/ of the save it names. Each kill is aimed by the child's
     progress, not by time: half when a name of a save under way appears (its writes paused), half
     right after the child reports 1-3 more saves done (at whatever instant the signal finds)."""
-    rng, out, last, inside, m, h = random.Random(0), tmp_path / "run", 0, 0, script, harness
+    rng = random.Random(0)
+    out = tmp_path / "run"
+    last = 0
+    inside = 0
+    h = harness
     out.mkdir()
     for i in range(40):
-        r, w = os.pipe()
         aim = rng.choice([h.NEW, h.OLD, h.CKPT + ".tmp"]) if i % 2 else None
-        pid = os.fork()
-        if pid == 0:  # the child never returns into pytest
-            try:
-                os.close(r)
-                save_versions(m, out, 0.02 if aim else 0, w)
-            finally:
-                os._exit(0)
-        os.close(w)
-        if aim:
-            t0 = time.time()
-            while not (out / aim).exists() and time.time() - t0 < 60:
-                time.sleep(0.001)
-        else:
-            for _ in range(rng.randint(1, 3)):
-                assert os.read(r, 1) == b"."
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
+        kill_a_saver(script, out, aim, rng)
         inside += any((out / n).exists() for n in (h.NEW, h.OLD, h.CKPT + ".tmp"))
-        state = h.settle(str(out), m, no_check)
-        assert sorted(p.name for p in out.iterdir()) in ([], [h.BEST, h.CKPT, h.CURVE,
-                                                               h.METRICS])
-        if state:
-            best = json.loads((out / h.BEST / common.META).read_text())  # of one save, whole
-            assert best["save"] == state["save"] and best["v"] == state["best"]
-            assert torch.load(out / h.BEST / "model.pt")["w"].eq(best["v"]).all()
-            assert (out / h.BEST / "tower" / "weights.txt").read_text() == str(best["v"]) * 2000
-            assert state["step"] in (best["v"], best["v"] + 1) and state["model"]["w"].eq(
-                state["step"]).all() and state["step"] >= last
-            last = state["step"]
+        last = settled_version(out, script, last)
     assert inside >= 10 and last >= 20
+
+
+def kill_a_saver(m, out, aim, rng):
+    """A child process saving versions of out for ever (save_versions), SIGKILLed when the name aim
+    appears in out (its writes paused), or, aim None, after it reports 1-3 more saves."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            save_versions(m, out, 0.02 if aim else 0, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    if aim:
+        t0 = time.time()
+        while not (out / aim).exists() and time.time() - t0 < 60:
+            time.sleep(0.001)
+    else:
+        for _ in range(rng.randint(1, 3)):
+            assert os.read(r, 1) == b"."
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+
+
+def settled_version(out, m, last):
+    """After a kill, the settle step: out holds one whole version (checkpoint.pt, and best/ of the
+    save it names), never older than step last. -> its step (last when out is empty)"""
+    h = harness
+    state = h.settle(str(out), m, no_check)
+    assert sorted(p.name for p in out.iterdir()) in ([], [h.BEST, h.CKPT, h.CURVE, h.METRICS])
+    if not state:
+        return last
+    best = json.loads((out / h.BEST / common.META).read_text())  # of one save, whole
+    assert best["save"] == state["save"] and best["v"] == state["best"]
+    assert torch.load(out / h.BEST / "model.pt")["w"].eq(best["v"]).all()
+    assert (out / h.BEST / "tower" / "weights.txt").read_text() == str(best["v"]) * 2000
+    assert state["step"] in (best["v"], best["v"] + 1) and state["model"]["w"].eq(
+        state["step"]).all() and state["step"] >= last
+    return state["step"]
 
 
 def fork_main(module, args, log, env=None):
@@ -5035,27 +5296,35 @@ def fork_main(module, args, log, env=None):
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            sys.stdout = sys.stderr = open(fd, "w", buffering=1)
-            os.environ.update(env or {})
-            harness.STOP["writes"] = 0  # the instants of saves: counted from here
-            sys.argv = [f"{module.__name__}.py", *map(str, args)]
-            module.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
+            with open(fd, "w", buffering=1) as stream:
+                sys.stdout = sys.stderr = stream
+                code = main_in_child(module, args, env)
         except BaseException:
-            import traceback
             traceback.print_exc()
         finally:
-            sys.stdout.flush()
             os._exit(code)
     return os.waitpid(pid, 0)[1]
 
 
+def main_in_child(module, args, env):
+    """fork_main's child: module.main() as from the command line, env added -> its exit code."""
+    os.environ.update(env or {})
+    harness.STOP["writes"] = 0  # the instants of saves: counted from here
+    sys.argv = [f"{module.__name__}.py", *map(str, args)]
+    try:
+        module.main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 70
+    return 0
+
+
 def numbers(log):
     """A log's step lines without their rates (sent/s, rows/s, tok/s: the machine's speed)."""
-    return [re.sub(r"  (sent/s|rows/s|tok/s) .*", "", l) for l in log.splitlines()
-            if l.startswith("step ")]
+    return [re.sub(r"  (sent/s|rows/s|tok/s) .*", "", line) for line in log.splitlines()
+            if line.startswith("step ")]
 
 
 def whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir, bert_tokenizer_dir, tmp_path,
@@ -5148,6 +5417,38 @@ def dev_of(out, data, capsys, monkeypatch):
     return code, ev.split()[2] if code == 0 else None, err
 
 
+def assert_eval_after_a_kill(out, data, bests, k, capsys, monkeypatch):
+    """eval_sts.py on the folder of a run killed at instant k: the score that best/sentemb.json
+    records, of a best model of the uninterrupted run (bests: its (step, score)s); before the first
+    commit, one line."""
+    code, score, err = dev_of(out, data, capsys, monkeypatch)
+    if (out / harness.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
+        meta = json.loads((out / harness.BEST / common.META).read_text())
+        assert code == 0, err
+        assert score == f"{meta['stsb_dev']:.2f}" and (meta["step"], score) in bests, k
+        assert meta["save"] == weights(out, "save")
+    else:  # killed before the first commit
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1, err
+
+
+def assert_the_same_command_ends_as_uninterrupted(m, args, out, key, ref, k, capsys, monkeypatch):
+    """The same command on the folder of a run killed at instant k (--resume once a checkpoint.pt
+    was committed) ends on the uninterrupted run's (ref) weights, best model and dev curve, logging
+    its numbers."""
+    resume = ["--resume"] if (out / harness.CKPT).exists() else []
+    code, rest, err = main_of(m, capsys, monkeypatch, *args(out), *resume)
+    assert code == 0, (k, err)
+    assert numbers(rest) == ref.numbers[len(ref.numbers) - len(numbers(rest)):], (k, rest)
+    assert without_save(json.loads((out / harness.BEST / common.META).read_text())) == \
+        ref.meta, k
+    assert curve_of(out) == curve_of(ref.folder), k
+    assert without_speeds(metrics_of(out)) == without_speeds(metrics_of(ref.folder)), k
+    saved = weights(out, key)
+    for name in ref.weights:
+        assert torch.equal(saved[name], ref.weights[name]), (k, name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
@@ -5163,14 +5464,16 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
     curve, logging its numbers."""
     m, args, data, key, whole, c = whole_kill_run(script, bert_dir, train_txt, sts_dir, tok_dir,
                                                bert_tokenizer_dir, tmp_path, capsys, monkeypatch)
-    instants, ref = harness.STOP["writes"], numbers(whole)
+    instants = harness.STOP["writes"]
     bests = {(e["step"], f"{e['score']:.2f}") for e in curve_of(tmp_path / "whole")}
     saves = [e for i, e in enumerate(curve_of(tmp_path / "whole"))  # new bests: a save replaces
              if all(e["score"] > f["score"] for f in curve_of(tmp_path / "whole")[:i])]
-    ref_meta = without_save(json.loads((tmp_path / "whole" / harness.BEST / common.META)
-                                       .read_text()))
-    ref_weights = weights(tmp_path / "whole", key)
-    states, eval_kills = collections.Counter(), 0
+    ref = Namespace(folder=tmp_path / "whole", numbers=numbers(whole),
+                    meta=without_save(json.loads((tmp_path / "whole" / harness.BEST / common.META)
+                                                 .read_text())),
+                    weights=weights(tmp_path / "whole", key))
+    states = collections.Counter()
+    eval_kills = 0
     for k in range(1, instants + 1):
         out, log = tmp_path / f"k{k}", tmp_path / f"k{k}.log"
         status = fork_main(m, args(out), log, {"SENTEMB_KILL_AT": str(k)})
@@ -5178,25 +5481,9 @@ def test_harness_a_sigkill_at_every_instant_of_every_save_then_eval_and_resume(
         states[left_by_kill(out)] += 1
         if left_by_kill(out) == "committed" and not eval_kills:
             eval_kills = kill_eval_at_every_instant(out, data, tmp_path, capsys, monkeypatch)
-        code, score, err = dev_of(out, data, capsys, monkeypatch)
-        if (out / harness.CKPT).exists():  # committed: best/ is the save checkpoint.pt names
-            meta = json.loads((out / harness.BEST / common.META).read_text())
-            assert code == 0, err
-            assert score == f"{meta['stsb_dev']:.2f}" and (meta["step"], score) in bests, k
-            assert meta["save"] == weights(out, "save")
-        else:  # killed before the first commit
-            assert code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, err
-        resume = ["--resume"] if (out / harness.CKPT).exists() else []
-        code, rest, err = main_of(m, capsys, monkeypatch, *args(out), *resume)
-        assert code == 0, (k, err)
-        assert numbers(rest) == ref[len(ref) - len(numbers(rest)):], (k, rest)
-        assert without_save(json.loads((out / harness.BEST / common.META).read_text())) == \
-            ref_meta, k
-        assert curve_of(out) == curve_of(tmp_path / "whole"), k
-        assert without_speeds(metrics_of(out)) == without_speeds(metrics_of(tmp_path / "whole")), k
-        saved = weights(out, key)
-        for name in ref_weights:
-            assert torch.equal(saved[name], ref_weights[name]), (k, name)
+        assert_eval_after_a_kill(out, data, bests, k, capsys, monkeypatch)
+        assert_the_same_command_ends_as_uninterrupted(m, args, out, key, ref, k, capsys,
+                                                      monkeypatch)
         shutil.rmtree(out)
     print(f"{script}: {instants} kill points, {len(saves)} best models saved; the state each kill "
           f"left: {dict(states)}; eval_sts.py settling a save: {eval_kills} kill points")
@@ -5266,17 +5553,24 @@ def save_as(m, out, v, write=None):
 def test_harness_a_full_disk_keeps_the_last_save(script, tmp_path, monkeypatch, capsys):
     """A full disk in a save, at the model's write or at the commit: one line, every file of the
     run folder as the last save left it."""
-    m, out, w = script, tmp_path / "run", torch.ones(3)
+    m = script
+    out = tmp_path / "run"
+    w = torch.ones(3)
     out.mkdir()
-    write = lambda folder: torch.save(w, os.path.join(folder, "model.pt"))  # noqa: E731
+
+    def write(folder):
+        torch.save(w, os.path.join(folder, "model.pt"))
     save_as(m, out, 1, write)
-    files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
+
+    def files():
+        return {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     before = files()
 
     def disk_full(obj, f, *a, **k):  # writes part of the file, then the disk is full
         if isinstance(f, (str, os.PathLike)):
-            f = open(f, "wb")
-        f.write(b"partial")
+            Path(f).write_bytes(b"partial")
+        else:
+            f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", disk_full)
     for best in (None, write):
@@ -5325,14 +5619,17 @@ def test_harness_a_new_run_whose_first_save_fails_starts_over_with_the_same_comm
 
 
 def popen(script, *args, env=None):
-    log = open(Path(tempfile.mkdtemp()) / "log", "w+")
-    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log,
-                            stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, cwd=ROOT), log
+    """One of our scripts started, its output into a new file: -> (the Popen, the file's path)."""
+    log = Path(tempfile.mkdtemp()) / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=out,
+                                stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, cwd=ROOT)
+    return proc, log
 
 
 def text(log):
-    log.seek(0)
-    return log.read()
+    """What popen's script has written so far."""
+    return log.read_text()
 
 
 def weights(out, key):
@@ -5372,6 +5669,29 @@ def twin_versions(jt_env, root, k):
     return folders
 
 
+def copy_towers(version, folder):
+    """A twin's model: the towers of the twin folder version, copied into folder."""
+    for t in ("tower_a", "tower_b"):
+        shutil.copytree(version / t, os.path.join(folder, t))
+
+
+def save_twins_for_ever(out, versions):
+    """In a child process: the twins versions, one after another for ever, saved into out as new
+    best models (harness.save_step), its .lock held as a training run holds it."""
+    os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
+    run = record(None)
+    with open(out / harness.LOCK, "a+") as lock:
+        assert harness.flock(lock, "EX", "NB")  # as a training run holds it
+        for step in itertools.count(1):
+            assert not lock.closed  # held while it saves, as a training run holds it
+            v = versions[step % 3]
+            state = {**harness_state("jtcse", step),
+                     "meta": json.loads((v / common.META).read_text())}
+            run = harness.save_step(str(out), "jtcse", jtcse.check_run, run, step, "stsb_dev",
+                                    float(step), state, functools.partial(copy_towers, v),
+                                    lambda *_: None)
+
+
 @pytest.mark.slow
 def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_path, capsys,
                                                                  monkeypatch):
@@ -5399,18 +5719,7 @@ def test_harness_a_reader_during_saves_gets_one_save_never_a_mix(jt_env, tmp_pat
     pid = os.fork()
     if pid == 0:  # the writer, never back into pytest
         try:
-            os.environ["SENTEMB_SAVE_PAUSE"] = "0.02"
-            lock, run = open(out / harness.LOCK, "a+"), record(None)
-            assert harness.flock(lock, "EX", "NB")  # as a training run holds it
-            for step in itertools.count(1):
-                assert not lock.closed  # held while it saves, as a training run holds it
-                v = versions[step % 3]
-                state = {**harness_state("jtcse", step), "meta": json.loads(
-                    (v / common.META).read_text())}
-                run = harness.save_step(str(out), "jtcse", jtcse.check_run, run, step, "stsb_dev",
-                                        float(step), state, lambda folder, v=v: [shutil.copytree(
-                                            v / t, os.path.join(folder, t))
-                                            for t in ("tower_a", "tower_b")], lambda *_: None)
+            save_twins_for_ever(out, versions)
         finally:
             os._exit(0)
     real, read = common.load_pretrained, []
@@ -5437,10 +5746,12 @@ def test_harness_sigterm_stops_at_a_step_saves_and_resume_ends_as_uninterrupted(
     """JTCSE: a SIGKILL inside the twin's save, then SIGTERM at a step (saved, exit 143), then two
     Ctrl-Cs (out at once, exit 130); --resume ends on the uninterrupted run's weights."""
     d, _ = jt_env
-    args = lambda out: ["--model-a", d / "a", "--model-b", d / "b", "--train",  # noqa: E731
-                        d / "train.txt", "--output-dir", out,
-                        "--batch-size", 8, "--max-len", 16, "--max-steps", 6, "--eval-steps", 3,
-                        "--log-steps", 1, "--lr", "1e-3", "--no-add-sick", "--no-final-eval"]
+
+    def args(out):
+        return ["--model-a", d / "a", "--model-b", d / "b", "--train", d / "train.txt",
+                "--output-dir", out, "--batch-size", 8, "--max-len", 16, "--max-steps", 6,
+                "--eval-steps", 3, "--log-steps", 1, "--lr", "1e-3", "--no-add-sick",
+                "--no-final-eval"]
     jt_main(capsys, monkeypatch, *args(tmp_path / "whole"))
     out, env = tmp_path / "stopped", {"SENTEMB_DATA": str(JT_DATA["sts"])}
     # first, a SIGKILL right after best/ is swapped in, before dev.jsonl: both towers of one step
@@ -5484,23 +5795,28 @@ def test_harness_resume_with_a_larger_max_steps_is_the_longer_run(script, bert_d
     decay began, a resumed run goes on with the longer schedule's rate from its step.)"""
     module = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm}[script]
     if script == "sscl":
-        args = lambda out, n: sscl_args(  # noqa: E731
-            bert_dir, train_txt, sts_dir, out, "--no-final-eval", "--warmup-steps", 2, steps=n,
-            eval_steps=2)
+        def args(out, n):
+            return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval",
+                             "--warmup-steps", 2, steps=n, eval_steps=2)
     elif script == "jtcse":
         monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
-        args = lambda out, n: ["--model-a", jt_env[0] / "a",  # noqa: E731
-                               "--model-b", jt_env[0] / "b",
-                               "--train", jt_env[0] / "train.txt", "--output-dir", out,
-                               "--batch-size", 8, "--max-len", 16, "--max-steps", n,
-                               "--eval-steps", 2, "--log-steps", 1, "--lr", "1e-3",
-                               "--no-add-sick", "--no-final-eval"]
+
+        def args(out, n):
+            return ["--model-a", jt_env[0] / "a", "--model-b", jt_env[0] / "b",
+                    "--train", jt_env[0] / "train.txt", "--output-dir", out,
+                    "--batch-size", 8, "--max-len", 16, "--max-steps", n,
+                    "--eval-steps", 2, "--log-steps", 1, "--lr", "1e-3",
+                    "--no-add-sick", "--no-final-eval"]
     else:
-        model, data, nli = bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path), nli_csv(tmp_path)
-        args = lambda out, n: ["--model", model, "--train", nli, "--data-dir", data,  # noqa: E731
-                               "--output-dir", out, "--batch-size", 4, "--max-steps", n,
-                               "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
-                               "--warmup-steps", 2, "--lr", "1e-3", "--no-final-eval"]
+        model = bl_make_model(tok_dir, tmp_path)
+        data = bl_sts_dir(tmp_path)
+        nli = nli_csv(tmp_path)
+
+        def args(out, n):
+            return ["--model", model, "--train", nli, "--data-dir", data,
+                    "--output-dir", out, "--batch-size", 4, "--max-steps", n,
+                    "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
+                    "--warmup-steps", 2, "--lr", "1e-3", "--no-final-eval"]
     code, longer, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "long", 4))
     assert code == 0, err
     code, _, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "res", 2))
@@ -5508,7 +5824,9 @@ def test_harness_resume_with_a_larger_max_steps_is_the_longer_run(script, bert_d
     code, resumed, err = main_of(module, capsys, monkeypatch, *args(tmp_path / "res", 4),
                                  "--resume")
     assert code == 0, err
-    tail = lambda log: [l for l in numbers(log) if int(l.split()[1]) > 2]  # noqa: E731
+
+    def tail(log):  # the step lines after step 2
+        return [line for line in numbers(log) if int(line.split()[1]) > 2]
     assert len(tail(longer)) >= 2 and tail(resumed) == tail(longer)
     assert "lr 0.00e+00" not in resumed.split("step     3")[1].splitlines()[0]
     w = [torch.load(tmp_path / r / "checkpoint.pt", weights_only=True)["model"]
@@ -5584,9 +5902,14 @@ def test_harness_a_full_disk_in_torchs_or_safetensors_writer_says_no_space(scrip
     unexpected pos` and safetensors an IoError: both read as "No space left on device", and the
     last save stays."""
     from safetensors import SafetensorError
-    m, out, w, real = script, tmp_path / "run", torch.ones(3), torch.save
+    m = script
+    out = tmp_path / "run"
+    w = torch.ones(3)
+    real = torch.save
     out.mkdir()
-    write = lambda folder: real(w, os.path.join(folder, "model.pt"))  # noqa: E731
+
+    def write(folder):
+        real(w, os.path.join(folder, "model.pt"))
     save_as(m, out, 1, write)
     before = files_of(out)
 
@@ -5814,9 +6137,10 @@ def test_harness_an_edited_description_is_refused_by_every_reader(
         readers = [(eval_sts, ["--model", m, "--tasks", "STS-B", "--split", "dev", "--data-dir",
                                RUN_DATA[script]()]) for m in (out, out / harness.BEST)]
         readers += [(MAINS[script], resume_args(script, out))]
-        readers += [(jtcse, ["--distill", out, "--model-a", TPL.jt / "a", "--train",
-                             TPL.jt / "train.txt", "--output-dir", tmp_path / "d",
-                             "--no-add-sick"])] * (script != "bellm")
+        if script != "bellm":
+            readers.append((jtcse, ["--distill", out, "--model-a", TPL.jt / "a", "--train",
+                                    TPL.jt / "train.txt", "--output-dir", tmp_path / "d",
+                                    "--no-add-sick"]))
         for main, args in readers:
             code, _, err = main_of(main, capsys, monkeypatch, *args)
             one_line(code, err, *words)
@@ -5987,7 +6311,7 @@ def assert_two_ranks_equal_one(monkeypatch, make, step, rows):
     for n, g in grads.items():
         mean = sum(dict(c[0].named_parameters())[n].grad for c in copies) / 2
         torch.testing.assert_close(mean, g, atol=1e-4 * scale, rtol=1e-4,
-                                   msg=lambda m: f"{n}: {m}")
+                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("layer", ["0", "1,3"])
@@ -6060,9 +6384,11 @@ def test_harness_sscl_two_ranks_equal_one_rank_double_batch(bert_nodrop_dir, tra
     accumulated micro-batches, so the no_sync path is covered too). --report-to tensorboard: rank
     0 alone writes events, the curves metrics.jsonl keeps."""
     needs_tensorboard()
-    args = lambda out, bs: sscl_args(bert_nodrop_dir, train_txt, sts_dir, out,  # noqa: E731
-                                     "--no-final-eval", "--batch-size", bs, "--grad-accum", 2,
-                                     "--max-grad-norm", 0.1, steps=3, eval_steps=100, layer="1,3")
+
+    def args(out, bs):
+        return sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",
+                         "--batch-size", bs, "--grad-accum", 2, "--max-grad-norm", 0.1, steps=3,
+                         eval_steps=100, layer="1,3")
     one = run("sscl.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("sscl.py", 2, *args(tmp_path / "two", 4), "--report-to", "tensorboard")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr[-3000:]
@@ -6088,18 +6414,22 @@ def test_harness_jtcse_two_ranks_equal_one_rank_double_batch(jt_env, sts_dir, tm
     same computation."""
     d, _ = jt_env
     jt_nodrop(jt_env, tmp_path)  # the towers without dropout
-    args = lambda out, bs: ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",  # noqa: E731
-                            "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
-                            "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
-                            "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
-                            "--no-add-sick", "--no-final-eval", "--objective", objective,
-                            "--max-grad-norm", 1.0]
+
+    def args(out, bs):
+        return ["--model-a", tmp_path / "a", "--model-b", tmp_path / "b",
+                "--train", d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                "--batch-size", bs, "--grad-accum", 2, "--max-len", 16,
+                "--max-steps", 2, "--eval-steps", 100, "--log-steps", 1, "--lr", 1e-3,
+                "--no-add-sick", "--no-final-eval", "--objective", objective,
+                "--max-grad-norm", 1.0]
     one = run("jtcse.py", *args(tmp_path / "one", 8), env={"OMP_NUM_THREADS": "1"})  # as a rank
     two = torchrun("jtcse.py", 2, *args(tmp_path / "two", 4))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
-    terms = lambda out: [(float(x), float(y), float(z), float(w), r)  # noqa: E731
-                         for x, y, z, w, r in re.findall(
-        r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  gnorm \S+  R (\d)", out)]
+
+    def terms(out):  # each step's (loss, nce, icnce, ictm, R)
+        found = re.findall(r"loss (\S+)  nce (\S+)  icnce (\S+)  ictm (\S+)  gnorm \S+  R (\d)",
+                           out)
+        return [(float(x), float(y), float(z), float(w), r) for x, y, z, w, r in found]
     assert len(terms(one.stdout)) == 2
     assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
     assert max(step_gnorms(one.stdout)) > 1.0  # clipping acts
@@ -6130,11 +6460,14 @@ def test_harness_jtcse_train_step_on_two_ranks_equals_one_rank_double_batch(jt_e
         return towers[0].train(), tok, teacher
 
     def step(copy, rows, world):
-        model = copy[0] if len(copy) == 2 else functools.partial(jtcse.cls, copy[0])
-        return jtcse.train_step(common.in_length_groups(model),
-                                tokenize(copy[1], rows, a.max_len), 1, torch.device("cpu"),
-                                a.temp, a.objective, teacher=(copy[2:] or [None])[0],
-                                sentences=rows, world=world, gather=harness.gather)[0]
+        batch = tokenize(copy[1], rows, a.max_len)
+        if len(copy) == 2:
+            return jtcse.train_step(common.in_length_groups(copy[0]), batch, 1,
+                                    torch.device("cpu"), a.temp, a.objective, world=world,
+                                    gather=harness.gather)[0]
+        student = common.in_length_groups(functools.partial(jtcse.cls_vector, copy[0]))
+        return jtcse.distill_step(student, batch, rows, copy[2], torch.device("cpu"), world=world,
+                                  gather=harness.gather)[0]
 
     assert_two_ranks_equal_one(monkeypatch, make, step, [f"{w} number {i}" for i, w in
                                                          enumerate(jt_WORDS[:8])])
@@ -6146,17 +6479,22 @@ def test_harness_bellm_two_ranks_equal_one_rank_double_batch(tok_dir, tmp_path):
     updated LoRA weights of 1 rank x 4 triplets x 2 (eq. 6's negatives gathered across ranks;
     no_sync accumulation), and the same gradient norm (clipped at 1.0: the all-reduced
     gradient's)."""
-    model, data, train = (bl_make_model(tok_dir, tmp_path), bl_sts_dir(tmp_path),
-                          nli_csv(tmp_path, rows=24))
-    args = lambda out, bs: ["--model", model, "--train", train, "--data-dir", data,  # noqa: E731
-                            "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
-                            "--max-steps", 2, "--eval-steps", 100,
-                            "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
-                            "--warmup-steps", 0, "--no-eval-first", "--no-final-eval"]
+    model = bl_make_model(tok_dir, tmp_path)
+    data = bl_sts_dir(tmp_path)
+    train = nli_csv(tmp_path, rows=24)
+
+    def args(out, bs):
+        return ["--model", model, "--train", train, "--data-dir", data,
+                "--output-dir", out, "--batch-size", bs, "--grad-accum", 2,
+                "--max-steps", 2, "--eval-steps", 100,
+                "--log-steps", 1, "--bi-layers", 2, "--lora-r", 4, "--lora-dropout", 0,
+                "--warmup-steps", 0, "--no-eval-first", "--no-final-eval"]
     one = run("bellm.py", *args(tmp_path / "one", 4), env={"OMP_NUM_THREADS": "1"})
     two = torchrun("bellm.py", 2, *args(tmp_path / "two", 2))
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stderr[-3000:]
-    loss = lambda out: [float(x) for x in re.findall(r" loss (\S+)", out)]  # noqa: E731
+
+    def loss(out):
+        return [float(x) for x in re.findall(r" loss (\S+)", out)]
     assert (len(loss(one.stdout)) == 2
             and loss(one.stdout) == pytest.approx(loss(two.stdout), abs=2e-4))  # 4 decimals
     assert step_gnorms(one.stdout) == pytest.approx(step_gnorms(two.stdout), rel=6e-3)
@@ -6205,8 +6543,9 @@ def test_harness_sscl_and_jtcse_bf16_autocast_trains_close_to_fp32(
                                                steps=3))
         assert code == 0, err[-2000:]
         return stdout
-    jt_run_ = lambda out, *extra: jt_train(jt_env, out, capsys, monkeypatch,  # noqa: E731
-                                           "--log-steps", "1", *extra)
+
+    def jt_run_(out, *extra):
+        return jt_train(jt_env, out, capsys, monkeypatch, "--log-steps", "1", *extra)
     for name, train in (("sscl", sscl_run), ("jtcse", jt_run_)):
         logged = []
         for extra in ([], ["--bf16"]):
@@ -6240,78 +6579,100 @@ def bf16_runs(method, tmp, bert_wide_dir, bert_tokenizer_dir, tok_dir, dev16=GPU
     on CUDA a 16-bit base), the same weights, dropout off: -> [(model, device, args)] * 2,
     step(model, device, args) -> the loss of one train_step on 8 rows (its gradients kept),
     encode(model, device) -> (N, H) embeddings of SENTS."""
-    from transformers import AutoTokenizer
-    cpu, rows = torch.device("cpu"), [sentence(random.Random(i)) for i in range(8)]
+    cpu = torch.device("cpu")
+    rows = [sentence(random.Random(i)) for i in range(8)]
     torch.manual_seed(0)  # the heads' and cross-attention's weights: the same in any test order
     if method == "bellm":
-        from peft import LoraConfig, get_peft_model
-        path, models = str(bl_make_model(tok_dir, tmp)), []
-        dtype16 = common.PRECISIONS[precision]  # bellm.py's: the base in it on CUDA
-        for dev, dtype in ((cpu, torch.float32), (dev16, dev16.type == "cuda" and dtype16
-                                                  or torch.float32)):
-            tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
-            torch.manual_seed(0)  # B != 0: the LoRA path counts
-            get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                           init_lora_weights=False,
-                                           target_modules="all-linear")).train()
-            if dev is dev16 and dtype16:  # as bellm.py with autocast on
-                bellm.cast_frozen_linears(dec, dtype16)
-            models.append(dec)
-        for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
-            q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
-        cfg = {"bi_layers": 1, "bi_mode": "parallel", "bi_strategy": "convert",
-               "prompt": bellm.PROMPT, "max_len": 64}
-        triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
-
-        def step(m, dev, a):
-            net = bellm.BeLLM(m, 1, "parallel", "convert")
-            return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net),
-                                                            device=dev),
-                                    bellm.prompted_batch(tok, triplets, "nli", a.prompt,
-                                                         a.max_len)[0], dev, a.temp,
-                                    autocast=common.PRECISIONS[a.precision])[0]
-
-        def encode(m, dev):
-            return bellm.make_encode(m, tok, cfg, dev)(SENTS)
-        args = [bellm.p.parse_args(["--lora-dropout", "0", "--precision", x])
-                for x in ("fp32", precision)]
-        return list(zip(models, (cpu, dev16), args)), step, encode
+        return bellm_bf16_runs(tmp, tok_dir, dev16, precision)
     tok = AutoTokenizer.from_pretrained(bert_wide_dir)
-    if method == "sscl":  # bert_wide_dir: dropout off, [CLS] vectors that differ
-        model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
-        args = [sscl.p.parse_args(["--max-len", "16", "--precision", x])
-                for x in ("fp32", precision)]
-
-        def step(m, dev, a):
-            return sscl.train_step(common.in_length_groups(m, device=dev),
-                                   tokenize(tok, rows, a.max_len), [2], dev,
-                                   autocast=common.PRECISIONS[a.precision])
-
-        def encode(m, dev):
-            return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
-    else:  # two wide towers; JTCSE D: the second tower's CLS as the target of the first
-        other = no_dropout(tiny_bert(tmp / "wide_b", bert_tokenizer_dir, seed=4, std=0.3))
-        towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
-        model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
-        extra = ["--distill", "T"] if method == "jtcse-distill" else []
-        args = [jtcse.p.parse_args(["--max-len", "16", *extra, "--precision", x])
-                for x in ("fp32", precision)]
-
-        def step(m, dev, a):
-            dtype = common.PRECISIONS[a.precision]
-            if method == "jtcse":
-                return jtcse.train_step(common.in_length_groups(m, device=dev),
-                                        tokenize(tok, rows, a.max_len), 1, dev, autocast=dtype)[0]
-            teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
-            return jtcse.train_step(common.in_length_groups(functools.partial(jtcse.cls, m[0]),
-                                                            device=dev),
-                                    tokenize(tok, rows, a.max_len), 1, dev, autocast=dtype,
-                                    teacher=teacher, sentences=rows)[0]
-
-        def encode(m, dev):
-            return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
-                                     dev)(SENTS)
+    if method == "sscl":
+        model, args, step, encode = sscl_bf16_parts(tok, rows, bert_wide_dir, precision)
+    else:
+        model, args, step, encode = jtcse_bf16_parts(method, tok, rows, tmp, bert_wide_dir,
+                                                     bert_tokenizer_dir, precision)
     return [(model, cpu, args[0]), (copy.deepcopy(model).to(dev16), dev16, args[1])], step, encode
+
+
+def bellm_bf16_runs(tmp, tok_dir, dev16, precision):
+    """bf16_runs for BeLLM: the LoRA model in fp32 on the CPU and in precision on dev16 (on CUDA
+    a 16-bit base, its frozen Linears cast), the same LoRA weights."""
+    from peft import LoraConfig, get_peft_model
+    cpu = torch.device("cpu")
+    path = str(bl_make_model(tok_dir, tmp))
+    models = []
+    dtype16 = common.PRECISIONS[precision]  # bellm.py's: the base in it on CUDA
+    base16 = dtype16 if dev16.type == "cuda" and dtype16 else torch.float32
+    for dev, dtype in ((cpu, torch.float32), (dev16, base16)):
+        tok, dec = bellm.load_decoder(path, 1, "convert", dev, dtype)
+        torch.manual_seed(0)  # B != 0: the LoRA path counts
+        get_peft_model(dec, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                       init_lora_weights=False,
+                                       target_modules="all-linear")).train()
+        if dev is dev16 and dtype16:  # as bellm.py with autocast on
+            bellm.cast_frozen_linears(dec, dtype16)
+        models.append(dec)
+    for q16, q32 in zip(*([q for q in m.parameters() if q.requires_grad] for m in models)):
+        q16.data.copy_(q32.data)  # the same LoRA weights (fp32 on both)
+    cfg = {"bi_layers": 1, "bi_mode": "parallel", "bi_strategy": "convert",
+           "prompt": bellm.PROMPT, "max_len": 64}
+    triplets = [[SENTS[i % 8], SENTS[(i + 1) % 8], SENTS[(i + 4) % 8]] for i in range(8)]
+
+    def step(m, dev, a):
+        net = bellm.BeLLM(m, 1, "parallel", "convert")
+        return bellm.train_step(common.in_length_groups(functools.partial(bellm.embed, net),
+                                                        device=dev),
+                                bellm.prompted_batch(tok, triplets, "nli", a.prompt,
+                                                     a.max_len)[0], dev, a.temp,
+                                autocast=common.PRECISIONS[a.precision])[0]
+
+    def encode(m, dev):
+        return bellm.make_encode(m, tok, cfg, dev)(SENTS)
+    args = [bellm.p.parse_args(["--lora-dropout", "0", "--precision", x])
+            for x in ("fp32", precision)]
+    return list(zip(models, (cpu, dev16), args)), step, encode
+
+
+def sscl_bf16_parts(tok, rows, bert_wide_dir, precision):
+    """bf16_runs for SSCL, on bert_wide_dir (dropout off, [CLS] vectors that differ): -> (the
+    model, [fp32's args, precision's], step, encode)"""
+    model = sscl.SentenceEncoder(AutoModel.from_pretrained(bert_wide_dir), "cls").train()
+    args = [sscl.p.parse_args(["--max-len", "16", "--precision", x])
+            for x in ("fp32", precision)]
+
+    def step(m, dev, a):
+        return sscl.train_step(common.in_length_groups(m, device=dev),
+                               tokenize(tok, rows, a.max_len), [2], dev,
+                               autocast=common.PRECISIONS[a.precision])
+
+    def encode(m, dev):
+        return sscl.make_encode(m.eval(), tok, 16, dev)(SENTS)
+    return model, args, step, encode
+
+
+def jtcse_bf16_parts(method, tok, rows, tmp, bert_wide_dir, bert_tokenizer_dir, precision):
+    """bf16_runs for JTCSE, two wide towers (JTCSE D: the second tower's CLS as the target of the
+    first): -> (the model, [fp32's args, precision's], step, encode)"""
+    other = no_dropout(tiny_bert(tmp / "wide_b", bert_tokenizer_dir, seed=4, std=0.3))
+    towers = [BertModel.from_pretrained(d) for d in (bert_wide_dir, other)]
+    model = jtcse.Twin(towers, 2).train() if method == "jtcse" else torch.nn.ModuleList(towers)
+    extra = ["--distill", "T"] if method == "jtcse-distill" else []
+    args = [jtcse.p.parse_args(["--max-len", "16", *extra, "--precision", x])
+            for x in ("fp32", precision)]
+
+    def step(m, dev, a):
+        dtype = common.PRECISIONS[a.precision]
+        if method == "jtcse":
+            return jtcse.train_step(common.in_length_groups(m, device=dev),
+                                    tokenize(tok, rows, a.max_len), 1, dev, autocast=dtype)[0]
+        teacher = jtcse.make_encode(list(m[1:]), tok, 16, dev)
+        student = common.in_length_groups(functools.partial(jtcse.cls_vector, m[0]), device=dev)
+        return jtcse.distill_step(student, tokenize(tok, rows, a.max_len), rows, teacher, dev,
+                                  autocast=dtype)[0]
+
+    def encode(m, dev):
+        return jtcse.make_encode(list(m.towers if method == "jtcse" else m[:1]), tok, 16,
+                                 dev)(SENTS)
+    return model, args, step, encode
 
 
 @pytest.mark.cuda
@@ -6453,9 +6814,10 @@ def test_harness_fp16_run_skips_goes_on_and_resumes_with_the_scalers_state(
     real = torch.amp.GradScaler
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(
         real, init_scale=2.0**40, backoff_factor=2.0**-30, growth_interval=1))
-    args = lambda out, n: sscl_args(  # noqa: E731
-        bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval", "--warmup-steps", 2,
-        "--precision", "fp16", steps=n, eval_steps=2)
+
+    def args(out, n):
+        return sscl_args(bert_nodrop_dir, train_txt, sts_dir, out, "--no-final-eval",
+                         "--warmup-steps", 2, "--precision", "fp16", steps=n, eval_steps=2)
     code, whole, err = main_of(sscl, capsys, monkeypatch, *args(tmp_path / "whole", 4))
     assert code == 0, err[-2000:]
     assert "fp16: 1 of 1 steps skipped (inf/NaN" in whole and ", fp16" in whole
@@ -6606,10 +6968,16 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
         for opt in opts:
             opt.step()
     assert sum(int((qc != 0).sum()) for qc in (q.grad for q in pc)) > 0
+    assert_same_adamw_states(pc, pg, *opts)
+
+
+def assert_same_adamw_states(pc, pg, opt_cpu, opt_gpu):
+    """The weights pg (on the GPU) those of pc within rtol 1e-6, atol 1e-6; their AdamW moments
+    within rtol 2e-5."""
     for qg, qc in zip(pg, pc):
         torch.testing.assert_close(qg.detach().cpu(), qc.detach(), rtol=1e-6, atol=1e-6)
         for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opts[1].state[qg][k].cpu(), opts[0].state[qc][k],
+            torch.testing.assert_close(opt_gpu.state[qg][k].cpu(), opt_cpu.state[qc][k],
                                        rtol=2e-5, atol=1e-12)
 
 
@@ -6618,7 +6986,7 @@ def test_harness_cuda_fused_adamw_step_equals_the_cpu_step(bert_wide_dir):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 1e-3)])
 def test_harness_cuda_gradient_checkpointing_gives_the_plain_steps_gradients(tok_dir, tmp_path,
                                                                              dtype, tol):
-    """BeLLM on CUDA checkpointed as bellm.py does it (dec.gradient_checkpointing_enable,
+    """BeLLM on CUDA checkpointed as bellm.py does it (dec.activation_checkpointing_enable,
     non-reentrant), with LoRA dropout on, so that the recompute must draw the same masks: the same
     loss and LoRA gradients as the plain step. float64: within 1e-5 of each gradient's largest (as
     on the CPU); bf16 weights under autocast (the GPU configuration): 1e-3, the same kernels run
@@ -6635,8 +7003,8 @@ def test_harness_cuda_gradient_checkpointing_gives_the_plain_steps_gradients(tok
     out = []
     for ckpt in (False, True):
         if ckpt:  # as bellm.py
-            dec.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            dec.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         for q in params:
             q.grad = None
         torch.manual_seed(1)  # the same LoRA dropout masks in both steps
@@ -6674,9 +7042,10 @@ def test_harness_cuda_sdpa_gives_eager_attentions_hidden_states_under_bellms_mas
             dec.set_attn_implementation(attn)
             assert dec.config._attn_implementation == attn
             with torch.no_grad():
-                got[attn] = bl_real(bellm.forward(dec, b["input_ids"], am, k, mode, "convert"), am)
+                h = bellm.decoder_forward(dec, b["input_ids"], am, k, mode, "convert")
+                got[attn] = bl_real(h, am)
         torch.testing.assert_close(got["sdpa"], got["eager"], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"K={k} {mode}: {m}")
+                                   msg=lambda m, k=k, mode=mode: f"K={k} {mode}: {m}")
 
 
 @pytest.mark.cuda
@@ -6690,20 +7059,25 @@ def test_harness_cuda_resume_draws_the_uninterrupted_runs_dropout(
     independent of the total: a warm-up, JTCSE's constant rate)."""
     d, warm = jt_env[0], ["--warmup-steps", 10]
     if script == "sscl":
-        args = lambda out, n: sscl_args(bert_dir, train_txt, sts_dir, out,  # noqa: E731
-                                        "--no-final-eval", *warm, steps=n, eval_steps=2)
+        def args(out, n):
+            return sscl_args(bert_dir, train_txt, sts_dir, out, "--no-final-eval", *warm, steps=n,
+                             eval_steps=2)
     elif script == "jtcse":
-        args = lambda out, n: ["--model-a", d / "a", "--model-b", d / "b", "--train",  # noqa
-                               d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
-                               "--batch-size", 8, "--max-len", 16, "--max-steps", n,
-                               "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
-                               "--no-final-eval"]
+        def args(out, n):
+            return ["--model-a", d / "a", "--model-b", d / "b", "--train",
+                    d / "train.txt", "--data-dir", sts_dir, "--output-dir", out,
+                    "--batch-size", 8, "--max-len", 16, "--max-steps", n,
+                    "--eval-steps", 2, "--log-steps", 1, "--no-add-sick", "--no-final-eval"]
     else:
-        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
-        args = lambda out, n: ["--model", model, "--train", nli, "--data-dir", data,  # noqa
-                               "--output-dir", out, "--batch-size", 4, "--max-steps", n,
-                               "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
-                               "--lora-dropout", 0.1, "--no-final-eval", "--no-eval-first", *warm]
+        model = bl_make_model(tok_dir, tmp_path)
+        nli = nli_csv(tmp_path)
+        data = bl_sts_dir(tmp_path)
+
+        def args(out, n):
+            return ["--model", model, "--train", nli, "--data-dir", data,
+                    "--output-dir", out, "--batch-size", 4, "--max-steps", n,
+                    "--eval-steps", 2, "--log-steps", 1, "--lora-r", 4,
+                    "--lora-dropout", 0.1, "--no-final-eval", "--no-eval-first", *warm]
     logs = []
     for out, parts in ((tmp_path / "whole", [(3, [])]), (tmp_path / "resumed",
                                                          [(2, []), (3, ["--resume"])])):
@@ -6735,7 +7109,9 @@ def test_harness_cuda_torchrun_nccl_trains_two_steps_and_resumes(
                     16, "--max-steps", n, "--eval-steps", 2, "--log-steps", 1, "--no-add-sick",
                     "--no-final-eval"]
     else:
-        model, nli, data = bl_make_model(tok_dir, tmp_path), nli_csv(tmp_path), bl_sts_dir(tmp_path)
+        model = bl_make_model(tok_dir, tmp_path)
+        nli = nli_csv(tmp_path)
+        data = bl_sts_dir(tmp_path)
 
         def args(n):
             return ["--model", model, "--train", nli, "--data-dir", data, "--output-dir", out,
@@ -6804,13 +7180,13 @@ def foreign(c, name="README.md"):
     return c.tmp / "mine"
 
 
-def SJ(c, body):  # noqa: N802 (a row's command, as SSCL, JT, BL)
+def SJ(c, body):
     """seeds.py's argument: one --json file with this body."""
     (c.tmp / "r.json").write_text(body)
     return [c.tmp / "r.json"]
 
 
-def TSV(c, body):  # noqa: N802 (as SJ)
+def TSV(c, body):
     """eval_sts.py --retrieval's argument: a group_id<TAB>caption file with this body."""
     (c.tmp / "g.tsv").write_text(body)
     return c.tmp / "g.tsv"
@@ -6819,8 +7195,9 @@ def TSV(c, body):  # noqa: N802 (as SJ)
 CSTS_HEAD = b"sentence1,sentence2,condition,label\n"
 def hold_lock(c):  # another process's lock: a second open file description, flock'ed
     import fcntl
-    c.held = open(c.run / harness.LOCK, "a+")
-    fcntl.flock(c.held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd = os.open(c.run / harness.LOCK, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+    c.cleanup.callback(os.close, fd)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def malformed_sts12(c):
@@ -6841,17 +7218,36 @@ def malformed_probing(c):  # SentEval's probing files, line 3 of tree_depth.txt 
     c.sts = bad
 
 
-BL = lambda c, *x: ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts,  # noqa: E731
-                    "--output-dir", c.out, "--batch-size", 4, "--max-steps", 1, "--lora-r", 4,
-                    "--no-final-eval", *x]
-EV = lambda c, *x: ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
+def BL(c, *x):
+    """bellm.py's arguments for a one-step run of c's tiny Llama into c.out, then x."""
+    return ["--model", c.llama, "--train", c.nli, "--data-dir", c.bl_sts,
+            "--output-dir", c.out, "--batch-size", 4, "--max-steps", 1, "--lora-r", 4,
+            "--no-final-eval", *x]
 
 
-JT_RUN = lambda c, *x: JT(c, "--output-dir", c.jrun, *x)  # noqa: E731
-ES = lambda c, run, *x: ["--model", run, "--data-dir", c.sts, "--tasks", "STS-B", *x]  # noqa: E731
-EB = lambda c, *x: ["--model", c.brun, "--data-dir", c.bl_sts, "--tasks", "STS-B", *x]  # noqa: E731
-EJ = lambda c, *x: ["--model", c.jrun, "--data-dir", JT_DATA["sts"],  # noqa: E731
-                    "--tasks", "STS-B", *x]
+def EV(c, *x):
+    """eval_sts.py's arguments for STS-B on c.run, then x."""
+    return ["--model", c.run, "--data-dir", c.sts, "--tasks", "STS-B", *x]
+
+
+def JT_RUN(c, *x):
+    """JT's arguments into c.jrun."""
+    return JT(c, "--output-dir", c.jrun, *x)
+
+
+def ES(c, run, *x):
+    """eval_sts.py's arguments for STS-B on the run folder run, then x."""
+    return ["--model", run, "--data-dir", c.sts, "--tasks", "STS-B", *x]
+
+
+def EB(c, *x):
+    """eval_sts.py's arguments for STS-B on BeLLM's run c.brun, then x."""
+    return ["--model", c.brun, "--data-dir", c.bl_sts, "--tasks", "STS-B", *x]
+
+
+def EJ(c, *x):
+    """eval_sts.py's arguments for STS-B on JTCSE's run c.jrun, then x."""
+    return ["--model", c.jrun, "--data-dir", JT_DATA["sts"], "--tasks", "STS-B", *x]
 TYPE = "missing or of the wrong type"
 JSON_VALUES = [  # (method, file, key, a value the run cannot have, words of the error line)
     *[("sscl", common.META, k, v, w) for k, v, w in [
@@ -6897,7 +7293,7 @@ def flat_gold(sts, out):
     path = out / "downstream" / "STS" / "STSBenchmark" / "sts-dev.csv"
     if not path.exists():
         path = out / "STS" / "STSBenchmark" / "sts-dev.csv"
-    rows = [l.split("\t") for l in path.read_text().splitlines()]
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
     path.write_text("".join("\t".join(r[:4] + ["2.5"] + r[5:]) + "\n" for r in rows))
 
 
@@ -7325,21 +7721,20 @@ PROBES = [  # (script, arguments, words of the error line, preparation)
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script,args,words,prep", PROBES,
-                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
-def test_bad_input_table(script, args, words, prep, sscl_template, run_templates, bert_dir,
-                         train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
-    """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception
-    other than SystemExit fails the test), and every folder that existed before is byte-for-byte
-    unchanged."""
+def probe_inputs(tmp_path, sscl_template, run_templates, bert_dir, train_txt, sts_dir, jt_env,
+                 tok_dir):
+    """The inputs a probe's arguments name (PROBES' c): copies of the run templates, a plain BERT,
+    a Latin-1 and a binary file, csv_file(body) to write a training CSV."""
     c = Namespace(tmp=tmp_path, bert=bert_dir, train=train_txt, sts=sts_dir, jt=jt_env[0],
                   out=tmp_path / "out",
                   run=tmp_path / "run", llama=bl_make_model(tok_dir, tmp_path),
                   bl_sts=bl_sts_dir(tmp_path),
                   nli=nli_csv(tmp_path), latin1=tmp_path / "latin1.txt",
                   binary=tmp_path / "binary.txt")
-    c.srun, c.jrun, c.brun, c.plain = (tmp_path / n for n in ("srun", "jrun", "brun", "plain"))
+    c.srun = tmp_path / "srun"
+    c.jrun = tmp_path / "jrun"
+    c.brun = tmp_path / "brun"
+    c.plain = tmp_path / "plain"
     shutil.copytree(sscl_template, c.run)
     for name, tpl in (("srun", "sscl"), ("jrun", "jtcse"), ("brun", "bellm")):
         shutil.copytree(run_templates[tpl], getattr(c, name))
@@ -7351,20 +7746,37 @@ def test_bad_input_table(script, args, words, prep, sscl_template, run_templates
         (tmp_path / "train.csv").write_bytes(body)
         return tmp_path / "train.csv"
     c.csv = csv_file
-    if prep:
-        prep(c)
-    folders = (c.run, c.bert, c.llama, c.jt, c.srun, c.jrun, c.brun, c.plain,
-               *run_templates.values())
-    mine = sorted(os.listdir(c.tmp / "mine")) if (c.tmp / "mine").is_dir() else None
-    snapshot = lambda: {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")  # noqa: E731
-                        if p.is_file() and p.name != harness.LOCK}
-    before = snapshot()
-    if script in ("jtcse", "jtcse_analysis"):
-        monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,args,words,prep", PROBES,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PROBES)])
+def test_bad_input_table(script, args, words, prep, sscl_template, run_templates, bert_dir,
+                         train_txt, sts_dir, jt_env, tok_dir, tmp_path, capsys, monkeypatch):
+    """Every probe: exit 2, one `error:` line with the expected words, no traceback (an exception
+    other than SystemExit fails the test), and every folder that existed before is byte-for-byte
+    unchanged."""
+    c = probe_inputs(tmp_path, sscl_template, run_templates, bert_dir, train_txt, sts_dir, jt_env,
+                     tok_dir)
     modules = {"sscl": sscl, "jtcse": jtcse, "bellm": bellm, "eval_sts": eval_sts, "seeds": seeds,
                "sscl_analysis": sscl_analysis, "jtcse_analysis": jtcse_analysis,
                "bellm_analysis": bellm_analysis}
-    code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
+    with contextlib.ExitStack() as cleanup:
+        c.cleanup = cleanup  # what a prep holds open till the probe has run: hold_lock's lock
+        if prep:
+            prep(c)
+        folders = (c.run, c.bert, c.llama, c.jt, c.srun, c.jrun, c.brun, c.plain,
+                   *run_templates.values())
+        mine = sorted(os.listdir(c.tmp / "mine")) if (c.tmp / "mine").is_dir() else None
+
+        def snapshot():  # every file of the folders, .lock aside
+            return {p: p.read_bytes() for d in folders for p in Path(d).rglob("*")
+                    if p.is_file() and p.name != harness.LOCK}
+        before = snapshot()
+        if script in ("jtcse", "jtcse_analysis"):
+            monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
+        code, out, err = main_of(modules[script], capsys, monkeypatch, *args(c))
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, err
     assert all(w in errors[0] for w in words), errors[0]
@@ -7517,11 +7929,11 @@ def test_tools_a_run_a_mode_does_not_take_is_one_line_alike_as_run_and_best(
     paths), saying what it is, before any work; the folder is left as it was."""
     out = run_copy(kind, run_templates, distilled_run, tmp_path)
     before, lines = files_of(out), []
-    flag = "--model" if tool is not jtcse_analysis else None
+    flag = ["--model"] if tool is not jtcse_analysis else []
     for model in (out, out / harness.BEST):
-        code, stdout, err = main_of(tool, capsys, monkeypatch, *args, *[flag] * bool(flag),
-                                    model, "--data-dir", TPL.bl_sts)
-        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        code, stdout, err = main_of(tool, capsys, monkeypatch, *args, *flag, model, "--data-dir",
+                                    TPL.bl_sts)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert stdout == ""
         lines.append(as_run(errors[0], out))
@@ -7755,7 +8167,7 @@ print("imported:", [m for m in sys.modules if "st_module" in m or "transformers_
 @pytest.mark.slow
 def test_st_module_twin_tower_loads_with_cls(run_templates, tmp_path):
     """Each tower of a twin's best/ is a sentence-transformers folder of its own: CLS pooling
-    (common.write_st_files), = jtcse.cls on that tower, within 1e-5."""
+    (common.write_st_files), = jtcse.cls_vector on that tower, within 1e-5."""
     folder = st_copy(run_templates["jtcse"], tmp_path / "twin")
     r = st_python(f"""
 import functools, torch, common, jtcse
@@ -7765,7 +8177,7 @@ for t in ("tower_a", "tower_b"):
     path = {str(folder)!r} + "/" + t
     st = SentenceTransformer(path, device="cpu").encode(s, convert_to_tensor=True)
     (tower,), tok = jtcse.load_towers([path])
-    ours = common.encoder(functools.partial(jtcse.cls, tower.eval()), tok, 128,
+    ours = common.encoder(functools.partial(jtcse.cls_vector, tower.eval()), tok, 128,
                           torch.device("cpu"))(s)
     print(float((st - ours).abs().max()))""")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -39,7 +39,7 @@ rows = env_rows("NLI", "snli_devtest.csv", 16, lambda f: bellm.read_csv(f)[1])
 tok, dec = bellm.load_decoder(env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct"),
                               1, "convert", dev, dtype)
 if ckpt:
-    dec.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dec.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model = get_peft_model(dec, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.1,
                                        target_modules="all-linear")).train()
 net = bellm.BeLLM(dec, 1, "parallel", "convert")

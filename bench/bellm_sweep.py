@@ -1,6 +1,6 @@
 """Zero-shot STS-B dev of bellm.py's encoder for K = 0,1,2,4 (parallel and sequential, convert) plus
 the degradation curve (k = 1..n), sharing one causal pass per batch. Checks on the first batch that
-every config equals bellm.forward (the function load_encoder/eval_sts.py use).
+every config equals bellm.decoder_forward (the function load_encoder/eval_sts.py use).
 
   python bench/bellm_sweep.py MODEL [PROMPT] [K0]
 """
@@ -57,10 +57,10 @@ def embed_all(b):
         out[f"seq{k}"] = dec.norm(g_seq)
     for k in range(1, n + 1):
         out[f"deg{k}"] = dec.norm(hs[k])
-    if not checked:  # the shared pass must equal bellm.forward for every config
+    if not checked:  # the shared pass must equal bellm.decoder_forward for every config
         for k in (0,) + KS:
             for m in ("parallel", "sequential"):
-                ref = bellm.forward(dec, ids, am, k, m, "convert")
+                ref = bellm.decoder_forward(dec, ids, am, k, m, "convert")
                 got = out["K0" if k == 0 else f"{m[:3]}{k}"]
                 assert torch.allclose(ref, got, atol=1e-4), (k, m)
         checked.append(1)

@@ -109,9 +109,8 @@ PAPERS = {"sscl": ("SSCL: bert-base-uncased's config, --layer 11; wiki1m, 1,000,
           "bellm": ("BeLLM: LLaMA-2-7B's config, K = 1, LoRA r 32; NLI, 275,601 triplets; batch 64 "
                     "= 4 GPUs x 16, 64 + 11 prompt tokens, bf16, gradient checkpointing; 1 epoch",
                     ["BeLLM"])}
-# transformers 5 renames them (activation_checkpointing); bellm.py, peft and this bench use the old
-for old in ("gradient_checkpointing_enable", "is_gradient_checkpointing"):
-    warnings.filterwarnings("ignore", f"`{old}` is deprecated", FutureWarning)
+# transformers 5 renames it (is_activation_checkpointing); peft reads the old name
+warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 PROMPT = "w1 w2 w3 w4 {sentence} w5 w6 w7 w8 w9 w10"  # with <s>: as long as LLaMA-2's bellm.PROMPT
 
 
@@ -150,7 +149,7 @@ def real_lengths(a):
         if path and not os.path.isfile(path):
             common.die(f"{flag} '{path}' is not a file: pass the training file, or leave {flag} "
                        "out to download SimCSE's")
-    wiki = common.read_sentences(common.train_file(a.wiki, "wiki1m_for_simcse.txt"))
+    wiki = common.read_sentences(a.wiki)
     nli = [s for r in bellm.read_csv(common.train_file(a.nli, "nli_for_simcse.csv"))[1] for s in r]
     for kind, rows, name in (("bert", wiki, a.tokenizer), ("llama", nli, a.bellm_tokenizer)):
         pick = random.Random(0).sample(rows, min(a.sample, len(rows)))
@@ -234,11 +233,11 @@ def build_distilled(bert, run, bf16, autocast, compiled):
     student.pooler.requires_grad_(False)  # as jtcse.py with --distill
     teacher = jtcse.make_encode([t.requires_grad_(False).eval() for t in twin],
                                 tokenizer(False), a.max_len, run)
-    cls = as_compiled(functools.partial(jtcse.cls, student), compiled)
+    cls = as_compiled(functools.partial(jtcse.cls_vector, student), compiled)
 
     def step(n):
-        return jtcse.train_step(common.in_length_groups(cls, device=run), batch(n), 1, run,
-                                autocast=autocast, teacher=teacher, sentences=texts(n))[0]
+        return jtcse.distill_step(common.in_length_groups(cls, device=run), batch(n), texts(n),
+                                  teacher, run, autocast=autocast)[0]
     return torch.nn.ModuleList([student, *twin]), step
 
 
@@ -254,8 +253,8 @@ def build_bellm(llama, device, run, gpu, bf16, autocast, layers, compiled):
     if device == "cpu":  # as bellm.load_decoder: CPU SDPA's backward with a mask is slow
         dec.set_attn_implementation("eager")
     if gpu:
-        dec.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        dec.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     lora = get_peft_model(dec, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha,
                                           lora_dropout=a.lora_dropout,
                                           target_modules="all-linear"))

@@ -6,8 +6,9 @@ source (its syntax tree), so that the count is the same each time:
   the model          its classes and functions whole (__init__ and every method), and the
                      functions of the script that build it as the step trains it
   the update         an optimiser class of the script's own (SSCL: AdamW421)
-  the data loader    the steps' rows and their tokenised micro-batches
-  common.py          what the step calls there: the length-group wrapper and the background loader
+  the data loader    the steps' tokenised micro-batches
+  common.py          what the step calls there: the steps' rows, the length-group wrapper and the
+                     background loader
   harness.py         each function of harness.py that the loop calls (run.X, meter.X, harness.X),
                      its own lines
 The authors' variants (--objective authors), the dev score and the run folder's files are not
@@ -26,18 +27,19 @@ STEP = {  # each script's parts, by the names of its top-level functions and cla
     "sscl": {"the losses": ["sscl_loss"],
              "the model": ["SentenceEncoder"],
              "the update": ["AdamW421"],
-             "the data loader": ["step_rows", "micro_batches"]},
+             "the data loader": ["micro_batches"]},
     "jtcse": {"the losses": ["nce", "modulus_ratio", "tmc", "jtcse_loss"],
-              "the model": ["layer_forward", "additive_mask", "Twin", "load_towers"],
+              "the model": ["layer_forward", "additive_mask", "Twin", "global_views",
+                            "load_towers"],
               "the update": [],
-              "the data loader": ["step_rows", "micro_batches"]},
+              "the data loader": ["micro_batches"]},
     "bellm": {"the losses": ["bellm_loss"],
-              "the model": ["attn_mask", "forward", "last_token", "BeLLM", "embed", "load_decoder",
-                            "cast_frozen_linears", "add_lora"],
+              "the model": ["attn_mask", "decoder_forward", "last_token", "BeLLM", "embed",
+                            "base_dtype", "load_decoder", "add_lora", "cast_frozen_linears"],
               "the update": [],
-              "the data loader": ["step_rows", "fill", "prompted_batch", "micro_batches"]},
+              "the data loader": ["fill", "prompted_batch", "micro_batches"]},
 }
-COMMON = ["length_groups", "on_device", "in_length_groups", "ahead"]
+COMMON = ["step_rows", "length_groups", "on_device", "in_length_groups", "_in_groups", "ahead"]
 HARNESS_OBJECTS = ("run", "meter", "harness")  # the names main() calls harness.py through
 # the references, counted alike: the training script from the line that builds the model to the
 # end of its loop, and the classes and functions a step runs

@@ -128,7 +128,9 @@ def build_bellm(bf16, dev, steps):
     smollm = env_input("SMOLLM", "HuggingFaceTB/SmolLM2-135M-Instruct")
     tok, dec = bellm.load_decoder(smollm, 1, "convert", dev)
     autocast = torch.bfloat16 if bf16 else None
-    bellm.add_lora(dec, 32, 32, 0.1, autocast=autocast).to(dev)  # as bellm.py
+    bellm.add_lora(dec, 32, 32, 0.1).to(dev)  # as bellm.py
+    if autocast:
+        bellm.cast_frozen_linears(dec, autocast)
     model = bellm.BeLLM(dec, 1, "parallel", "convert").train()
     batches = next(bellm.micro_batches(tok, rows, "nli", bellm.PROMPT, [range(len(rows))],
                                        0, 1, 16, 32))  # tokenised before, as the script does
