@@ -4611,7 +4611,7 @@ def test_harness_a_run_folder_never_runs_its_code_when_read(method, run_template
     monkeypatch.setenv("SENTEMB_DATA", str(JT_DATA["sts"]))
     for module, args in readers_of(method, run_dir, tmp_path):
         code, _, err = main_of(module, capsys, monkeypatch, *args)
-        one_line(code, err, "holds more than tensors, numbers and strings", "--convert")
+        one_line(code, err, "holds more than tensors, numbers and strings", "convert_run.py")
         assert not marker.exists(), (module.__name__, args)
     code, _, err = main_of(seeds, capsys, monkeypatch, run_dir)
     assert code == 2 and not marker.exists(), err
