@@ -306,7 +306,7 @@ def load_decoder(name, bi_layers, bi_strategy, device, dtype=None):
     """tokenizer, decoder (embed_tokens, layers, rotary_emb, norm) in `dtype` (default fp32 on CPU,
     bf16 on CUDA); for bi_strategy 'add', copies of the last K layers as `dec.bellm_added`."""
     tok = common.load_pretrained(AutoTokenizer, name)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or base_dtype(None, device, torch.bfloat16)  # as a bf16 run has it
     dec = common.load_pretrained(AutoModel, name, dtype=dtype)
     if device.type == "cpu":  # PyTorch's CPU SDPA backward with a mask is slow (docs/operations.md)
         dec.set_attn_implementation("eager")

@@ -408,8 +408,7 @@ def _shapes(folder):
     shapes = {}
     for name in files:
         with safe_open(os.path.join(folder, name), "pt") as f:
-            keys = f.keys()  # (safe_open is not iterable)
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in list(f.keys())})
     return shapes
 
 
@@ -878,16 +877,19 @@ def evaluate(encode, data, tasks=TASKS, split="test"):
     loaded = {t: load_sts(data, t, split) for t in tasks}
     embed = encode_once(encode, {s for subsets in loaded.values() for rows in subsets.values()
                                  for r in rows for s in r[:2]})
-    results = {}
-    for t in tasks:
-        sims, gold = [], []
-        for rows in [rows for rows in loaded[t].values() if rows]:
-            a = embed([r[0] for r in rows]).float().cpu()  # (P, H)
-            b = embed([r[1] for r in rows]).float().cpu()  # (P, H)
-            sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
-            gold += [r[2] for r in rows]
-        results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
-    return results
+    return {t: sts_score(embed, [rows for rows in loaded[t].values() if rows]) for t in tasks}
+
+
+def sts_score(embed, batches):
+    """Spearman x 100 of cosine similarity against gold, over batches of (sent1, sent2, gold) rows
+    pooled; embed(list[str]) -> (P, H) encodes each batch's two sides apart."""
+    sims, gold = [], []
+    for rows in batches:
+        a = embed([r[0] for r in rows]).float().cpu()  # (P, H)
+        b = embed([r[1] for r in rows]).float().cpu()  # (P, H)
+        sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
+        gold += [r[2] for r in rows]
+    return 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
 
 
 def stsb_dev(encode, data):

@@ -39,7 +39,6 @@ import sys
 import time
 
 import torch
-from scipy.stats import spearmanr
 
 import bellm
 import common
@@ -604,16 +603,11 @@ def evaluate_exact(encode, data, tasks, split="test", batch_size=128):
     length, batch_size a batch, each side encoded apart), for bit-level comparisons with it."""
     results = {}
     for t in tasks:
-        sims, gold = [], []
+        batches = []
         for rows in common.load_sts(data, t, split).values():
             rows = sorted(rows, key=lambda z: (len(z[0].split()), len(z[1].split()), z[2]))
-            for i in range(0, len(rows), batch_size):
-                chunk = rows[i:i + batch_size]
-                a = encode([r[0] for r in chunk]).float().cpu()  # (P, H)
-                b = encode([r[1] for r in chunk]).float().cpu()  # (P, H)
-                sims.append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
-                gold += [r[2] for r in chunk]
-        results[t] = 100 * spearmanr(torch.cat(sims).numpy(), gold).statistic
+            batches += [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        results[t] = common.sts_score(encode, batches)
     return results
 
 
